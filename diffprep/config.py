@@ -1,0 +1,226 @@
+"""Settings: defaults < YAML file < environment (``DIFFPREP_SECTION__FIELD``) < explicit parameters.
+
+The YAML file has the sections ``source``, ``output``, ``model``, ``image``,
+``finalize`` and ``auth``; an unknown section or key is an error that names it.
+Parameters passed explicitly (CLI flags, flow parameters) win even when they
+equal the default: the CLI only passes the flags the user typed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from diffprep.errors import ConfigError
+
+SourceType = Literal["directory", "huggingface", "webdataset"]
+Precision = Literal["bf16", "fp16", "fp32"]
+LatentMode = Literal["sample", "mode"]
+OnExisting = Literal["resume", "overwrite", "abort", "new-dir"]
+
+DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceConfig(_Section):
+    type: SourceType | None = Field(None, description="Where samples come from: directory | huggingface | webdataset.")
+    input_dir: str | None = Field(None, description="directory: a folder with images/ and captions/ paired by file stem.")
+    hf_dataset: str | None = Field(None, description="huggingface: hub name or local path of the dataset.")
+    hf_split: str = Field("train", description="huggingface: split to read.")
+    hf_data_files: str | list[str] | None = Field(None, description="huggingface: data files within the dataset.")
+    hf_revision: str | None = Field(None, description="huggingface: dataset revision (branch, tag or commit).")
+    hf_streaming: bool = Field(False, description="huggingface: stream rows instead of preparing the dataset locally.")
+    image_key: str | None = Field(None, description="Column (or dotted path) holding the image; auto-detected when unset.")
+    caption_key: str | None = Field(None, description="Column (or dotted path, e.g. json.prompt) holding the caption; auto-detected when unset.")
+    input_path: str | None = Field(None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar.")
+
+
+class OutputConfig(_Section):
+    output_dir: str | None = Field(None, description="Destination of the dataset (created if missing).")
+    shard_size: int = Field(1000, ge=1, le=1_000_000, description="Samples per tar shard (one work unit).")
+    max_samples: int | None = Field(None, ge=1, description="Stop after this many source samples (smoke tests).")
+    compress: bool = Field(False, description="Gzip the shards. Refused: Energon indexes uncompressed tars only.")
+    on_existing: OnExisting | None = Field(
+        None, description="What to do when the output already holds data: resume | overwrite | abort | new-dir."
+    )
+    accept_rejects: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Accept up to this fraction of rejected samples without asking (0.01 = 1%).",
+    )
+
+
+class ModelConfig(_Section):
+    model_path: str = Field(DEFAULT_MODEL, description="Hub repo or local folder in the FLUX.1-dev layout.")
+    revision: str | None = Field(None, description="Hub revision of model_path (branch, tag or commit).")
+    vae_path: str | None = Field(None, description="Override for the VAE (a folder holding the AutoencoderKL).")
+    t5_path: str | None = Field(None, description="Override for T5 (a folder with text_encoder_2/ and tokenizer_2/, or the model itself).")
+    clip_path: str | None = Field(None, description="Override for CLIP (a folder with text_encoder/ and tokenizer/, or the model itself).")
+    precision: Precision = Field("bf16", description="Encoder and stored tensor precision.")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
+    batch_size: int = Field(8, ge=1, le=4096, description="Samples per encoder batch.")
+    t5_max_length: int = Field(512, ge=1, le=512, description="T5 tokens (512 for FLUX.1-dev, 256 for schnell).")
+    latent_mode: LatentMode = Field(
+        "sample", description="sample: draw from the VAE posterior, seeded by the sample key; mode: its mean."
+    )
+
+
+class ImageConfig(_Section):
+    image_size: int = Field(1024, ge=16, le=8192, description="Square output size (fixed-size mode), a multiple of 16.")
+    center_crop: bool = Field(
+        True, description="Fixed size: resize the short side then crop the center. Off: stretch to a square."
+    )
+    variable_size: bool = Field(False, description="Keep the aspect ratio: longest side to max_size, sides multiples of 16.")
+    max_size: int = Field(1024, ge=16, le=8192, description="Longest side in variable-size mode.")
+    max_pixels: int = Field(
+        89_478_485, ge=1, description="Decompression-bomb limit: images with more pixels are rejected."
+    )
+    background: tuple[int, int, int] = Field(
+        (255, 255, 255), description="RGB colour that transparent pixels are composited on."
+    )
+    decode_workers: int = Field(2, ge=1, le=64, description="Threads decoding images while the encoders run.")
+
+    @model_validator(mode="after")
+    def _multiples_of_16(self) -> "ImageConfig":
+        if self.image_size % 16:
+            raise ValueError(f"image_size must be a multiple of 16, got {self.image_size}")
+        if self.max_size % 16:
+            raise ValueError(f"max_size must be a multiple of 16, got {self.max_size}")
+        return self
+
+
+class FinalizeConfig(_Section):
+    enabled: bool = Field(True, description="Finalize (Energon metadata + validation) after encoding.")
+    train_split: float = Field(1.0, gt=0.0, le=1.0, description="Share of shards for train; the rest is split evenly into val and test.")
+    shuffle_seed: int = Field(42, description="Seed for assigning new shards to splits.")
+    workers: int = Field(2, ge=1, le=256, description="Processes for Energon prepare.")
+
+
+class AuthConfig(_Section):
+    hf_token_file: str | None = Field(None, description="File holding a Hugging Face token (mode 600 or 400).")
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "source": SourceConfig,
+    "output": OutputConfig,
+    "model": ModelConfig,
+    "image": ImageConfig,
+    "finalize": FinalizeConfig,
+    "auth": AuthConfig,
+}
+
+
+# The YAML data for the Settings() call in progress; a ContextVar keeps concurrent loads apart.
+_YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YAML_DATA", default={})
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._data = data
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - not used, __call__ returns everything
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return self._data
+
+
+class Settings(BaseSettings):
+    """All settings of one run. Build it with :func:`load_settings`."""
+
+    model_config = SettingsConfigDict(env_prefix="DIFFPREP_", env_nested_delimiter="__", extra="forbid")
+
+    source: SourceConfig = SourceConfig()
+    output: OutputConfig = OutputConfig()
+    model: ModelConfig = ModelConfig()
+    image: ImageConfig = ImageConfig()
+    finalize: FinalizeConfig = FinalizeConfig()
+    auth: AuthConfig = AuthConfig()
+
+    _yaml_data: dict[str, Any] = {}
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        return (init_settings, env_settings, _YamlSource(settings_cls, _YAML_DATA.get()))
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a config file and refuse unknown sections and keys, naming them."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+        if values is None:
+            data[section] = {}
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping, got {type(values).__name__}")
+        known = SECTIONS[section].model_fields
+        for key in values:
+            if key not in known:
+                raise ConfigError(
+                    f"{path}: unknown key {key!r} in section {section!r}; valid keys: {', '.join(known)}"
+                )
+    return data
+
+
+def load_settings(config: str | os.PathLike | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Settings:
+    """Build the settings: ``overrides`` (explicit, per section) > env > YAML file > defaults."""
+    yaml_data = read_yaml(config) if config else {}
+    overrides = overrides or {}
+    for section, values in overrides.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+        for key in values:
+            if key not in SECTIONS[section].model_fields:
+                raise ConfigError(f"unknown setting {section}.{key}; valid: {', '.join(SECTIONS[section].model_fields)}")
+    token = _YAML_DATA.set(yaml_data)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        lines.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid settings:\n  " + "\n  ".join(lines)
+
+
+def check_runnable(settings: Settings) -> None:
+    """Checks that span sections, made before any work starts."""
+    src = settings.source
+    if src.type is None:
+        raise ConfigError("source.type is not set: pass --source-type directory|huggingface|webdataset or set it in the config")
+    needed = {"directory": "input_dir", "huggingface": "hf_dataset", "webdataset": "input_path"}[src.type]
+    if not getattr(src, needed):
+        flag = "--" + needed.replace("_", "-")
+        raise ConfigError(f"source.type is {src.type!r} but source.{needed} is not set (pass {flag})")
+    if not settings.output.output_dir:
+        raise ConfigError("output.output_dir is not set (pass --output-dir)")
+    if settings.output.compress:
+        raise ConfigError(
+            "output.compress is refused: Energon prepare indexes uncompressed .tar shards only, and the tensors "
+            "are already dense (gzip saves little). Remove --compress."
+        )

@@ -1,0 +1,88 @@
+"""The output contract, declared once.
+
+Every name that appears on disk (sample fields, state files, shard and key
+formats) lives here; the writer, the audit, finalize, validate and the tests
+import it instead of spelling the strings again.
+"""
+
+from __future__ import annotations
+
+import re
+
+CONTRACT_VERSION = 1
+
+# Per-sample fields of a pre-encoded shard (the webdataset extension of each member).
+LATENTS = "latents.pth"
+PROMPT_EMBEDS = "prompt_embeds.pth"
+POOLED_PROMPT_EMBEDS = "pooled_prompt_embeds.pth"
+CAPTION = "caption.txt"
+META = "meta.json"
+PREENCODED_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, CAPTION, META)
+TENSOR_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
+
+# Energon subflavor values.
+ENCODING_PREENCODED = "preencoded"
+ENCODING_RAW = "raw"
+ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW)
+
+# Energon's metadata folder and the files in it.
+NV_META = ".nv-meta"
+DATASET_YAML = "dataset.yaml"
+SPLIT_YAML = "split.yaml"
+INFO_JSON = ".info.json"
+INDEX_SQLITE = "index.sqlite"
+SPLITS = ("train", "val", "test")
+
+# diffprep's own state folder and the files in it.
+STATE_DIR = ".diffprep"
+PLAN_JSON = "plan.json"
+UNITS_DIR = "units"
+TMP_DIR = "tmp"
+AUDIT_JSON = "audit.json"
+VALIDATION_JSON = "validation.json"
+SPLITS_JSON = "splits.json"
+LATENT_STATS = "latent_stats.pt"
+EMPTY_PROMPT = "empty_prompt.pth"
+SANITY_DIR = "sanity"
+LOCK_FILE = "lock.json"
+
+SHARD_SUFFIX = ".tar"
+INDEX_SUFFIX = ".tar.idx"
+_SHARD_RE = re.compile(r"^(\d{6,})\.tar$")
+_KEY_RE = re.compile(r"^(\d{6,})_(\d{6,})$")
+
+
+def shard_name(unit: int) -> str:
+    """Tar shard name of a work unit: ``000042.tar``."""
+    if unit < 0:
+        raise ValueError(f"unit must be >= 0, got {unit}")
+    return f"{unit:06d}{SHARD_SUFFIX}"
+
+
+def unit_of_shard(name: str) -> int | None:
+    """Unit index of a shard file name, or None when the name is not one of ours."""
+    match = _SHARD_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def sample_key(unit: int, index: int) -> str:
+    """Globally unique sample key ``<unit:06d>_<index:06d>`` (no dots: Energon splits on the first one)."""
+    if unit < 0 or index < 0:
+        raise ValueError(f"unit and index must be >= 0, got unit={unit} index={index}")
+    return f"{unit:06d}_{index:06d}"
+
+
+def parse_sample_key(key: str) -> tuple[int, int]:
+    match = _KEY_RE.match(key)
+    if not match:
+        raise ValueError(f"not a diffprep sample key: {key!r} (expected <unit:06d>_<index:06d>)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def field_stem(field: str) -> str:
+    """``latents.pth`` -> ``latents``: how plan.json's ``expected`` names a field."""
+    return field.partition(".")[0]
+
+
+def unit_manifest_name(unit: int) -> str:
+    return f"{unit:06d}.json"

@@ -1,0 +1,137 @@
+"""The plan: which source samples go into which work unit, and the fingerprint of the settings.
+
+The fingerprint covers what changes the bytes of a shard (encoders and their
+configs, precision, image sizing, T5 length, latent mode, shard size, key
+format), not the source listing: a source that grew keeps every planned unit
+as it is and gets new units for its new samples only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from diffprep import contract
+from diffprep.shards import atomic_write_json
+
+MISSING_PREVIEW = 20
+
+
+@dataclass
+class UnitPlan:
+    unit: int
+    source_ids: list[str]
+
+    @property
+    def shard(self) -> str:
+        return contract.shard_name(self.unit)
+
+
+@dataclass
+class Plan:
+    """What ``plan.json`` holds; every later phase reads it instead of the source."""
+
+    fingerprint: str
+    settings: dict[str, Any]  # the byte-affecting settings the fingerprint was computed from
+    source: dict[str, Any]  # the source's description (no secrets)
+    expected: dict[str, Any]  # shapes and dtype every sample must have
+    units: list[UnitPlan]
+    encoding: str = contract.ENCODING_PREENCODED
+    missing: list[str] = field(default_factory=list)  # planned ids no longer in the source (first few)
+    missing_count: int = 0
+    version: int = contract.CONTRACT_VERSION
+
+    @property
+    def total_samples(self) -> int:
+        return sum(len(u.source_ids) for u in self.units)
+
+    def unit(self, index: int) -> UnitPlan:
+        for unit in self.units:
+            if unit.unit == index:
+                return unit
+        raise KeyError(f"unit {index} is not in the plan (units 0..{len(self.units) - 1})")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        data = dict(data)
+        data["units"] = [UnitPlan(**u) for u in data["units"]]
+        return cls(**data)
+
+
+def fingerprint(settings: dict[str, Any]) -> str:
+    """A short stable hash of the byte-affecting settings."""
+    blob = json.dumps(settings, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def plan_units(
+    ids: Iterable[str],
+    *,
+    shard_size: int,
+    max_samples: int | None = None,
+    previous: Plan | None = None,
+) -> tuple[list[UnitPlan], list[str], int]:
+    """Cut the source listing into units.
+
+    With a ``previous`` plan of the same fingerprint, its units stay exactly as
+    they are (a partly filled last unit included: its shard may be written
+    already) and only ids it does not hold get new units. Returns the units, a
+    preview of planned ids that disappeared from the source, and their count.
+    """
+    units = [UnitPlan(u.unit, list(u.source_ids)) for u in previous.units] if previous else []
+    planned = {sid for u in units for sid in u.source_ids}
+    seen_planned: set[str] = set()
+    total = len(planned)
+    next_unit = (max(u.unit for u in units) + 1) if units else 0
+    current: list[str] = []
+    seen_new: set[str] = set()
+    for sid in ids:
+        if sid in planned:
+            seen_planned.add(sid)
+            continue
+        if max_samples is not None and total >= max_samples:
+            if not planned:
+                break
+            continue  # keep scanning only to learn which planned ids disappeared
+        if sid in seen_new:
+            raise ValueError(f"the source listed the sample id {sid!r} twice; source ids must be unique")
+        seen_new.add(sid)
+        current.append(sid)
+        total += 1
+        if len(current) == shard_size:
+            units.append(UnitPlan(next_unit, current))
+            next_unit += 1
+            current = []
+    if current:
+        units.append(UnitPlan(next_unit, current))
+    missing = sorted(planned - seen_planned)
+    return units, missing[:MISSING_PREVIEW], len(missing)
+
+
+def plan_path(out_dir: str | os.PathLike) -> Path:
+    return Path(out_dir) / contract.STATE_DIR / contract.PLAN_JSON
+
+
+def read_plan(path: str | os.PathLike) -> Plan | None:
+    path = Path(path)
+    if path.is_dir():
+        path = plan_path(path)
+    if not path.is_file():
+        return None
+    return Plan.from_json(json.loads(path.read_text(encoding="utf-8")))
+
+
+def write_plan(path: str | os.PathLike, plan: Plan) -> Path:
+    path = Path(path)
+    if path.is_dir() or path.suffix != ".json":
+        path = plan_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, plan.to_json())
+    return path

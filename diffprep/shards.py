@@ -1,0 +1,270 @@
+"""Reproducible tar shards with a commit point, and the per-unit manifest.
+
+A shard is written under ``<out>/.diffprep/tmp/``, flushed, fsynced and
+renamed into place; then its manifest is written the same way. The manifest
+is the commit point: a unit without one is not done, whatever files exist.
+Tar members carry fixed metadata (mtime 0, uid/gid 0, no user names), and
+samples are written in key order with their fields sorted, so the same
+samples always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from diffprep import contract
+
+MEMBER_MODE = 0o444
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """``torch.save`` of one sample's tensor.
+
+    The tensor is cloned first: a slice of a batch is a view, and saving a
+    view writes the whole batch's storage.
+    """
+    return torch_bytes(tensor.detach().to("cpu").contiguous().clone())
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``torch.save`` to bytes (tensors, or dicts and lists of them: loadable with weights_only=True)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def json_bytes(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def field_bytes(value: Any) -> bytes:
+    """Bytes of one sample field, chosen by the value's type."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, torch.Tensor):
+        return tensor_bytes(value)
+    if isinstance(value, (dict, list)):
+        return json_bytes(value)
+    raise TypeError(f"cannot store a {type(value).__name__} in a shard; use bytes, str, dict or a tensor")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, fsync and rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+class _HashingFile(io.RawIOBase):
+    """A write-only file that counts and hashes what passes through it."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self._handle.write(data)
+        self.sha256.update(data)
+        self.size += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    count: int
+    bytes: int
+    sha256: str
+
+
+class ShardWriter:
+    """Writes one unit's shard; ``commit()`` makes it visible, anything else leaves no trace.
+
+    Use as a context manager: leaving the block without ``commit()`` (an
+    exception, a KeyboardInterrupt) removes the temporary file.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, unit: int) -> None:
+        self.out_dir = Path(out_dir)
+        self.unit = unit
+        self.name = contract.shard_name(unit)
+        tmp_dir = self.out_dir / contract.STATE_DIR / contract.TMP_DIR
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._tmp = tmp_dir / f"{self.name}.{os.getpid()}"
+        self._handle = open(self._tmp, "wb")
+        self._hashing = _HashingFile(self._handle)
+        # Plain USTAR-compatible headers; GNU format keeps long names if a caller ever needs them.
+        self._tar = tarfile.open(fileobj=self._hashing, mode="w|", format=tarfile.GNU_FORMAT)
+        self._keys: list[str] = []
+        self._done = False
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def write(self, key: str, fields: Mapping[str, Any]) -> None:
+        """Add one sample: ``fields`` maps extension (``latents.pth``...) to its value."""
+        if "." in key or "/" in key or not key:
+            raise ValueError(f"sample key {key!r} must be non-empty and contain no dots or slashes")
+        if self._keys and key <= self._keys[-1]:
+            raise ValueError(f"sample keys must be written in increasing order: {key!r} after {self._keys[-1]!r}")
+        for ext in sorted(fields):
+            data = field_bytes(fields[ext])
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size = len(data)
+            info.mtime = 0
+            info.mode = MEMBER_MODE
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            self._tar.addfile(info, io.BytesIO(data))
+        self._keys.append(key)
+
+    def commit(self) -> ShardInfo:
+        """Close the tar, fsync it and rename it into ``<out>/``."""
+        self._tar.close()
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        final = self.out_dir / self.name
+        os.replace(self._tmp, final)
+        fsync_dir(self.out_dir)
+        self._done = True
+        return ShardInfo(self.name, len(self._keys), self._hashing.size, self._hashing.sha256.hexdigest())
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._handle.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done:
+            self.abort()
+
+
+@dataclass
+class Reject:
+    """One input sample that did not make it into a shard, and why."""
+
+    source_id: str
+    reason: str
+    detail: str = ""
+    phase: str = "decode"
+
+
+@dataclass
+class UnitManifest:
+    """The commit record of a finished unit (``.diffprep/units/<unit>.json``)."""
+
+    unit: int
+    shard: str
+    fingerprint: str
+    keys: list[str]
+    source_ids: list[str]
+    count: int
+    bytes: int
+    sha256: str
+    rejects: list[Reject] = field(default_factory=list)
+    notes: dict[str, int] = field(default_factory=dict)  # counted but kept: empty captions, truncated captions...
+    version: int = contract.CONTRACT_VERSION
+
+    @property
+    def inputs(self) -> int:
+        return self.count + len(self.rejects)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "UnitManifest":
+        data = dict(data)
+        data["rejects"] = [Reject(**r) for r in data.get("rejects", [])]
+        return cls(**data)
+
+
+def manifest_path(out_dir: str | os.PathLike, unit: int) -> Path:
+    return Path(out_dir) / contract.STATE_DIR / contract.UNITS_DIR / contract.unit_manifest_name(unit)
+
+
+def write_manifest(out_dir: str | os.PathLike, manifest: UnitManifest) -> Path:
+    path = manifest_path(out_dir, manifest.unit)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, manifest.to_json())
+    return path
+
+
+def read_manifest(out_dir: str | os.PathLike, unit: int) -> UnitManifest | None:
+    path = manifest_path(out_dir, unit)
+    if not path.is_file():
+        return None
+    return UnitManifest.from_json(json.loads(path.read_text(encoding="utf-8")))
+
+
+def read_manifests(out_dir: str | os.PathLike) -> dict[int, UnitManifest]:
+    folder = Path(out_dir) / contract.STATE_DIR / contract.UNITS_DIR
+    manifests = {}
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.json")):
+            manifest = UnitManifest.from_json(json.loads(path.read_text(encoding="utf-8")))
+            manifests[manifest.unit] = manifest
+    return manifests
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+def tar_keys(path: str | os.PathLike) -> dict[str, list[str]]:
+    """Sample keys of a tar and the fields of each, reading headers only."""
+    samples: dict[str, list[str]] = {}
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, _, ext = member.name.partition(".")
+            samples.setdefault(key, []).append(ext)
+    return samples

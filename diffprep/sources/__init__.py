@@ -1,0 +1,47 @@
+"""Source readers: turn a dataset into a stream of samples, each with a stable source id.
+
+``open_source(cfg)`` picks the reader for ``cfg.type``. Every reader lists ids
+lazily and reads a contiguous run of them at a time, so memory stays bounded by
+one work unit, never the dataset.
+"""
+
+from __future__ import annotations
+
+from diffprep.config import SourceConfig
+from diffprep.errors import SourceError
+from diffprep.sources.base import Source, SourceSample
+from diffprep.sources.directory import DirectorySource
+from diffprep.sources.webdataset import WebDatasetSource
+
+SOURCE_TYPES = ("directory", "huggingface", "webdataset")
+
+
+def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
+    """Open the source that ``cfg`` describes; a ``SourceError`` says what is missing.
+
+    ``token`` is a Hugging Face token, used by the huggingface source only.
+    """
+    if cfg.type == "directory":
+        if not cfg.input_dir:
+            raise SourceError("source.input_dir is not set: give the folder holding images/ and captions/")
+        return DirectorySource(cfg.input_dir)
+    if cfg.type == "huggingface":
+        # Imported here: datasets takes a second to import and only this source needs it.
+        from diffprep.sources.huggingface import HuggingFaceSource
+
+        return HuggingFaceSource(cfg, token=token)
+    if cfg.type == "webdataset":
+        if not cfg.input_path:
+            raise SourceError("source.input_path is not set: give a glob of tar shards, e.g. /data/shards/*.tar")
+        return WebDatasetSource(cfg.input_path, image_key=cfg.image_key, caption_key=cfg.caption_key)
+    raise SourceError(f"source.type is {cfg.type!r}; set it to one of {list(SOURCE_TYPES)}")
+
+
+__all__ = [
+    "SOURCE_TYPES",
+    "DirectorySource",
+    "Source",
+    "SourceSample",
+    "WebDatasetSource",
+    "open_source",
+]

@@ -1,0 +1,148 @@
+"""What every source reader provides, and the caption rules they share.
+
+A source lists stable sample ids (``list_ids``, streamed) and later reads any
+contiguous run of them (``read``), one ``SourceSample`` per id. Problems with
+one sample are data, not exceptions: the sample carries a ``RejectError`` with
+``phase="read"`` and the pipeline records it.
+
+Captions are normalized the same way in every source: text is decoded as
+strict UTF-8 (a leading BOM is dropped), surrounding whitespace is stripped,
+and a list of captions yields its first element. An empty caption is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from diffprep.errors import RejectError
+
+READ_PHASE = "read"
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True)
+class SourceSample:
+    source_id: str  # stable across runs, no newlines; unique within the source
+    image: bytes | None  # the encoded image file bytes (jpeg/png/webp...), None when absent
+    caption: str | None  # decoded caption text, None when absent/undecodable
+    reject: RejectError | None = None  # set when the source itself cannot give a usable sample
+
+
+@runtime_checkable
+class Source(Protocol):
+    def list_ids(self) -> Iterator[str]:
+        """All sample ids in a stable order, streamed."""
+        ...
+
+    def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
+        """Exactly one SourceSample per id, in the given order."""
+        ...
+
+    def describe(self) -> dict:
+        """A small JSON-able description for plan.json (no secrets)."""
+        ...
+
+
+def reject(reason: str, detail: str) -> RejectError:
+    return RejectError(reason, detail, phase=READ_PHASE)
+
+
+def rejected(source_id: str, reason: str, detail: str, *, image: bytes | None = None,
+             caption: str | None = None) -> SourceSample:
+    return SourceSample(source_id, image, caption, reject(reason, detail))
+
+
+# --- ids -------------------------------------------------------------------
+# Ids are built from file and member names, which may hold control characters
+# (a newline is legal in a POSIX file name) or undecodable bytes (surrogate
+# escapes). Those, and "%" itself, are percent-escaped so an id is one line of
+# valid text; the escape is reversible so the directory source can map an id
+# back to its file.
+
+_ESCAPE_RE = re.compile(r"[%\x00-\x1f\x7f\udc80-\udcff]")
+_UNESCAPE_RE = re.compile(r"%([0-9A-F]{2})")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group(0)
+    code = ord(char) - 0xDC00 if "\udc80" <= char <= "\udcff" else ord(char)
+    return f"%{code:02X}"
+
+
+def _unescape_char(match: re.Match[str]) -> str:
+    code = int(match.group(1), 16)
+    return chr(0xDC00 + code) if code >= 0x80 else chr(code)
+
+
+def escape_id(name: str) -> str:
+    """Percent-escape ``%``, control characters and surrogate-escaped bytes of a name."""
+    return _ESCAPE_RE.sub(_escape_char, name)
+
+
+def unescape_id(escaped: str) -> str:
+    """Inverse of ``escape_id``."""
+    return _UNESCAPE_RE.sub(_unescape_char, escaped)
+
+
+# --- captions ----------------------------------------------------------------
+
+
+def decode_caption_bytes(data: bytes, where: str) -> str:
+    """Strict UTF-8 (BOM dropped), whitespace stripped; ``caption_decode_error`` names the byte offset."""
+    offset = 0
+    if data.startswith(_UTF8_BOM):
+        data, offset = data[len(_UTF8_BOM):], len(_UTF8_BOM)
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise reject(
+            "caption_decode_error",
+            f"{where}: invalid UTF-8 at byte offset {exc.start + offset} ({exc.reason})",
+        ) from None
+
+
+def normalize_caption(value: Any, where: str) -> str:
+    """Turn a caption value from a dataset (text, bytes, list of those) into text, or raise a reject.
+
+    A list holds alternative captions: the first one is used.
+    """
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise reject("missing_caption", f"{where}: the caption list is empty")
+        value = value[0]
+    if value is None:
+        raise reject("missing_caption", f"{where}: the caption is empty (None)")
+    if isinstance(value, bytes):
+        return decode_caption_bytes(value, where)
+    if isinstance(value, str):
+        return value.strip()
+    raise reject("invalid_caption", f"{where}: expected text, got {type(value).__name__}")
+
+
+_MISSING = object()
+
+
+def lookup_path(value: Any, path: Sequence[str]) -> Any:
+    """Follow dict fields ``path`` into ``value``; a JSON string on the way is parsed.
+
+    Returns ``_MISSING`` when a field does not exist. An unparsable JSON string
+    is a ``caption_decode_error`` reject.
+    """
+    for field in path:
+        if isinstance(value, (str, bytes)):
+            try:
+                value = json.loads(value)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise reject("caption_decode_error", f"not valid JSON while looking up {field!r}: {exc}") from None
+        if not isinstance(value, dict) or field not in value:
+            return _MISSING
+        value = value[field]
+    return value
+
+
+def is_missing(value: Any) -> bool:
+    return value is _MISSING

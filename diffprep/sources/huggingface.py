@@ -1,0 +1,255 @@
+"""A Hugging Face dataset: a hub name, a local folder loadable by ``load_dataset``, or a ``save_to_disk`` folder.
+
+Ids are ``<split>/<row index>``. The image column is read undecoded
+(``datasets.Image(decode=False)``), so the source hands over the original file
+bytes; when a row stores only a path (or the column holds path strings), that
+local file is read.
+
+Non-streaming (the default) the split is a memory-mapped Arrow table: listing
+is ``range(num_rows)`` and ``read`` selects the requested rows by index,
+never the whole table. A ``save_to_disk`` folder is always read this way (it is
+already Arrow on disk; ``hf_streaming`` has nothing to avoid there).
+
+Streaming (``hf_streaming: true``) nothing is prepared locally: ``list_ids``
+iterates the split once over the caption column only, and ``read`` of ids
+``a..b`` iterates ``skip(a).take(b - a + 1)``. Skipping still walks the rows
+before ``a`` (row groups may be skipped for parquet), so reading a whole
+dataset unit by unit costs up to units/2 passes over the data; prefer the
+non-streaming mode when the dataset fits on local disk.
+
+Keys (``source.image_key`` / ``source.caption_key``) name a column, or a dotted
+path into a column holding a dict or a JSON string (``json.prompt``). Unset,
+the image column is the first ``datasets.Image`` feature, else the first column
+named one of ``IMAGE_COLUMNS``; the caption column is the first named one of
+``CAPTION_COLUMNS``. A list of captions gives its first element.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import datasets
+
+from diffprep.config import SourceConfig
+from diffprep.errors import RejectError, SourceError
+from diffprep.sources.base import (
+    SourceSample,
+    is_missing,
+    lookup_path,
+    normalize_caption,
+    reject,
+    rejected,
+)
+
+IMAGE_COLUMNS = ("image", "img", "jpg", "jpeg", "png", "webp")
+CAPTION_COLUMNS = ("text", "caption", "prompt", "txt", "captions", "prompts", "texts", "description", "alt_text")
+
+
+def _is_save_to_disk_folder(path: str) -> bool:
+    return os.path.isdir(path) and (
+        os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
+    )
+
+
+def _resolve_key(key: str, columns: Sequence[str], setting: str) -> tuple[str, tuple[str, ...]]:
+    """Split ``key`` into a column and a field path inside it (``json.prompt`` -> ``json``, ``("prompt",)``)."""
+    if key in columns:
+        return key, ()
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        head = ".".join(parts[:i])
+        if head in columns:
+            return head, tuple(parts[i:])
+    raise SourceError(f"source.{setting} {key!r} matches no column; the dataset has columns {list(columns)}")
+
+
+class HuggingFaceSource:
+    """Rows of one split of a Hugging Face dataset (see the module docstring)."""
+
+    def __init__(self, cfg: SourceConfig, *, token: str | None = None) -> None:
+        if not cfg.hf_dataset:
+            raise SourceError("source.hf_dataset is not set: give a hub dataset name or a local dataset folder")
+        self.split = cfg.hf_split
+        local = os.path.abspath(os.path.expanduser(cfg.hf_dataset))
+        self._from_disk = _is_save_to_disk_folder(local)
+        self.dataset_name = local if os.path.exists(local) else cfg.hf_dataset
+        self._cfg = cfg
+        dataset = self._load_from_disk(local) if self._from_disk else self._load(cfg, token)
+        self.streaming = isinstance(dataset, datasets.IterableDataset)
+
+        columns, features = self._columns_and_features(dataset)
+        self.image_key = cfg.image_key or self._detect_image_key(columns, features)
+        self.caption_key = cfg.caption_key or self._detect_caption_key(columns)
+        self._image_column, self._image_path = _resolve_key(self.image_key, columns, "image_key")
+        self._caption_column, self._caption_path = _resolve_key(self.caption_key, columns, "caption_key")
+
+        if features is not None and isinstance(features.get(self._image_column), datasets.Image):
+            dataset = dataset.cast_column(self._image_column, datasets.Image(decode=False))
+        self._dataset = dataset.select_columns(list(dict.fromkeys([self._image_column, self._caption_column])))
+
+    def _load_from_disk(self, path: str) -> datasets.Dataset:
+        if self._cfg.hf_revision or self._cfg.hf_data_files:
+            raise SourceError(
+                f"source.hf_dataset {path} is a save_to_disk folder: hf_revision and hf_data_files apply only to "
+                f"hub datasets and load_dataset folders; unset them"
+            )
+        loaded = datasets.load_from_disk(path)
+        if isinstance(loaded, datasets.DatasetDict):
+            if self.split not in loaded:
+                raise SourceError(f"source.hf_split {self.split!r} is not in {path}; its splits are {list(loaded)}")
+            return loaded[self.split]
+        if loaded.split is not None and str(loaded.split) != self.split:
+            raise SourceError(
+                f"{path} holds the single split {str(loaded.split)!r}, but source.hf_split is {self.split!r}"
+            )
+        return loaded
+
+    def _load(self, cfg: SourceConfig, token: str | None) -> datasets.Dataset | datasets.IterableDataset:
+        try:
+            loaded = datasets.load_dataset(
+                cfg.hf_dataset,
+                data_files=cfg.hf_data_files,
+                split=self.split,
+                revision=cfg.hf_revision,
+                streaming=cfg.hf_streaming,
+                token=token,
+            )
+        except Exception as exc:  # datasets raises many types (FileNotFoundError, ConnectionError, ValueError...)
+            raise SourceError(
+                f"cannot load the Hugging Face dataset source.hf_dataset={cfg.hf_dataset!r} "
+                f"(split={self.split!r}, data_files={cfg.hf_data_files!r}, revision={cfg.hf_revision!r}): "
+                f"{type(exc).__name__}: {exc}. Check the name or path; a private or gated hub dataset needs a "
+                f"token (auth.hf_token_file or HF_TOKEN)."
+            ) from exc
+        if not isinstance(loaded, (datasets.Dataset, datasets.IterableDataset)):
+            raise SourceError(f"load_dataset({cfg.hf_dataset!r}, split={self.split!r}) gave {type(loaded).__name__}")
+        return loaded
+
+    @staticmethod
+    def _columns_and_features(dataset: Any) -> tuple[list[str], datasets.Features | None]:
+        features = dataset.features
+        if features is not None:
+            return list(features), features
+        # Streaming text formats (json, csv) may not know their columns until a row is read.
+        first = next(iter(dataset.take(1)), None)
+        if first is None:
+            raise SourceError("the Hugging Face dataset split is empty: no rows to read columns from")
+        return list(first), None
+
+    @staticmethod
+    def _detect_image_key(columns: list[str], features: datasets.Features | None) -> str:
+        if features is not None:
+            for name, feature in features.items():
+                if isinstance(feature, datasets.Image):
+                    return name
+        for name in IMAGE_COLUMNS:
+            if name in columns:
+                return name
+        raise SourceError(
+            f"no image column found (no datasets.Image feature, none named {list(IMAGE_COLUMNS)}); "
+            f"set source.image_key to one of the columns {columns}"
+        )
+
+    @staticmethod
+    def _detect_caption_key(columns: list[str]) -> str:
+        for name in CAPTION_COLUMNS:
+            if name in columns:
+                return name
+        raise SourceError(
+            f"no caption column found (none named {list(CAPTION_COLUMNS)}); set source.caption_key to one of "
+            f"the columns {columns}, or a dotted path such as json.prompt"
+        )
+
+    def describe(self) -> dict:
+        return {
+            "type": "huggingface",
+            "dataset": self.dataset_name,
+            "split": self.split,
+            "data_files": self._cfg.hf_data_files,
+            "revision": self._cfg.hf_revision,
+            "streaming": self.streaming,
+            "image_key": self.image_key,
+            "caption_key": self.caption_key,
+        }
+
+    def list_ids(self) -> Iterator[str]:
+        if not self.streaming:
+            for index in range(len(self._dataset)):
+                yield f"{self.split}/{index}"
+            return
+        index = 0
+        for _ in self._dataset.select_columns([self._caption_column]):
+            yield f"{self.split}/{index}"
+            index += 1
+
+    def _index(self, source_id: str) -> int:
+        split, _, index = source_id.rpartition("/")
+        if split != self.split or not index.isdigit():
+            raise ValueError(f"{source_id!r} is not an id of split {self.split!r} of {self.dataset_name}")
+        return int(index)
+
+    def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
+        indices = [self._index(source_id) for source_id in ids]
+        rows = self._rows_streaming(indices) if self.streaming else self._rows_mapped(indices)
+        for source_id, index in zip(ids, indices):
+            row = rows.get(index)
+            if row is None:
+                yield rejected(source_id, "source_missing", f"row {index} is past the end of split {self.split!r}")
+            else:
+                yield self._sample(source_id, row)
+
+    def _rows_mapped(self, indices: list[int]) -> dict[int, dict]:
+        present = sorted({i for i in indices if i < len(self._dataset)})
+        # A contiguous list is selected as a slice of the memory-mapped table.
+        return dict(zip(present, self._dataset.select(present)))
+
+    def _rows_streaming(self, indices: list[int]) -> dict[int, dict]:
+        if not indices:
+            return {}
+        wanted = set(indices)
+        first, last = min(indices), max(indices)
+        rows: dict[int, dict] = {}
+        for offset, row in enumerate(self._dataset.skip(first).take(last - first + 1)):
+            if first + offset in wanted:
+                rows[first + offset] = row
+        return rows
+
+    def _sample(self, source_id: str, row: dict) -> SourceSample:
+        where = f"{self.dataset_name} {source_id}"
+        try:
+            image = self._image_bytes(lookup_path(row[self._image_column], self._image_path), where)
+        except RejectError as exc:
+            return SourceSample(source_id, None, None, exc)
+        try:
+            value = lookup_path(row[self._caption_column], self._caption_path)
+            if is_missing(value):
+                raise reject("missing_caption", f"{where}: no field {self.caption_key!r}")
+            caption = normalize_caption(value, f"{where} {self.caption_key!r}")
+        except RejectError as exc:
+            return SourceSample(source_id, image, None, exc)
+        return SourceSample(source_id, image, caption)
+
+    def _image_bytes(self, value: Any, where: str) -> bytes:
+        if isinstance(value, dict) and ("bytes" in value or "path" in value):
+            if value.get("bytes") is not None:
+                return value["bytes"]
+            value = value.get("path")
+        if isinstance(value, bytes):
+            return value
+        if is_missing(value) or value is None:
+            raise reject("missing_image", f"{where}: no image in {self.image_key!r}")
+        if isinstance(value, str):
+            if os.path.isfile(value):
+                try:
+                    with open(value, "rb") as f:
+                        return f.read()
+                except OSError as exc:
+                    raise reject("source_read_error", f"{where}: {exc}") from None
+            raise reject("missing_image", f"{where}: image path {value!r} in {self.image_key!r} is not a file")
+        raise reject(
+            "unsupported_image_value",
+            f"{where}: {self.image_key!r} holds a {type(value).__name__}; expected image bytes, a path, "
+            f"or a datasets.Image feature",
+        )

@@ -1,0 +1,253 @@
+"""WebDataset tar shards on local disk: ``source.input_path`` is a glob (``/data/shards/*.tar``), brace
+expansion allowed (``/data/shard-{000..099}.tar``).
+
+Members are grouped into samples by webdataset's own rule (``base_plus_ext``
+in ``webdataset.tariterators``): the key is the member path up to the first dot
+of its base name, directories included, and the extension is everything after
+that dot, lower-cased. So ``pics/img.001.jpg`` has key ``pics/img`` and
+extension ``001.jpg`` (not ``jpg``): name such a member with
+``source.image_key: 001.jpg``. Members whose base name has no dot or starts
+with one, webdataset's ``__meta__`` names, and non-regular members (links,
+folders) are not part of any sample, as in webdataset. Unlike webdataset, all
+members of one key within a shard form one sample even when they are not
+adjacent (a sample id must be unique); a repeated extension is a
+``duplicate_member`` reject.
+
+Ids are ``<shard path relative to the glob's fixed folder>/<key>``. Listing
+reads tar headers only (seeking past the data); ``read`` goes through each
+needed shard once and keeps only the requested samples.
+
+Member names are never used as file paths (nothing is extracted); a key with a
+``..`` component or an absolute path is still listed, and read as an
+``unsafe_member_path`` reject so it shows up in the audit.
+
+Image: ``source.image_key`` (an extension) or the first of jpg, jpeg, png,
+webp. Caption: ``source.caption_key`` (an extension such as ``txt``, or
+``json.prompt`` for a field of the json member), else txt, then caption, then
+the json member's caption, text or prompt field.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import tarfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import braceexpand
+
+from diffprep.errors import RejectError, SourceError
+from diffprep.sources.base import (
+    SourceSample,
+    decode_caption_bytes,
+    escape_id,
+    is_missing,
+    lookup_path,
+    normalize_caption,
+    reject,
+    rejected,
+    unescape_id,
+)
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+CAPTION_EXTENSIONS = ("txt", "caption")
+JSON_CAPTION_FIELDS = ("caption", "text", "prompt")
+
+# Copied from webdataset.tariterators (base_plus_ext and tar_file_iterator's
+# skip_meta) so that listing does not import webdataset, which imports torch;
+# a test checks both against the installed package.
+_BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_META = re.compile(r"__[^/]*__($|/)")
+_GLOB_MAGIC = re.compile(r"[*?\[{]")
+_JSON_FIELD_KEY = re.compile(r"^(.*?json)\.(.+)$", re.IGNORECASE)
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """``(key, lower-cased extension)`` of a tar member by webdataset's rule, or None when it has no sample."""
+    if _META.match(name) or ("/" not in name and name.startswith("__") and name.endswith("__")):
+        return None
+    match = _BASE_PLUS_EXT.match(name)
+    if not match:
+        return None
+    return match.group(1), match.group(2).lower()
+
+
+def is_unsafe_key(key: str) -> bool:
+    return key.startswith("/") or ".." in key.split("/")
+
+
+def _regular_members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """Iterate members without keeping them: TarFile remembers every member it has seen otherwise."""
+    while (member := tar.next()) is not None:
+        tar.members = []
+        if member.isreg():
+            yield member
+
+
+@dataclass
+class _Collected:
+    parts: dict[str, bytes] = field(default_factory=dict)
+    duplicates: list[str] = field(default_factory=list)
+
+
+class WebDatasetSource:
+    """Samples of local WebDataset tar shards (see the module docstring)."""
+
+    def __init__(self, input_path: str, image_key: str | None = None, caption_key: str | None = None) -> None:
+        if "://" in input_path:
+            raise SourceError(
+                f"source.input_path {input_path!r}: the webdataset source reads local tar files only; "
+                f"copy or mount the shards and give a local glob"
+            )
+        self.input_path = input_path
+        pattern = os.path.abspath(os.path.expanduser(input_path))
+        fixed = []
+        for part in pattern.split("/")[:-1]:
+            if _GLOB_MAGIC.search(part):
+                break
+            fixed.append(part)
+        self.base = "/".join(fixed) or "/"
+        paths = {p for expanded in braceexpand.braceexpand(pattern) for p in glob.glob(expanded, recursive=True)}
+        shards = sorted(escape_id(os.path.relpath(p, self.base)) for p in paths if os.path.isfile(p))
+        if not shards:
+            raise SourceError(f"source.input_path {input_path!r} matches no file (looked for {pattern})")
+        self.shards = shards
+        self.image_key = image_key.lower() if image_key else None
+        self.caption_key = caption_key
+
+    def describe(self) -> dict:
+        return {
+            "type": "webdataset",
+            "input_path": self.input_path,
+            "base": self.base,
+            "num_shards": len(self.shards),
+            "image_key": self.image_key,
+            "caption_key": self.caption_key,
+        }
+
+    def _open(self, shard: str) -> tarfile.TarFile:
+        return tarfile.open(os.path.join(self.base, unescape_id(shard)), "r:*")
+
+    def list_ids(self) -> Iterator[str]:
+        for shard in self.shards:
+            seen: set[str] = set()
+            try:
+                with self._open(shard) as tar:
+                    for member in _regular_members(tar):
+                        split = split_member_name(member.name)
+                        if split is not None and split[0] not in seen:
+                            seen.add(split[0])
+                            yield f"{shard}/{escape_id(split[0])}"
+            except (OSError, tarfile.TarError) as exc:
+                raise SourceError(f"cannot list shard {os.path.join(self.base, unescape_id(shard))}: {exc}") from exc
+
+    def _split_id(self, source_id: str, cache: dict[str, bool]) -> tuple[str | None, str]:
+        """``(shard, key)`` of an id; shard is None when no prefix of the id is an existing file any more.
+
+        The shard is the one prefix (at a ``/``) that is a file: a file cannot also be a folder
+        holding another shard, so the split is unambiguous without the listing.
+        """
+        start = 0
+        while (slash := source_id.find("/", start)) != -1:
+            prefix = source_id[:slash]
+            if prefix not in cache:
+                cache[prefix] = os.path.isfile(os.path.join(self.base, unescape_id(prefix)))
+            if cache[prefix]:
+                return prefix, unescape_id(source_id[slash + 1:])
+            start = slash + 1
+        return None, ""
+
+    def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
+        cache: dict[str, bool] = {}
+        located = [self._split_id(source_id, cache) for source_id in ids]
+        last_use = {shard: pos for pos, (shard, _) in enumerate(located)}
+        collected: dict[str | None, tuple[dict[str, _Collected], str | None]] = {None: ({}, None)}
+        pos = 0
+        for shard in dict.fromkeys(s for s, _ in located):  # shards in order of first use
+            if shard is not None:
+                wanted = {key for s, key in located if s == shard and not is_unsafe_key(key)}
+                collected[shard] = self._collect(shard, wanted)
+            # Yield every id whose shard has been read; drop a shard's samples after its last id.
+            while pos < len(ids) and located[pos][0] in collected:
+                shard_of_id = located[pos][0]
+                yield self._sample(ids[pos], *located[pos], *collected[shard_of_id])
+                if shard_of_id is not None and last_use[shard_of_id] == pos:
+                    del collected[shard_of_id]
+                pos += 1
+
+    def _collect(self, shard: str, wanted: set[str]) -> tuple[dict[str, _Collected], str | None]:
+        """Members of the wanted keys in one pass over the shard, and the read error that stopped it, if any."""
+        found: dict[str, _Collected] = {}
+        try:
+            with self._open(shard) as tar:
+                for member in _regular_members(tar):
+                    split = split_member_name(member.name)
+                    if split is None or split[0] not in wanted:
+                        continue
+                    key, ext = split
+                    sample = found.setdefault(key, _Collected())
+                    if ext in sample.parts:
+                        sample.duplicates.append(member.name)
+                        continue
+                    extracted = tar.extractfile(member)
+                    assert extracted is not None  # regular members always have data
+                    sample.parts[ext] = extracted.read()
+        except (OSError, tarfile.TarError) as exc:
+            return found, f"{type(exc).__name__}: {exc}"
+        return found, None
+
+    def _sample(self, source_id: str, shard: str | None, key: str, found: dict[str, _Collected],
+                error: str | None) -> SourceSample:
+        if shard is None:
+            return rejected(source_id, "source_missing", f"its shard under {self.base} no longer exists")
+        where = f"{os.path.join(self.base, unescape_id(shard))}:{key}"
+        if is_unsafe_key(key):
+            return rejected(source_id, "unsafe_member_path", f"{where}: member path is absolute or has '..'")
+        sample = found.get(key)
+        if sample is None:
+            if error is not None:
+                return rejected(source_id, "source_read_error", f"{where}: shard stopped reading: {error}")
+            return rejected(source_id, "source_missing", f"{where}: no member with this key any more")
+        if sample.duplicates:
+            return rejected(source_id, "duplicate_member", f"{where}: repeated member(s) {sample.duplicates}")
+        parts = sample.parts
+        image_ext = self.image_key or next((e for e in IMAGE_EXTENSIONS if e in parts), None)
+        if image_ext is None or image_ext not in parts:
+            return rejected(source_id, "missing_image", f"{where}: no image member; members are {sorted(parts)}")
+        image = parts[image_ext]
+        try:
+            caption = self._caption(parts, where)
+        except RejectError as exc:
+            return SourceSample(source_id, image, None, exc)
+        return SourceSample(source_id, image, caption)
+
+    def _caption(self, parts: dict[str, bytes], where: str) -> str:
+        if self.caption_key:
+            match = _JSON_FIELD_KEY.match(self.caption_key)
+            ext, path = (match.group(1).lower(), match.group(2).split(".")) if match else (self.caption_key.lower(), [])
+            if ext in parts:
+                if not path:
+                    return decode_caption_bytes(parts[ext], f"{where}.{ext}")
+                value = lookup_path(parts[ext], path)
+                if not is_missing(value):
+                    return normalize_caption(value, f"{where}.{ext} {'.'.join(path)}")
+            raise reject("missing_caption", f"{where}: no {self.caption_key!r}; members are {sorted(parts)}")
+        for ext in CAPTION_EXTENSIONS:
+            if ext in parts:
+                return decode_caption_bytes(parts[ext], f"{where}.{ext}")
+        if "json" in parts:
+            try:
+                meta = json.loads(parts["json"])
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise reject("caption_decode_error", f"{where}.json is not valid JSON: {exc}") from None
+            for name in JSON_CAPTION_FIELDS:
+                value = lookup_path(meta, [name])
+                if not is_missing(value):
+                    return normalize_caption(value, f"{where}.json {name}")
+        raise reject(
+            "missing_caption",
+            f"{where}: no txt or caption member nor json caption/text/prompt field; members are {sorted(parts)}",
+        )
