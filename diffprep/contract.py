@@ -20,6 +20,10 @@ META = "meta.json"
 PREENCODED_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, CAPTION, META)
 TENSOR_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
 
+# Per-sample fields of a raw (not pre-encoded) shard: one image file and its caption.
+RAW_IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+RAW_CAPTION = "txt"
+
 # Energon subflavor values.
 ENCODING_PREENCODED = "preencoded"
 ENCODING_RAW = "raw"

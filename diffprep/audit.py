@@ -1,0 +1,132 @@
+"""Phase 5, audit counts: every planned sample is in a shard or in the rejects, with a reason.
+
+For every unit: inputs == written + rejected, the tar holds exactly the
+manifest's keys, and the manifest's source ids plus its rejects are exactly
+the unit's planned ids. Problems make the audit fail; rejects are surfaced
+for approval.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from diffprep import contract
+from diffprep.plan import Plan
+from diffprep.shards import atomic_write_json, read_manifests, tar_keys
+
+REJECT_PREVIEW = 1000
+
+
+@dataclass
+class AuditReport:
+    units: int
+    inputs: int
+    written: int
+    rejected: int
+    by_reason: dict[str, int]
+    notes: dict[str, int]  # kept but counted: empty captions, truncated captions
+    rejected_ids: list[dict]  # source id, reason, detail (first REJECT_PREVIEW)
+    problems: list[str] = field(default_factory=list)
+    missing_from_source: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def rejected_fraction(self) -> float:
+        return self.rejected / self.inputs if self.inputs else 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"ok": self.ok}
+
+    def to_markdown(self) -> str:
+        lines = [
+            "| units | inputs | written | rejected |",
+            "|---:|---:|---:|---:|",
+            f"| {self.units} | {self.inputs} | {self.written} | {self.rejected} |",
+        ]
+        if self.by_reason:
+            lines += ["", "| reject reason | samples |", "|---|---:|"]
+            lines += [f"| `{reason}` | {n} |" for reason, n in sorted(self.by_reason.items())]
+        if self.notes:
+            lines += ["", "| kept, counted | samples |", "|---|---:|"]
+            lines += [f"| `{name}` | {n} |" for name, n in sorted(self.notes.items())]
+        if self.problems:
+            lines += ["", "**Problems:**"] + [f"- {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def audit(out_dir: str | os.PathLike, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
+    """Reconcile the plan, the manifests and the tars; write ``.diffprep/audit.json``."""
+    out = Path(out_dir)
+    manifests = read_manifests(out)
+    wanted = [u for u in plan.units if units is None or u.unit in units]
+    problems: list[str] = []
+    by_reason: Counter[str] = Counter()
+    notes: Counter[str] = Counter()
+    rejected_ids: list[dict] = []
+    inputs = written = rejected = 0
+    for unit in wanted:
+        inputs += len(unit.source_ids)
+        manifest = manifests.get(unit.unit)
+        if manifest is None:
+            problems.append(f"unit {unit.unit:06d} has no manifest (not encoded): re-run the encode")
+            continue
+        if manifest.fingerprint != plan.fingerprint:
+            problems.append(f"unit {unit.unit:06d} was written with other settings (fingerprint {manifest.fingerprint})")
+            continue
+        accounted = list(manifest.source_ids) + [r.source_id for r in manifest.rejects]
+        if sorted(accounted) != sorted(unit.source_ids):
+            lost = sorted(set(unit.source_ids) - set(accounted))
+            extra = sorted(set(accounted) - set(unit.source_ids))
+            problems.append(
+                f"unit {unit.unit:06d}: {len(unit.source_ids)} planned, {manifest.count} written + "
+                f"{len(manifest.rejects)} rejected; unaccounted {lost[:5]}, unplanned {extra[:5]}"
+            )
+        if manifest.count != len(manifest.keys):
+            problems.append(f"unit {unit.unit:06d}: manifest count {manifest.count} != {len(manifest.keys)} keys")
+        shard = out / manifest.shard
+        if not shard.is_file():
+            problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} is missing")
+        else:
+            try:
+                in_tar = tar_keys(shard)
+            except Exception as exc:  # noqa: BLE001 - a damaged tar is a problem to report
+                problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} cannot be read: {exc}")
+            else:
+                if list(in_tar) != list(manifest.keys):
+                    problems.append(
+                        f"unit {unit.unit:06d}: {manifest.shard} holds {len(in_tar)} samples, the manifest "
+                        f"lists {len(manifest.keys)}"
+                    )
+                incomplete = [k for k, exts in in_tar.items() if sorted(exts) != sorted(plan_fields(plan))]
+                if incomplete:
+                    problems.append(f"unit {unit.unit:06d}: samples with missing fields: {incomplete[:5]}")
+        written += manifest.count
+        rejected += len(manifest.rejects)
+        for reject in manifest.rejects:
+            by_reason[reject.reason] += 1
+            if len(rejected_ids) < REJECT_PREVIEW:
+                rejected_ids.append({"source_id": reject.source_id, "reason": reject.reason, "detail": reject.detail})
+        notes.update(manifest.notes)
+    report = AuditReport(
+        units=len(wanted),
+        inputs=inputs,
+        written=written,
+        rejected=rejected,
+        by_reason=dict(sorted(by_reason.items())),
+        notes=dict(sorted(notes.items())),
+        rejected_ids=rejected_ids,
+        problems=problems,
+        missing_from_source=plan.missing_count,
+    )
+    atomic_write_json(out / contract.STATE_DIR / contract.AUDIT_JSON, report.to_json())
+    return report
+
+
+def plan_fields(plan: Plan) -> tuple[str, ...]:
+    return contract.PREENCODED_FIELDS if plan.encoding == contract.ENCODING_PREENCODED else tuple(plan.expected["fields"])

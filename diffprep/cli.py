@@ -1,0 +1,263 @@
+"""The ``diffprep`` command: encode, finalize, validate, tiny-model, demo.
+
+``encode`` runs the Prefect flow ``flows/encode.py`` (an embedded Prefect
+server starts when no ``PREFECT_API_URL`` is set). Only the flags typed on the
+command line override the environment and the config file: argparse
+defaults are suppressed, so a flag given explicitly wins even when it equals
+the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from diffprep.errors import DiffprepError
+
+# flag -> (section, key); value types come from the settings models.
+ENCODE_FLAGS: dict[str, tuple[str, str]] = {
+    "--source-type": ("source", "type"),
+    "--input-dir": ("source", "input_dir"),
+    "--hf-dataset": ("source", "hf_dataset"),
+    "--hf-split": ("source", "hf_split"),
+    "--hf-data-files": ("source", "hf_data_files"),
+    "--hf-revision": ("source", "hf_revision"),
+    "--hf-streaming": ("source", "hf_streaming"),
+    "--image-key": ("source", "image_key"),
+    "--caption-key": ("source", "caption_key"),
+    "--input-path": ("source", "input_path"),
+    "--output-dir": ("output", "output_dir"),
+    "--shard-size": ("output", "shard_size"),
+    "--max-samples": ("output", "max_samples"),
+    "--compress": ("output", "compress"),
+    "--on-existing": ("output", "on_existing"),
+    "--accept-rejects": ("output", "accept_rejects"),
+    "--model-path": ("model", "model_path"),
+    "--revision": ("model", "revision"),
+    "--vae-path": ("model", "vae_path"),
+    "--t5-path": ("model", "t5_path"),
+    "--clip-path": ("model", "clip_path"),
+    "--precision": ("model", "precision"),
+    "--device": ("model", "device"),
+    "--batch-size": ("model", "batch_size"),
+    "--t5-max-length": ("model", "t5_max_length"),
+    "--latent-mode": ("model", "latent_mode"),
+    "--image-size": ("image", "image_size"),
+    "--center-crop": ("image", "center_crop"),
+    "--variable-size": ("image", "variable_size"),
+    "--max-size": ("image", "max_size"),
+    "--max-pixels": ("image", "max_pixels"),
+    "--decode-workers": ("image", "decode_workers"),
+    "--train-split": ("finalize", "train_split"),
+    "--finalize": ("finalize", "enabled"),
+    "--hf-token-file": ("auth", "hf_token_file"),
+}
+BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize"}
+LIST_FLAGS = {"--hf-data-files"}
+
+
+def _add_encode_flags(parser: argparse.ArgumentParser) -> None:
+    from diffprep.config import SECTIONS
+
+    parser.add_argument("--config", help="YAML config (sections: source, output, model, image, finalize, auth)")
+    for flag, (section, key) in ENCODE_FLAGS.items():
+        info = SECTIONS[section].model_fields[key]
+        help_text = f"{info.description} [{section}.{key}]"
+        dest = f"{section}.{key}"
+        if flag in BOOLEAN_FLAGS:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+        elif flag in LIST_FLAGS:
+            parser.add_argument(flag, dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_text)
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The settings the user typed, per section (pydantic converts the strings)."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(args).items():
+        if "." not in dest:
+            continue
+        section, key = dest.split(".", 1)
+        overrides.setdefault(section, {})[key] = value
+    return overrides
+
+
+def _prefect_defaults() -> None:
+    """Offline, quiet, patient defaults for the embedded Prefect server (the user's environment wins)."""
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "diffprep")
+    os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def run_encode(config: str | None, overrides: dict[str, dict[str, Any]]) -> dict:
+    _prefect_defaults()
+    from diffprep.config import check_runnable, load_settings
+
+    check_runnable(load_settings(config, overrides))  # fail on bad settings before Prefect starts
+    from flows.encode import encode_dataset
+
+    return encode_dataset(config=config, overrides=overrides)
+
+
+def print_summary(result: dict) -> None:
+    print()
+    print(f"dataset: {result['out_dir']}  ({result['action']}, fingerprint {result['fingerprint']})")
+    print(f"  samples written: {result['samples']}   rejected: {result['rejected']}   "
+          f"units: {result['units']} ({result['encoded_units']} encoded this run)   time: {result['seconds']} s")
+    for reason, count in result.get("rejects_by_reason", {}).items():
+        print(f"    rejected {reason}: {count}")
+    for name, count in result.get("notes", {}).items():
+        print(f"    kept, {name}: {count}")
+    finalize = result.get("finalize")
+    if finalize:
+        splits = ", ".join(f"{split} {len(shards)} shards / {finalize['counts'].get(split, 0)} samples"
+                           for split, shards in finalize["splits"].items())
+        print(f"  splits: {splits}")
+    validation = result.get("validation")
+    if validation:
+        summary = validation["summary"]
+        print(f"  validation: {'passed' if validation['ok'] else 'FAILED'}; "
+              f"{summary.get('bytes_per_sample', '?')} bytes per sample")
+        for name, info in summary.get("fields", {}).items():
+            print(f"    {name}: {', '.join(info['shapes'])} {', '.join(info['dtypes'])}")
+    else:
+        print("  not finalized (--no-finalize): run `diffprep finalize OUT` when ready")
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    print_summary(run_encode(args.config, overrides_from(args)))
+    return 0
+
+
+def _confirm(question: str) -> bool:
+    """Ask on the terminal; with no terminal the answer is no (the safe choice)."""
+    if not sys.stdin.isatty():
+        return False
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+def cmd_finalize(args: argparse.Namespace) -> int:
+    from diffprep.energon import finalize, preview_replace_split, read_split_record
+    from diffprep.plan import read_plan
+    from diffprep.validate import validate_dataset
+
+    plan = read_plan(args.out)
+    encoding = args.encoding or (plan.encoding if plan else "preencoded")
+    replace = args.replace_split
+    record = read_split_record(args.out)
+    if not replace and record is not None and record["train_split"] != args.train_split:
+        moves = preview_replace_split(args.out, train_split=args.train_split, seed=args.seed)
+        if moves:
+            listing = ", ".join(f"{shard} {old}->{new}" for shard, (old, new) in list(moves.items())[:10])
+            question = (f"{args.out} is split with train_split {record['train_split']}; {args.train_split} moves "
+                        f"{len(moves)} shard(s): {listing}. Held-out shards may enter train.")
+            if not _confirm(question + " Replace the split?"):
+                raise DiffprepError(question + " Nothing changed; re-run with --replace-split to replace it.")
+            replace = True
+    result = finalize(args.out, encoding=encoding, train_split=args.train_split, seed=args.seed,
+                      workers=args.workers, replace_split=replace)
+    for split, shards in result.splits.items():
+        print(f"{split}: {len(shards)} shards, {result.counts.get(split, 0)} samples")
+    report = validate_dataset(args.out, encoding=encoding)
+    print(report.to_markdown())
+    return 0 if report.ok else 1
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from diffprep.validate import main as validate_main
+
+    argv = [args.out]
+    if args.encoding:
+        argv += ["--encoding", args.encoding]
+    if args.max_load:
+        argv += ["--max-load", str(args.max_load)]
+    return validate_main(argv)
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from diffprep.tiny import write_tiny_model
+
+    path = write_tiny_model(args.path, seed=args.seed)
+    print(f"tiny Flux encoder set written to {path} (random weights: for tests and demos only)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on the embedded default: synthetic data, tiny encoders, embedded Prefect."""
+    from diffprep.demo import write_demo_dataset
+    from diffprep.tiny import write_tiny_model
+
+    work = Path(args.workdir)
+    model = work / "tiny-flux"
+    data = work / "demo-data"
+    if not (model / "model_index.json").is_file():
+        write_tiny_model(model)
+    write_demo_dataset(data, samples=args.samples)
+    overrides = {
+        "source": {"type": "directory", "input_dir": str(data)},
+        "output": {"output_dir": str(work / "demo-out"), "shard_size": 8, "on_existing": "resume"},
+        "model": {"model_path": str(model), "precision": "fp32", "batch_size": 4, "t5_max_length": 32},
+        "image": {"image_size": 64},
+        "finalize": {"train_split": 0.8},
+    }
+    print_summary(run_encode(None, overrides))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffprep", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    encode = sub.add_parser("encode", help="pre-encode a dataset (runs the encode-dataset Prefect flow)")
+    _add_encode_flags(encode)
+    encode.set_defaults(func=cmd_encode)
+
+    finalize = sub.add_parser("finalize", help="(re)write the Energon metadata of an output, then validate it")
+    finalize.add_argument("out")
+    finalize.add_argument("--train-split", type=float, default=1.0, help="share of shards for train; the rest "
+                          "split evenly into val and test (default 1.0)")
+    finalize.add_argument("--encoding", choices=["preencoded", "raw"], default=None)
+    finalize.add_argument("--seed", type=int, default=42)
+    finalize.add_argument("--workers", type=int, default=2)
+    finalize.add_argument("--replace-split", action="store_true",
+                          help="reassign every shard (moves shards between splits; held-out data may enter train)")
+    finalize.set_defaults(func=cmd_finalize)
+
+    validate = sub.add_parser("validate", help="strictly validate a finalized dataset (exit 1 on any failure)")
+    validate.add_argument("out")
+    validate.add_argument("--encoding", choices=["preencoded", "raw"], default=None)
+    validate.add_argument("--max-load", type=int, default=None, help="load at most N samples per split")
+    validate.set_defaults(func=cmd_validate)
+
+    tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Flux encoder set (tests, demos)")
+    tiny.add_argument("path")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_tiny_model)
+
+    demo = sub.add_parser("demo", help="run the whole job on synthetic data with the tiny encoders")
+    demo.add_argument("--workdir", default="demo", help="folder for the tiny model, the data and the output")
+    demo.add_argument("--samples", type=int, default=24)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DiffprepError as exc:
+        print(f"diffprep: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

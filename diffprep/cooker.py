@@ -1,0 +1,229 @@
+"""Energon cookers and task encoders for loading diffprep datasets in training code.
+
+A finalized diffprep output is a ``CrudeWebdataset``: Energon hands each sample
+to a *cooker* as a plain dict of raw bytes per field, and the cooker that
+matches the dataset's subflavor (``encoding: preencoded`` or ``encoding: raw``)
+turns it into a typed sample. Tensors are decoded here with
+``torch.load(weights_only=True)``: the task encoders set ``decoder = None`` so
+Energon's default webdataset decoder, which unpickles ``.pth`` files with
+``weights_only=False`` (arbitrary code execution from a shard), never runs.
+
+Training-side usage::
+
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+    from diffprep.cooker import FluxPreencodedTaskEncoder
+
+    worker_config = WorkerConfig(rank=rank, world_size=world_size, num_workers=4)
+    dataset = get_train_dataset(
+        "/data/my-dataset",
+        batch_size=8,
+        shuffle_buffer_size=100,
+        max_samples_per_sequence=100,
+        task_encoder=FluxPreencodedTaskEncoder(),
+        worker_config=worker_config,
+    )
+    for batch in get_loader(dataset):
+        batch.latents               # [B, 16, H/8, W/8], normalized (z - shift) * scale, unpacked
+        batch.prompt_embeds         # [B, t5_max_length, 4096]
+        batch.pooled_prompt_embeds  # [B, 768]
+        batch.caption, batch.meta   # lists
+
+Batches are stacked, never padded: samples of different latent sizes in one
+batch raise a ``ValueError``. For variable-size datasets, use ``batch_size=1``
+or subclass the task encoder and group samples by size with
+``batch_group_criterion``. Raw datasets load with ``FluxRawTaskEncoder``,
+which yields the image file's bytes and the caption (decode and augment in
+your own ``encode_sample``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import torch
+from megatron.energon import Batch, Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, edataclass, stateless
+
+from diffprep import contract
+
+# Fields of a raw (not pre-encoded) sample: one image file and its caption.
+RAW_IMAGE_FIELDS = contract.RAW_IMAGE_FIELDS
+RAW_CAPTION = contract.RAW_CAPTION
+
+
+class SampleLoadError(ValueError):
+    """A field of a sample cannot be decoded; the message names the sample key and the field."""
+
+
+@edataclass
+class FluxPreencodedSample(Sample):
+    """One pre-encoded sample: VAE latents and the two text embeddings of its caption."""
+
+    #: [16, H/8, W/8], already normalized with the VAE's shift and scaling factors.
+    latents: torch.Tensor
+    #: T5 sequence embeddings [t5_max_length, 4096].
+    prompt_embeds: torch.Tensor
+    #: CLIP pooled embedding [768].
+    pooled_prompt_embeds: torch.Tensor
+    caption: str
+    #: Source id, original size, crop box.
+    meta: dict
+
+
+@edataclass
+class FluxPreencodedBatch(Batch):
+    latents: torch.Tensor
+    prompt_embeds: torch.Tensor
+    pooled_prompt_embeds: torch.Tensor
+    caption: list[str]
+    meta: list[dict]
+
+
+@edataclass
+class FluxRawSample(Sample):
+    """One raw sample: the image file as stored and its caption."""
+
+    image: bytes
+    #: The image's field name in the shard: one of ``RAW_IMAGE_FIELDS``.
+    image_format: str
+    caption: str
+
+
+def _field(sample: dict, name: str) -> bytes:
+    try:
+        return sample[name]
+    except KeyError:
+        fields = sorted(k for k in sample if not k.startswith("__"))
+        raise SampleLoadError(f"sample {sample.get('__key__')!r} has no {name!r} field (it has {fields})") from None
+
+
+def _load_failure_reason(error: Exception) -> str:
+    """The specific line of a torch.load error.
+
+    weights_only refusals open with generic advice to retry with
+    weights_only=False, which is exactly what must not be done with a file
+    from a shard; keep only what was refused.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        lines = [
+            line.split("WeightsUnpickler error:", 1)[-1].strip()
+            for line in lines[1:]
+            if not line.startswith("Check the documentation")
+        ]
+        lines = [line for line in lines if line]
+    reason = " ".join(lines) or type(error).__name__
+    return reason if len(reason) <= 300 else reason[:300] + "…"
+
+
+def load_tensor(data: bytes, *, key: str = "?", field: str = "?") -> torch.Tensor:
+    """Decode a ``torch.save``d tensor without unpickling arbitrary objects."""
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise SampleLoadError(
+            f"sample {key!r} field {field!r} is not a plain tensor file: torch.load(weights_only=True) refused it "
+            f"({_load_failure_reason(error)}); never load it with weights_only=False, it may run code"
+        ) from error
+    if not isinstance(value, torch.Tensor):
+        raise SampleLoadError(f"sample {key!r} field {field!r} holds a {type(value).__name__}, expected a tensor")
+    return value
+
+
+def _text(sample: dict, name: str) -> str:
+    try:
+        return _field(sample, name).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise SampleLoadError(f"sample {sample.get('__key__')!r} field {name!r} is not UTF-8 text: {error}") from None
+
+
+@stateless
+def cook_preencoded(sample: dict) -> FluxPreencodedSample:
+    """Turn a crude pre-encoded sample (raw bytes per field) into a ``FluxPreencodedSample``."""
+    key = sample.get("__key__", "?")
+    tensors = {
+        contract.field_stem(name): load_tensor(_field(sample, name), key=key, field=name)
+        for name in contract.TENSOR_FIELDS
+    }
+    try:
+        meta = json.loads(_text(sample, contract.META))
+    except json.JSONDecodeError as error:
+        raise SampleLoadError(f"sample {key!r} field {contract.META!r} is not valid JSON: {error}") from None
+    if not isinstance(meta, dict):
+        kind = type(meta).__name__
+        raise SampleLoadError(f"sample {key!r} field {contract.META!r} holds a {kind}, expected an object")
+    return FluxPreencodedSample(
+        **basic_sample_keys(sample),
+        latents=tensors["latents"],
+        prompt_embeds=tensors["prompt_embeds"],
+        pooled_prompt_embeds=tensors["pooled_prompt_embeds"],
+        caption=_text(sample, contract.CAPTION),
+        meta=meta,
+    )
+
+
+@stateless
+def cook_raw(sample: dict) -> FluxRawSample:
+    """Turn a crude raw sample into a ``FluxRawSample`` (image bytes untouched)."""
+    images = [name for name in RAW_IMAGE_FIELDS if name in sample]
+    if len(images) != 1:
+        fields = sorted(k for k in sample if not k.startswith("__"))
+        raise SampleLoadError(
+            f"sample {sample.get('__key__')!r} must have exactly one image field of {list(RAW_IMAGE_FIELDS)}, "
+            f"it has {fields}"
+        )
+    return FluxRawSample(
+        **basic_sample_keys(sample),
+        image=sample[images[0]],
+        image_format=images[0],
+        caption=_text(sample, RAW_CAPTION),
+    )
+
+
+PREENCODED_COOKER = Cooker(cook_preencoded, has_subflavors={"encoding": contract.ENCODING_PREENCODED})
+RAW_COOKER = Cooker(cook_raw, has_subflavors={"encoding": contract.ENCODING_RAW})
+COOKERS = [PREENCODED_COOKER, RAW_COOKER]
+
+
+def _stack(samples: list[Any], name: str) -> torch.Tensor:
+    tensors = [getattr(sample, name) for sample in samples]
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"cannot batch {name} of different shapes {sorted(shapes)}: use batch_size=1 or group samples "
+            "by size with batch_group_criterion"
+        )
+    return torch.stack(tensors)
+
+
+class FluxPreencodedTaskEncoder(
+    DefaultTaskEncoder[FluxPreencodedSample, FluxPreencodedSample, FluxPreencodedBatch, FluxPreencodedBatch]
+):
+    """Loads a pre-encoded diffprep dataset; batches are stacked ``FluxPreencodedBatch``es."""
+
+    # No webdataset decoding: the cooker gets raw bytes and loads tensors with weights_only=True.
+    decoder = None
+    cookers = [PREENCODED_COOKER]
+
+    @stateless
+    def batch(self, samples: list[FluxPreencodedSample]) -> FluxPreencodedBatch:
+        return FluxPreencodedBatch.from_samples(
+            samples,
+            latents=_stack(samples, "latents"),
+            prompt_embeds=_stack(samples, "prompt_embeds"),
+            pooled_prompt_embeds=_stack(samples, "pooled_prompt_embeds"),
+            caption=[sample.caption for sample in samples],
+            meta=[sample.meta for sample in samples],
+        )
+
+
+class FluxRawTaskEncoder(DefaultTaskEncoder[FluxRawSample, FluxRawSample, Any, Any]):
+    """Loads a raw diffprep dataset as ``FluxRawSample``s (image bytes + caption).
+
+    Decode and transform images in a subclass's ``encode_sample``; the default
+    batch is a list-valued ``FluxRawSample``.
+    """
+
+    decoder = None
+    cookers = [RAW_COOKER]

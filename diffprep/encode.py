@@ -1,0 +1,427 @@
+"""Phases 3 and 4: the one-batch sanity check and the encoding of one work unit.
+
+A unit is read and decoded in a background thread (images decoded by a small
+thread pool, a bounded queue of ready batches in between) while the encoders
+work on the previous batch. Every input sample ends in the unit's shard or in
+its manifest's rejects, with a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import resource
+import shutil
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from diffprep import contract
+from diffprep.errors import DiffprepError, RejectError
+from diffprep.images import ImageSpec, PreparedImage, prepare_image, psnr, to_uint8
+from diffprep.plan import Plan, UnitPlan
+from diffprep.shards import (
+    Reject,
+    ShardWriter,
+    UnitManifest,
+    atomic_write_bytes,
+    atomic_write_json,
+    file_sha256,
+    read_manifest,
+    tensor_bytes,
+    torch_bytes,
+    write_manifest,
+)
+from diffprep.sources import Source, SourceSample
+
+log = logging.getLogger("diffprep.encode")
+
+Progress = Callable[[dict], None]
+TAR_MEMBER_OVERHEAD = 1024  # header block + padding, on average, per member
+
+
+class DiskSpaceError(DiffprepError):
+    """The projected dataset does not fit on the output's file system."""
+
+
+@dataclass
+class Batch:
+    keys: list[str]
+    source_ids: list[str]
+    captions: list[str]
+    pixels: torch.Tensor  # uint8 [B, 3, H, W]
+    metas: list[dict]
+
+
+def _prepare(sample: SourceSample, spec: ImageSpec) -> PreparedImage:
+    if sample.reject is not None:
+        raise sample.reject
+    if sample.image is None:
+        raise RejectError("missing_image", "the source gave no image for this sample", phase="read")
+    if sample.caption is None:
+        raise RejectError("missing_caption", "the source gave no caption for this sample", phase="read")
+    return prepare_image(sample.image, spec)
+
+
+def iter_prepared(
+    source: Source, unit: UnitPlan, spec: ImageSpec, *, workers: int = 2, depth: int = 16
+) -> Iterator[tuple[int, SourceSample, PreparedImage | RejectError]]:
+    """Yield ``(index, sample, prepared-or-reject)`` in unit order, decoding ``depth`` images ahead."""
+    pending: deque[tuple[int, SourceSample, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="diffprep-decode") as pool:
+        def resolve(item):
+            index, sample, future = item
+            try:
+                return index, sample, future.result()
+            except RejectError as exc:
+                return index, sample, exc
+            except Exception as exc:  # noqa: BLE001 - a sample PIL chokes on is a reject, not a crash
+                return index, sample, RejectError("image_decode_error", f"{type(exc).__name__}: {exc}")
+
+        count = 0
+        for index, sample in enumerate(source.read(unit.source_ids)):
+            count += 1
+            if sample.source_id != unit.source_ids[index]:
+                raise DiffprepError(
+                    f"the source returned {sample.source_id!r} where unit {unit.unit} planned "
+                    f"{unit.source_ids[index]!r}; the source must read ids in the order given"
+                )
+            pending.append((index, sample, pool.submit(_prepare, sample, spec)))
+            while len(pending) > depth:
+                yield resolve(pending.popleft())
+        while pending:
+            yield resolve(pending.popleft())
+    if count != len(unit.source_ids):
+        raise DiffprepError(f"the source returned {count} samples for unit {unit.unit}, planned {len(unit.source_ids)}")
+
+
+def _meta(sample: SourceSample, image: PreparedImage) -> dict:
+    return {
+        "source_id": sample.source_id,
+        "original_size": list(image.original_size),
+        "crop_box": list(image.crop_box),
+        "size": [int(image.pixels.shape[2]), int(image.pixels.shape[1])],
+        "notes": list(image.notes),
+    }
+
+
+def iter_batches(
+    source: Source,
+    unit: UnitPlan,
+    spec: ImageSpec,
+    batch_size: int,
+    rejects: list[Reject],
+    *,
+    workers: int = 2,
+) -> Iterator[Batch]:
+    """Batches of consecutive samples of the same size; rejects are appended to ``rejects`` as they come."""
+    items: list[tuple[int, SourceSample, PreparedImage]] = []
+
+    def flush() -> Batch:
+        batch = Batch(
+            keys=[contract.sample_key(unit.unit, i) for i, _, _ in items],
+            source_ids=[s.source_id for _, s, _ in items],
+            captions=[s.caption for _, s, _ in items],
+            pixels=torch.stack([img.pixels for _, _, img in items]),
+            metas=[_meta(s, img) for _, s, img in items],
+        )
+        items.clear()
+        return batch
+
+    for index, sample, result in iter_prepared(source, unit, spec, workers=workers, depth=2 * batch_size):
+        if isinstance(result, RejectError):
+            rejects.append(Reject(sample.source_id, result.reason, result.detail, result.phase))
+            continue
+        if items and (len(items) == batch_size or items[0][2].pixels.shape != result.pixels.shape):
+            yield flush()
+        items.append((index, sample, result))
+    if items:
+        yield flush()
+
+
+def prefetch(batches: Iterator[Batch], depth: int = 2) -> Iterator[Batch]:
+    """Run ``batches`` in a background thread, ``depth`` batches ahead; errors surface in the caller."""
+    done = object()
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        ready.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            ready.put(exc)
+
+    thread = threading.Thread(target=produce, name="diffprep-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                ready.get_nowait()
+            except queue.Empty:
+                thread.join(timeout=0.1)
+
+
+def unit_is_done(out_dir: str | Path, plan: Plan, unit: int, *, check_hash: bool = False) -> UnitManifest | None:
+    """The unit's manifest when the unit is committed for this plan and its shard is intact."""
+    manifest = read_manifest(out_dir, unit)
+    if manifest is None or manifest.fingerprint != plan.fingerprint:
+        return None
+    shard = Path(out_dir) / manifest.shard
+    if not shard.is_file() or shard.stat().st_size != manifest.bytes:
+        return None
+    if check_hash and file_sha256(shard)[1] != manifest.sha256:
+        return None
+    return manifest
+
+
+@dataclass
+class UnitResult:
+    unit: int
+    count: int
+    rejected: int
+    seconds: float
+    skipped: bool  # already done before this call
+
+    @property
+    def samples_per_second(self) -> float:
+        return (self.count + self.rejected) / self.seconds if self.seconds > 0 else 0.0
+
+
+def encode_unit(
+    out_dir: str | Path,
+    plan: Plan,
+    unit_index: int,
+    encoders,
+    source: Source,
+    spec: ImageSpec,
+    *,
+    batch_size: int,
+    decode_workers: int = 2,
+    progress: Progress | None = None,
+) -> UnitResult:
+    """Encode one unit into its shard and manifest. Idempotent: a committed unit is left as it is."""
+    start = time.perf_counter()
+    done = unit_is_done(out_dir, plan, unit_index)
+    if done is not None:
+        return UnitResult(unit_index, done.count, len(done.rejects), 0.0, skipped=True)
+    unit = plan.unit(unit_index)
+    rejects: list[Reject] = []
+    notes: Counter[str] = Counter()
+    keys: list[str] = []
+    source_ids: list[str] = []
+    batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
+    with ShardWriter(out_dir, unit_index) as writer:
+        for batch in batches:
+            latents = encoders.encode_images(batch.pixels, batch.keys)
+            text = encoders.encode_text(batch.captions)
+            for i, key in enumerate(batch.keys):
+                if not torch.isfinite(latents[i]).all():
+                    rejects.append(Reject(batch.source_ids[i], "non_finite_latents",
+                                          "the VAE produced NaN or inf for this image", phase="encode"))
+                    continue
+                caption = batch.captions[i]
+                if not caption.strip():
+                    notes["empty_caption"] += 1
+                if text.t5_truncated[i]:
+                    notes["caption_truncated"] += 1
+                writer.write(key, {
+                    contract.LATENTS: latents[i],
+                    contract.PROMPT_EMBEDS: text.prompt_embeds[i],
+                    contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i],
+                    contract.CAPTION: caption,
+                    contract.META: batch.metas[i],
+                })
+                keys.append(key)
+                source_ids.append(batch.source_ids[i])
+            if progress:
+                progress({"unit": unit_index, "samples": len(keys) + len(rejects), "total": len(unit.source_ids)})
+        info = writer.commit()
+    # Rejects in source order, whatever phase found them.
+    order = {sid: i for i, sid in enumerate(unit.source_ids)}
+    rejects.sort(key=lambda r: order[r.source_id])
+    manifest = UnitManifest(
+        unit=unit_index,
+        shard=info.name,
+        fingerprint=plan.fingerprint,
+        keys=keys,
+        source_ids=source_ids,
+        count=info.count,
+        bytes=info.bytes,
+        sha256=info.sha256,
+        rejects=rejects,
+        notes=dict(sorted(notes.items())),
+    )
+    write_manifest(out_dir, manifest)
+    seconds = time.perf_counter() - start
+    result = UnitResult(unit_index, info.count, len(rejects), seconds, skipped=False)
+    log.info("unit %06d: %d written, %d rejected in %.1f s (%.1f samples/s)",
+             unit_index, info.count, len(rejects), seconds, result.samples_per_second)
+    return result
+
+
+def write_empty_prompt(out_dir: str | Path, encoders) -> Path:
+    """The empty caption's embeddings, once per dataset, for classifier-free guidance dropout."""
+    path = Path(out_dir) / contract.STATE_DIR / contract.EMPTY_PROMPT
+    text = encoders.encode_text([""])
+    payload = {
+        "prompt_embeds": text.prompt_embeds[0].clone(),
+        "pooled_prompt_embeds": text.pooled_prompt_embeds[0].clone(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, torch_bytes(payload))
+    return path
+
+
+# --- sanity ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SanityReport:
+    ok: bool
+    samples: int
+    shapes: dict[str, list[int]]
+    dtypes: dict[str, str]
+    finite: bool
+    psnr_db: list[float]
+    seconds_per_batch: float
+    peak_memory_bytes: int
+    bytes_per_sample: int
+    projected_bytes: int
+    projected_seconds: float
+    free_bytes: int
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def sanity_check(
+    out_dir: str | Path,
+    plan: Plan,
+    encoders,
+    source: Source,
+    spec: ImageSpec,
+    *,
+    batch_size: int,
+    units_left: Sequence[int] | None = None,
+    workers: int = 1,
+) -> SanityReport:
+    """Encode one full batch into ``.diffprep/sanity/`` and project the whole run from it.
+
+    Raises DiskSpaceError before any shard is written when the projection does not fit.
+    """
+    sanity_dir = Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR
+    sanity_dir.mkdir(parents=True, exist_ok=True)
+    # The first batch that decodes, from the first units: at most a few units are read.
+    batch = None
+    rejects: list[Reject] = []
+    for unit in plan.units:
+        batch = next(iter_batches(source, unit, spec, batch_size, rejects), None)
+        if batch is not None:
+            break
+    if batch is None:
+        raise DiffprepError(
+            "sanity: no sample of the source could be decoded; rejects: "
+            + "; ".join(f"{r.source_id}: {r.reason} {r.detail}" for r in rejects[:5])
+        )
+    device = getattr(encoders, "device", torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    latents = encoders.encode_images(batch.pixels, batch.keys)
+    text = encoders.encode_text(batch.captions)
+    seconds = time.perf_counter() - start
+    decoded = to_uint8(encoders.decode_latents(latents))
+    psnrs = [round(psnr(decoded[i], batch.pixels[i]), 2) for i in range(len(batch.keys))]
+
+    tensors = {
+        contract.LATENTS: latents,
+        contract.PROMPT_EMBEDS: text.prompt_embeds,
+        contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds,
+    }
+    problems = []
+    for name, tensor in tensors.items():
+        want = plan.expected.get(contract.field_stem(name))
+        have = list(tensor.shape[1:])
+        if want is not None and (len(want) != len(have) or any(w is not None and w != h for w, h in zip(want, have))):
+            problems.append(f"{name}: shape {have}, planned {want}")
+        if str(tensor.dtype).removeprefix("torch.") != plan.expected.get("dtype"):
+            problems.append(f"{name}: dtype {tensor.dtype}, planned {plan.expected.get('dtype')}")
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors.values())
+    if not finite:
+        problems.append("non-finite values in the encoded batch (wrong precision for this VAE?)")
+
+    sample_fields = {name: tensor[0] for name, tensor in tensors.items()}
+    per_sample = sum(len(tensor_bytes(t)) for t in sample_fields.values())
+    per_sample += len(batch.captions[0].encode()) + 256 + TAR_MEMBER_OVERHEAD * len(contract.PREENCODED_FIELDS)
+    remaining_units = set(units_left) if units_left is not None else {u.unit for u in plan.units}
+    remaining = sum(len(u.source_ids) for u in plan.units if u.unit in remaining_units)
+    projected_bytes = per_sample * remaining
+    projected_seconds = seconds * math.ceil(remaining / batch_size) / max(1, workers)
+    free = shutil.disk_usage(out_dir).free
+    report = SanityReport(
+        ok=not problems,
+        samples=len(batch.keys),
+        shapes={name: list(t.shape[1:]) for name, t in tensors.items()},
+        dtypes={name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items()},
+        finite=finite,
+        psnr_db=psnrs,
+        seconds_per_batch=round(seconds, 4),
+        peak_memory_bytes=_peak_memory(device),
+        bytes_per_sample=per_sample,
+        projected_bytes=projected_bytes,
+        projected_seconds=round(projected_seconds, 1),
+        free_bytes=free,
+        problems=problems,
+    )
+    torch_payload = {name: t[0].clone() for name, t in tensors.items()}
+    atomic_write_bytes(sanity_dir / "sample.pth", torch_bytes(torch_payload))
+    atomic_write_json(sanity_dir / "report.json", report.to_json())
+    if projected_bytes > free:
+        raise DiskSpaceError(disk_summary(out_dir, projected_bytes, free, remaining, per_sample))
+    if problems:
+        raise DiffprepError("sanity check failed:\n  " + "\n  ".join(problems))
+    return report
+
+
+def disk_summary(out_dir: str | Path, needed: int, free: int, samples: int, per_sample: int) -> str:
+    usage = shutil.disk_usage(out_dir)
+    gib = 1024**3
+    return (
+        f"not enough disk space for {out_dir}:\n"
+        f"  needed  {needed / gib:10.2f} GiB  ({samples} samples x {per_sample / 1024:.1f} KiB)\n"
+        f"  free    {free / gib:10.2f} GiB\n"
+        f"  total   {usage.total / gib:10.2f} GiB, used {usage.used / gib:.2f} GiB\n"
+        "Free space or choose another --output-dir; lower --t5-max-length or --image-size to shrink samples."
+    )

@@ -1,0 +1,357 @@
+"""The Flux encoders: images to VAE latents, captions to T5 and CLIP embeddings.
+
+Text embeddings are computed exactly as diffusers' ``FluxPipeline.encode_prompt``
+does (``_get_t5_prompt_embeds`` / ``_get_clip_prompt_embeds``): T5 padded to
+``t5_max_length`` and truncated, no attention mask; CLIP padded to its 77
+tokens, ``pooler_output``. Latents are the VAE posterior's mean (``mode``) or a
+draw from it (``sample``), normalized as ``(z - shift_factor) * scaling_factor``
+with both read from the VAE's own config.
+
+A ``sample`` draw uses noise seeded from the sample key alone, generated on the
+CPU, so a sample's noise does not depend on the batch it is in, on the device,
+or on where an interrupted run resumed. The VAE's own output is another
+matter: on the CPU a batch of 1 and a batch of 2 take different convolution
+kernels and differ in the last float bits (same-size batches do not), so
+reproducible bytes need batches fixed by the plan, which they are.
+
+Everything runs under ``torch.no_grad()``, as ``FluxPipeline.__call__`` does;
+with autograd on, PyTorch picks other attention kernels and the last bits
+differ. (Not inference mode: its tensors refuse in-place updates later.)
+
+Precision: bf16 and fp32 are the supported choices. fp16 runs as asked, with
+no silent upcast: T5 is known to overflow in fp16 and some CPU kernels lack
+fp16 support, so prefer bf16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffprep.config import LatentMode, ModelConfig
+from diffprep.encoders.hub import ResolvedPart, resolve_encoders
+from diffprep.errors import ConfigError
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+logger = logging.getLogger("diffprep.encoders")
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LATENT_MODES: tuple[str, ...] = ("sample", "mode")
+
+# The classes loaded for each part, as diffusers' FluxPipeline declares them.
+FLUX_CLASSES: dict[str, str] = {
+    "vae": "AutoencoderKL",
+    "clip_text": "CLIPTextModel",
+    "clip_tokenizer": "CLIPTokenizer",
+    "t5_text": "T5EncoderModel",
+    "t5_tokenizer": "T5TokenizerFast",
+}
+
+
+@dataclass(frozen=True)
+class TextEmbeddings:
+    """Embeddings of a batch of captions, on the CPU in the encoders' dtype."""
+
+    prompt_embeds: torch.Tensor  # [B, t5_max_length, t5_hidden]
+    pooled_prompt_embeds: torch.Tensor  # [B, clip_hidden]
+    t5_truncated: list[bool]  # caption longer than t5_max_length tokens
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> the first CUDA device when there is one, else the CPU; otherwise the device named."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"model.device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device is {name!r} but CUDA is not available here; use cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"model.device is {name!r} but there are {torch.cuda.device_count()} CUDA devices "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+            )
+    return device
+
+
+def noise_seed(key: str) -> int:
+    """Seed of a sample's VAE noise: the first 8 bytes of sha256(key), so it depends on the key alone."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
+
+
+def describe_flux(
+    parts: Mapping[str, ResolvedPart], *, dtype: torch.dtype, t5_max_length: int, latent_mode: str
+) -> dict[str, Any]:
+    """JSON-able identity of a Flux encoder set, for the config fingerprint.
+
+    Works from resolved folders alone, so the fetch phase can fingerprint a run
+    without loading multi-GB models; ``FluxEncoders.describe()`` returns the same.
+    """
+    missing = [name for name in FLUX_CLASSES if name not in parts]
+    if missing:
+        raise ValueError(f"describe_flux: parts {missing} are missing; resolve them with hub.resolve_encoders")
+    vae_config = json.loads((parts["vae"].path / "config.json").read_text(encoding="utf-8"))
+    scaling_factor, shift_factor = _vae_normalization(vae_config)
+    return {
+        "family": "flux",
+        "dtype": str(dtype).removeprefix("torch."),
+        "t5_max_length": t5_max_length,
+        "latent_mode": latent_mode,
+        "scaling_factor": scaling_factor,
+        "shift_factor": shift_factor,
+        "components": {name: {"class": cls, **parts[name].identity()} for name, cls in FLUX_CLASSES.items()},
+    }
+
+
+class FluxEncoders:
+    """The VAE, CLIP and T5 of a Flux model, on one device, ready to encode batches."""
+
+    def __init__(
+        self,
+        vae: AutoencoderKL,
+        clip_text: CLIPTextModel,
+        clip_tokenizer: CLIPTokenizer,
+        t5_text: T5EncoderModel,
+        t5_tokenizer: T5TokenizerFast,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        t5_max_length: int,
+        latent_mode: LatentMode = "sample",
+        parts: Mapping[str, ResolvedPart] | None = None,
+    ) -> None:
+        """Wrap loaded components; the models must already be on ``device`` in ``dtype``.
+
+        ``parts`` records where the components came from (``load`` fills it);
+        ``describe()`` needs it.
+        """
+        if latent_mode not in LATENT_MODES:
+            raise ConfigError(f"latent_mode must be one of {', '.join(LATENT_MODES)}, got {latent_mode!r}")
+        if t5_max_length < 1:
+            raise ConfigError(f"t5_max_length must be >= 1, got {t5_max_length}")
+        clip_max_length = clip_tokenizer.model_max_length
+        if clip_max_length > clip_text.config.max_position_embeddings:
+            raise ConfigError(
+                f"the CLIP tokenizer pads to {clip_max_length} tokens but the CLIP model has only "
+                f"{clip_text.config.max_position_embeddings} positions; "
+                "set model_max_length in its tokenizer_config.json"
+            )
+        self.vae = vae
+        self.clip_text = clip_text
+        self.clip_tokenizer = clip_tokenizer
+        self.t5_text = t5_text
+        self.t5_tokenizer = t5_tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.t5_max_length = t5_max_length
+        self.clip_max_length = clip_max_length
+        self.latent_mode = latent_mode
+        self.parts = dict(parts) if parts is not None else None
+
+        self.scaling_factor, self.shift_factor = _vae_normalization(vae.config)
+        self.latent_channels: int = vae.config.latent_channels
+        self.vae_scale_factor: int = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.t5_hidden: int = t5_text.config.d_model
+        self.clip_hidden: int = clip_text.config.hidden_size
+
+    @classmethod
+    def load(cls, model: ModelConfig, *, token: str | None = None) -> FluxEncoders:
+        """Resolve (downloading only what is missing) and load the encoders named by ``model``."""
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        parts = resolve_encoders(model, token=token)
+        device = resolve_device(model.device)
+        dtype = DTYPES[model.precision]
+
+        vae = AutoencoderKL.from_pretrained(parts["vae"].path, dtype=dtype)
+        clip_text = CLIPTextModel.from_pretrained(parts["clip_text"].path, dtype=dtype)
+        clip_tokenizer = CLIPTokenizer.from_pretrained(parts["clip_tokenizer"].path)
+        t5_text = T5EncoderModel.from_pretrained(parts["t5_text"].path, dtype=dtype)
+        t5_tokenizer = T5TokenizerFast.from_pretrained(parts["t5_tokenizer"].path)
+        for module in (vae, clip_text, t5_text):
+            module.eval()
+            module.requires_grad_(False)
+            module.to(device)
+        return cls(
+            vae,
+            clip_text,
+            clip_tokenizer,
+            t5_text,
+            t5_tokenizer,
+            device=device,
+            dtype=dtype,
+            t5_max_length=model.t5_max_length,
+            latent_mode=model.latent_mode,
+            parts=parts,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able identity of these encoders for the config fingerprint (see :func:`describe_flux`)."""
+        if self.parts is None:
+            raise ValueError(
+                "describe() needs to know where the encoders came from; build them with FluxEncoders.load "
+                "or pass parts= (from hub.resolve_encoders)"
+            )
+        return describe_flux(
+            self.parts, dtype=self.dtype, t5_max_length=self.t5_max_length, latent_mode=self.latent_mode
+        )
+
+    # Images
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor, keys: Sequence[str]) -> torch.Tensor:
+        """uint8 RGB ``[B, 3, H, W]`` -> normalized latents ``[B, C, H/f, W/f]`` on the CPU in ``dtype``.
+
+        ``keys`` are the sample keys: in ``sample`` mode each one seeds its
+        sample's noise.
+        """
+        self._check_pixels(pixels, keys)
+        # The same [-1, 1] mapping as diffusers' VaeImageProcessor: x / 255, then 2x - 1.
+        images = 2.0 * (pixels.to(self.device).float() / 255.0) - 1.0
+        posterior = self.vae.encode(images.to(self.dtype)).latent_dist
+        if self.latent_mode == "mode":
+            latents = posterior.mode()
+        else:
+            noise = self._noise(keys, posterior.mean)
+            latents = posterior.mean + posterior.std * noise
+        latents = (latents - self.shift_factor) * self.scaling_factor
+        return latents.to("cpu")
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalized latents ``[B, C, h, w]`` -> float32 images ``[B, 3, h*f, w*f]`` in [-1, 1], on the CPU."""
+        if latents.ndim != 4 or latents.shape[1] != self.latent_channels:
+            raise ValueError(
+                f"latents must be [B, {self.latent_channels}, h, w], got shape {list(latents.shape)}"
+            )
+        latents = latents.to(self.device, self.dtype) / self.scaling_factor + self.shift_factor
+        images = self.vae.decode(latents).sample
+        # The decoder can overshoot [-1, 1] slightly; clamp as image post-processing does.
+        return images.float().clamp(-1.0, 1.0).to("cpu")
+
+    def _check_pixels(self, pixels: torch.Tensor, keys: Sequence[str]) -> None:
+        if pixels.dtype != torch.uint8:
+            raise ValueError(f"pixels must be uint8, got {pixels.dtype}")
+        if pixels.ndim != 4 or pixels.shape[1] != 3:
+            raise ValueError(f"pixels must be [B, 3, H, W], got shape {list(pixels.shape)}")
+        height, width = pixels.shape[2], pixels.shape[3]
+        if height % self.vae_scale_factor or width % self.vae_scale_factor:
+            raise ValueError(
+                f"image height and width must be multiples of {self.vae_scale_factor} (the VAE's downsampling), "
+                f"got {height}x{width}"
+            )
+        if len(keys) != pixels.shape[0]:
+            raise ValueError(f"got {pixels.shape[0]} images but {len(keys)} keys; pass one key per image")
+
+    def _noise(self, keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
+        # One CPU generator per sample: the noise depends on the key only, not on batch or device.
+        draws = [
+            torch.randn(like.shape[1:], generator=torch.Generator("cpu").manual_seed(noise_seed(key)))
+            for key in keys
+        ]
+        return torch.stack(draws).to(like.device, like.dtype)
+
+    # Text
+
+    @torch.no_grad()
+    def encode_text(self, captions: Sequence[str]) -> TextEmbeddings:
+        """Captions -> T5 sequence embeddings and CLIP pooled embeddings, as FluxPipeline.encode_prompt.
+
+        Identical captions within the call are encoded once.
+        """
+        if isinstance(captions, str):
+            raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
+        captions = list(captions)
+        if not captions:
+            raise ValueError("captions is empty; pass at least one caption")
+        for position, caption in enumerate(captions):
+            if not isinstance(caption, str):
+                raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
+
+        distinct = list(dict.fromkeys(captions))
+        prompt_embeds, t5_truncated = self._t5_prompt_embeds(distinct)
+        pooled_prompt_embeds = self._clip_prompt_embeds(distinct)
+        if len(distinct) < len(captions):
+            slot = {caption: position for position, caption in enumerate(distinct)}
+            index = torch.tensor([slot[caption] for caption in captions])
+            prompt_embeds = prompt_embeds.index_select(0, index)
+            pooled_prompt_embeds = pooled_prompt_embeds.index_select(0, index)
+            t5_truncated = [t5_truncated[slot[caption]] for caption in captions]
+        return TextEmbeddings(prompt_embeds, pooled_prompt_embeds, t5_truncated)
+
+    def _t5_prompt_embeds(self, prompts: list[str]) -> tuple[torch.Tensor, list[bool]]:
+        text_inputs = self.t5_tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.t5_max_length,
+            truncation=True,
+            return_length=False,
+            return_overflowing_tokens=False,
+            return_tensors="pt",
+        )
+        text_input_ids = text_inputs.input_ids
+        truncated, removed_text = _truncation(self.t5_tokenizer, prompts, self.t5_max_length)
+        if removed_text:
+            logger.warning(
+                "T5: %d of %d captions were truncated because t5_max_length is %d tokens; removed text: %s",
+                len(removed_text),
+                len(prompts),
+                self.t5_max_length,
+                removed_text,
+            )
+
+        prompt_embeds = self.t5_text(text_input_ids.to(self.device), output_hidden_states=False)[0]
+        return prompt_embeds.to(device="cpu", dtype=self.dtype), truncated
+
+    def _clip_prompt_embeds(self, prompts: list[str]) -> torch.Tensor:
+        text_inputs = self.clip_tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.clip_max_length,
+            truncation=True,
+            return_overflowing_tokens=False,
+            return_length=False,
+            return_tensors="pt",
+        )
+        text_input_ids = text_inputs.input_ids
+        _, removed_text = _truncation(self.clip_tokenizer, prompts, self.clip_max_length)
+        if removed_text:
+            # Info, not warning: Flux reads long captions through T5; CLIP's 77 tokens cut them by design.
+            logger.info(
+                "CLIP: %d of %d captions were truncated because CLIP reads at most %d tokens; removed text: %s",
+                len(removed_text),
+                len(prompts),
+                self.clip_max_length,
+                removed_text,
+            )
+
+        prompt_embeds = self.clip_text(text_input_ids.to(self.device), output_hidden_states=False)
+        # Flux uses the pooled output of CLIPTextModel.
+        return prompt_embeds.pooler_output.to(device="cpu", dtype=self.dtype)
+
+
+def _truncation(tokenizer, prompts: list[str], max_length: int) -> tuple[list[bool], list[str]]:
+    """Which prompts lose tokens at ``max_length``, and the text each truncated one loses."""
+    untruncated_ids = tokenizer(prompts).input_ids
+    truncated = [len(ids) > max_length for ids in untruncated_ids]
+    # What is kept ends with max_length - 1 tokens then EOS; what followed them, up to EOS, is lost.
+    removed_ids = [ids[max_length - 1 : -1] for ids, cut in zip(untruncated_ids, truncated) if cut]
+    return truncated, tokenizer.batch_decode(removed_ids)
+
+
+def _vae_normalization(config: Mapping[str, Any]) -> tuple[float, float]:
+    """``(scaling_factor, shift_factor)`` from a VAE config; VAEs without a shift (SD's) shift by 0.0."""
+    shift = config.get("shift_factor")
+    return float(config["scaling_factor"]), 0.0 if shift is None else float(shift)

@@ -1,0 +1,343 @@
+"""Phase 2, verify existing: what the output already holds, and what this run may do with it.
+
+Empty: go on. Same fingerprint: resume (or skip when complete). Anything else
+(other settings, other shapes, files that are not ours) needs an explicit
+choice: ``resume`` (same settings only), ``new-dir``, ``overwrite`` or
+``abort``. Nothing is deleted here without that choice.
+"""
+
+from __future__ import annotations
+
+import getpass
+import io
+import json
+import os
+import shutil
+import socket
+import tarfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from diffprep import contract
+from diffprep.errors import ExistingOutputError, LockedError
+from diffprep.plan import Plan, read_plan
+from diffprep.shards import read_manifests
+
+CHOICES = ("resume", "new-dir", "overwrite", "abort")
+
+
+@dataclass
+class Inspection:
+    """What an output directory holds, compared with the plan of this run."""
+
+    out_dir: str
+    exists: bool
+    empty: bool
+    plan_fingerprint: str | None  # fingerprint of the plan found there
+    same_settings: bool
+    units_done: list[int] = field(default_factory=list)
+    units_left: list[int] = field(default_factory=list)
+    damaged_units: list[int] = field(default_factory=list)  # manifest present, shard missing or of another size
+    foreign: list[str] = field(default_factory=list)  # top-level entries that diffprep did not write
+    shape_problem: str | None = None
+    bytes_on_disk: int = 0
+
+    @property
+    def matches(self) -> bool:
+        """Same settings and shapes: safe to resume without asking."""
+        return self.same_settings and self.shape_problem is None
+
+    @property
+    def complete(self) -> bool:
+        return self.matches and not self.units_left and not self.damaged_units
+
+    def describe(self) -> str:
+        """Markdown: what exists, what would be lost, the choices."""
+        lines = [f"**Output:** `{self.out_dir}`", ""]
+        if self.plan_fingerprint is None:
+            lines.append("- holds no diffprep plan")
+        elif not self.same_settings:
+            lines.append(f"- was written with other settings (fingerprint `{self.plan_fingerprint}`)")
+        if self.shape_problem:
+            lines.append(f"- its samples do not match this run's shapes: {self.shape_problem}")
+        if self.units_done:
+            lines.append(f"- {len(self.units_done)} finished shard(s)")
+        if self.foreign:
+            shown = ", ".join(f"`{name}`" for name in self.foreign[:10])
+            more = f" and {len(self.foreign) - 10} more" if len(self.foreign) > 10 else ""
+            lines.append(f"- {len(self.foreign)} file(s) diffprep did not write: {shown}{more}")
+        lines.append(f"- {_human_bytes(self.bytes_on_disk)} on disk")
+        lines += [
+            "",
+            "**Choices** (`--on-existing` / `on_existing`):",
+            "- `new-dir`: leave it untouched and write to the next free `<out>-v2`, `-v3`...",
+            "- `overwrite`: delete diffprep's shards, metadata and state there, then encode anew"
+            + (" (files diffprep did not write stay)" if self.foreign else ""),
+            "- `resume`: only when the settings are the same",
+            "- `abort`: change nothing",
+        ]
+        return "\n".join(lines)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _is_ours(name: str) -> bool:
+    if name in (contract.NV_META, contract.STATE_DIR):
+        return True
+    if name.endswith(contract.INDEX_SUFFIX):
+        name = name[: -len(".idx")]
+    return contract.unit_of_shard(name) is not None
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _check_shapes(out_dir: Path, plan: Plan, manifests) -> str | None:
+    """Load the first sample of one finished shard (weights only) and compare its shapes with the plan."""
+    for manifest in manifests.values():
+        shard = out_dir / manifest.shard
+        if not shard.is_file() or not manifest.keys:
+            continue
+        key = manifest.keys[0]
+        wanted = {f"{key}.{field}": field for field in contract.TENSOR_FIELDS}
+        try:
+            with tarfile.open(shard, "r:") as tar:
+                for member in tar:
+                    field_name = wanted.get(member.name)
+                    if field_name is None:
+                        continue
+                    data = tar.extractfile(member).read()
+                    tensor = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+                    problem = _compare_shape(field_name, tensor, plan.expected)
+                    if problem:
+                        return f"{manifest.shard}:{key}: {problem}"
+        except Exception as exc:  # noqa: BLE001 - any unreadable sample is a mismatch to report, not a crash
+            return f"{manifest.shard}:{key} cannot be read ({type(exc).__name__}: {exc})"
+        return None
+    return None
+
+
+def _compare_shape(field_name: str, tensor, expected: dict) -> str | None:
+    if not isinstance(tensor, torch.Tensor):
+        return f"{field_name} holds a {type(tensor).__name__}, not a tensor"
+    want = expected.get(contract.field_stem(field_name))
+    if want is None:
+        return None
+    have = list(tensor.shape)
+    if len(have) != len(want) or any(w is not None and w != h for w, h in zip(want, have)):
+        return f"{field_name} has shape {have}, this run writes {want}"
+    dtype = expected.get("dtype")
+    if dtype and str(tensor.dtype).removeprefix("torch.") != dtype:
+        return f"{field_name} has dtype {tensor.dtype}, this run writes {dtype}"
+    return None
+
+
+def inspect_output(out_dir: str | os.PathLike, plan: Plan) -> Inspection:
+    out = Path(out_dir)
+    if not out.exists():
+        return Inspection(str(out), exists=False, empty=True, plan_fingerprint=None, same_settings=True,
+                          units_left=[u.unit for u in plan.units])
+    if not out.is_dir():
+        raise ExistingOutputError(f"output {out} exists and is not a directory")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return Inspection(str(out), exists=True, empty=True, plan_fingerprint=None, same_settings=True,
+                          units_left=[u.unit for u in plan.units])
+    old = read_plan(out)
+    manifests = read_manifests(out)
+    same = old is not None and old.fingerprint == plan.fingerprint
+    done, damaged = [], []
+    for unit in plan.units:
+        manifest = manifests.get(unit.unit)
+        if manifest is None or manifest.fingerprint != plan.fingerprint:
+            continue
+        shard = out / manifest.shard
+        if shard.is_file() and shard.stat().st_size == manifest.bytes:
+            done.append(unit.unit)
+        else:
+            damaged.append(unit.unit)
+    left = [u.unit for u in plan.units if u.unit not in done and u.unit not in damaged]
+    inspection = Inspection(
+        str(out),
+        exists=True,
+        empty=False,
+        plan_fingerprint=old.fingerprint if old else None,
+        same_settings=same,
+        units_done=done if same else [],
+        units_left=left if same else [u.unit for u in plan.units],
+        damaged_units=damaged if same else [],
+        foreign=[name for name in entries if not _is_ours(name)],
+        bytes_on_disk=_du(out),
+    )
+    if same:
+        inspection.shape_problem = _check_shapes(out, plan, {u: manifests[u] for u in done})
+    return inspection
+
+
+@dataclass
+class Decision:
+    action: str  # fresh | resume | complete | new-dir | overwrite
+    out_dir: str
+    inspection: dict
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def next_free_dir(out_dir: str | os.PathLike) -> Path:
+    """``<out>-v2``, ``-v3``...: the first that does not exist or is empty."""
+    out = Path(out_dir)
+    version = 2
+    while True:
+        candidate = out.with_name(f"{out.name}-v{version}")
+        if not candidate.exists() or (candidate.is_dir() and not any(candidate.iterdir())):
+            return candidate
+        version += 1
+
+
+def decide(inspection: Inspection, on_existing: str | None) -> Decision:
+    """Turn an inspection and the user's explicit choice (or none) into an action.
+
+    Raises ExistingOutputError when the output needs a choice that was not given,
+    or when the choice is ``abort`` or cannot apply.
+    """
+    if on_existing is not None and on_existing not in CHOICES:
+        raise ExistingOutputError(f"on_existing must be one of {', '.join(CHOICES)}, got {on_existing!r}")
+    summary = asdict(inspection)
+    if inspection.empty:
+        return Decision("fresh", inspection.out_dir, summary)
+    if inspection.matches and on_existing in (None, "resume"):
+        return Decision("complete" if inspection.complete else "resume", inspection.out_dir, summary)
+    if on_existing is None:
+        raise ExistingOutputError(
+            "the output directory already holds data that this run would change:\n"
+            + inspection.describe()
+            + "\n\nRe-run with --on-existing new-dir|overwrite|abort to say what to do."
+        )
+    if on_existing == "abort":
+        raise ExistingOutputError(f"stopped as asked (on_existing=abort); {inspection.out_dir} is unchanged")
+    if on_existing == "resume":
+        reason = inspection.shape_problem or "it was written with other settings"
+        raise ExistingOutputError(
+            f"cannot resume {inspection.out_dir}: {reason}. Resume needs the same settings; "
+            "choose --on-existing new-dir or overwrite, or run with the settings in its .diffprep/plan.json."
+        )
+    if on_existing == "new-dir":
+        return Decision("new-dir", str(next_free_dir(inspection.out_dir)), summary)
+    return Decision("overwrite", inspection.out_dir, summary)
+
+
+def clear_output(out_dir: str | os.PathLike) -> list[str]:
+    """Delete what diffprep wrote under ``out_dir`` (only after an approved overwrite).
+
+    Files diffprep did not write are left where they are. Returns what was removed.
+    """
+    out = Path(out_dir)
+    removed = []
+    for name in sorted(os.listdir(out)):
+        if not _is_ours(name):
+            continue
+        path = out / name
+        if name == contract.STATE_DIR:
+            # Keep the lock of the run doing the overwrite.
+            for child in sorted(path.iterdir()):
+                if child.name == contract.LOCK_FILE:
+                    continue
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(name)
+    return removed
+
+
+# --- one run at a time per output -------------------------------------------------------------
+
+
+@dataclass
+class LockHolder:
+    host: str
+    pid: int
+    user: str
+    run: str | None = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class OutputLock:
+    """``.diffprep/lock.json`` created with O_EXCL; names its holder; a dead holder's lock is taken over."""
+
+    def __init__(self, out_dir: str | os.PathLike, run: str | None = None) -> None:
+        self.path = Path(out_dir) / contract.STATE_DIR / contract.LOCK_FILE
+        self.me = LockHolder(socket.gethostname(), os.getpid(), getpass.getuser(), run)
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self.holder()
+                if holder is not None and (holder.host, holder.pid) == (self.me.host, self.me.pid):
+                    return  # re-entrant within one process (a retried task)
+                if holder is not None and holder.host == self.me.host and not _pid_alive(holder.pid):
+                    self.path.unlink(missing_ok=True)  # stale: its process is gone
+                    continue
+                raise LockedError(
+                    f"{self.path.parent.parent} is being written by another run "
+                    + (f"(host {holder.host}, pid {holder.pid}, user {holder.user}"
+                       + (f", flow run {holder.run}" if holder.run else "") + ")" if holder else "(lock unreadable)")
+                    + f". Wait for it to finish; if it is dead on another host, delete {self.path}."
+                ) from None
+            with os.fdopen(fd, "w") as handle:
+                json.dump(asdict(self.me), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            return
+        raise LockedError(f"could not take the lock {self.path}")
+
+    def holder(self) -> LockHolder | None:
+        try:
+            return LockHolder(**json.loads(self.path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def release(self) -> None:
+        holder = self.holder()
+        if holder is not None and (holder.host, holder.pid) == (self.me.host, self.me.pid):
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "OutputLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+__all__ = ["Inspection", "Decision", "inspect_output", "decide", "clear_output", "next_free_dir", "OutputLock"]

@@ -1,0 +1,176 @@
+"""The encode-dataset flow: fetch -> verify existing -> sanity -> encode units -> audit -> finalize -> validate.
+
+The flow only composes tasks; each task is a thin wrapper over diffprep/.
+Tasks pass paths and small summaries, never tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.runtime import flow_run
+
+from diffprep.audit import AuditReport
+from diffprep.config import Settings, check_runnable, load_settings
+from diffprep.errors import DiffprepError, ExistingOutputError
+from diffprep.existing import OutputLock, clear_output
+from diffprep.plan import read_plan, write_plan
+from tasks.audit import audit_task
+from tasks.encode import encode_unit_task
+from tasks.fetch import fetch_task
+from tasks.finalize import finalize_task
+from tasks.sanity import sanity_task
+from tasks.validate import validate_task
+from tasks.verify import verify_existing_task
+
+
+class RejectsNotAccepted(DiffprepError):
+    """Samples were rejected and the loss was not accepted."""
+
+
+def _rejects_accepted(report: AuditReport, accept: float | None) -> bool:
+    return report.rejected == 0 or (accept is not None and report.rejected_fraction <= accept)
+
+
+def _reject_message(report: AuditReport, out_dir: str) -> str:
+    shown = "\n".join(f"  {r['source_id']}: {r['reason']} {r['detail']}" for r in report.rejected_ids[:20])
+    more = f"\n  ... and {report.rejected - 20} more (see {out_dir}/.diffprep/audit.json)" if report.rejected > 20 else ""
+    return (
+        f"{report.rejected} of {report.inputs} samples were rejected ({report.rejected_fraction:.2%}); "
+        f"the dataset would be smaller than its source:\n{shown}{more}\n"
+        f"Fix the inputs and re-run, or accept the loss: re-run with --accept-rejects {report.rejected_fraction:.4f} "
+        "(encoded shards are kept; the re-run resumes at the audit)."
+    )
+
+
+def _slug(path: str) -> str:
+    """An artifact key from an output path: lowercase letters, digits and dashes."""
+    name = "".join(c if c.isalnum() else "-" for c in Path(path).name.lower()).strip("-")
+    return (name or "output")[:40]
+
+
+@flow(name="encode-dataset", log_prints=True)
+def encode_dataset(config: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> dict:
+    """Pre-encode a source into a validated Energon dataset.
+
+    ``config``: a YAML file; ``overrides``: settings per section that win over
+    the environment and the file (what the CLI flags say).
+    """
+    logger = get_run_logger()
+    settings: Settings = load_settings(config, overrides)
+    check_runnable(settings)
+    params = settings.model_dump(mode="json")
+    started = time.perf_counter()
+
+    out_dir = str(Path(settings.output.output_dir).expanduser().resolve())
+    fetched = fetch_task(params, out_dir)
+    logger.info("planned %d samples in %d units (fingerprint %s)", fetched["samples"], fetched["units"],
+                fetched["fingerprint"])
+    if fetched["missing_from_source"]:
+        logger.warning("%d planned samples are no longer in the source; nothing is removed from the dataset",
+                       fetched["missing_from_source"])
+
+    decision = verify_existing_task(fetched["plan_path"], out_dir, settings.output.on_existing)
+    out_dir = decision["out_dir"]
+    inspection = decision["inspection"]
+    logger.info("output %s: %s", out_dir, decision["action"])
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with OutputLock(out_dir, run=str(flow_run.get_id() or "")):
+        if decision["action"] == "overwrite":
+            removed = clear_output(out_dir)
+            logger.warning("overwrite (approved by on_existing=overwrite): removed %s", ", ".join(removed))
+        plan = read_plan(fetched["plan_path"])
+        write_plan(out_dir, plan)
+        if decision["action"] in ("resume", "complete"):
+            units_left = sorted(inspection["units_left"] + inspection["damaged_units"])
+        else:
+            units_left = [u.unit for u in plan.units]
+        _plan_artifact(plan, units_left, out_dir)
+
+        sanity = None
+        if units_left:
+            sanity = sanity_task(params, out_dir, units_left)
+            logger.info(
+                "sanity: %s per batch, projected %.1f GiB and %.0f s for %d units; PSNR %s dB",
+                sanity["seconds_per_batch"], sanity["projected_bytes"] / 2**30, sanity["projected_seconds"],
+                len(units_left), sanity["psnr_db"],
+            )
+            _encode_units(params, out_dir, units_left, len(plan.units))
+        else:
+            logger.info("every unit is already encoded with these settings: nothing to encode")
+
+        audit = AuditReport(**{k: v for k, v in audit_task(out_dir).items() if k != "ok"})
+        create_table_artifact(
+            key=f"audit-{_slug(out_dir)}",
+            table=[{"reason": r, "samples": n} for r, n in audit.by_reason.items()]
+            or [{"reason": "(none)", "samples": 0}],
+            description=audit.to_markdown(),
+        )
+        if audit.problems:
+            raise DiffprepError("audit failed:\n  " + "\n  ".join(audit.problems))
+        if not _rejects_accepted(audit, settings.output.accept_rejects):
+            raise RejectsNotAccepted(_reject_message(audit, out_dir))
+
+        result: dict[str, Any] = {
+            "out_dir": out_dir,
+            "action": decision["action"],
+            "fingerprint": plan.fingerprint,
+            "units": len(plan.units),
+            "encoded_units": len(units_left),
+            "samples": audit.written,
+            "rejected": audit.rejected,
+            "rejects_by_reason": audit.by_reason,
+            "notes": audit.notes,
+            "sanity": sanity,
+        }
+        if settings.finalize.enabled:
+            result["finalize"] = finalize_task(params, out_dir)
+            validation = validate_task(out_dir)
+            result["validation"] = {"ok": validation["ok"], "summary": validation["summary"]}
+            create_markdown_artifact(key=f"validation-{_slug(out_dir)}", markdown=validation["markdown"],
+                                     description="diffprep validation report")
+        create_link_artifact(key=f"output-{_slug(out_dir)}", link=Path(out_dir).as_uri(),
+                             link_text=out_dir, description="The encoded dataset")
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def _plan_artifact(plan, units_left: list[int], out_dir: str) -> None:
+    left = set(units_left)
+    rows = [{"unit": u.unit, "shard": u.shard, "samples": len(u.source_ids), "to encode": u.unit in left}
+            for u in plan.units[:500]]
+    create_table_artifact(key=f"plan-{_slug(out_dir)}", table=rows,
+                          description=f"{plan.total_samples} samples in {len(plan.units)} units, "
+                                      f"{len(units_left)} to encode (fingerprint `{plan.fingerprint}`)")
+
+
+def _encode_units(params: dict, out_dir: str, units: list[int], total_units: int) -> None:
+    logger = get_run_logger()
+    artifact = create_progress_artifact(progress=0.0, key=f"progress-{_slug(out_dir)}",
+                                        description=f"units encoded of {len(units)}")
+    start = time.perf_counter()
+    samples = 0
+    for done, unit in enumerate(units, start=1):
+        result = encode_unit_task(params, out_dir, unit)
+        samples += result["count"] + result["rejected"]
+        elapsed = time.perf_counter() - start
+        rate = samples / elapsed if elapsed > 0 else 0.0
+        eta = elapsed / done * (len(units) - done)
+        logger.info("unit %06d done (%d/%d): %d written, %d rejected; %.1f samples/s overall, ETA %.0f s",
+                    unit, done, len(units), result["count"], result["rejected"], rate, eta)
+        update_progress_artifact(artifact_id=artifact, progress=100.0 * done / len(units))
+
+
+logging.getLogger("diffprep").setLevel(logging.INFO)

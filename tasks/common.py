@@ -1,0 +1,37 @@
+"""What every task shares: settings in and out of parameters, which errors a retry can help."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from diffprep.config import Settings
+
+
+def settings_from(params: dict[str, Any]) -> Settings:
+    """Rebuild the run's settings from the dict the flow passed (every field explicit: env and YAML do not apply)."""
+    return Settings(**params)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Network and storage hiccups: worth a retry. Bad settings and bad samples are not."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError):
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        return status is None or status >= 500 or status == 429
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def retry_transient(task, task_run, state) -> bool:
+    """``retry_condition_fn`` for Prefect tasks: retry only transient errors."""
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001 - inspecting the failure
+        return is_transient(exc)
+    return False
+
+
+def small(value: Any) -> Any:
+    """A JSON round trip: task results stay plain data (paths and summaries, never tensors)."""
+    return json.loads(json.dumps(value))

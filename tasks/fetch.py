@@ -1,0 +1,23 @@
+"""Task: resolve source and encoders, plan the units (diffprep.fetch)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from diffprep.fetch import fetch, stage_plan
+from tasks.common import retry_transient, settings_from
+
+
+@task(name="fetch", retries=3, retry_delay_seconds=[5, 30, 120], retry_jitter_factor=0.5,
+      retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
+def fetch_task(settings: dict, out_dir: str) -> dict:
+    plan, _source = fetch(settings_from(settings), out_dir)
+    path = stage_plan(plan, out_dir)
+    return {
+        "plan_path": str(path),
+        "fingerprint": plan.fingerprint,
+        "units": len(plan.units),
+        "samples": plan.total_samples,
+        "missing_from_source": plan.missing_count,
+    }

@@ -1,0 +1,19 @@
+"""Task: Energon metadata and split assignment over the committed shards (diffprep.energon.finalize)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from diffprep import contract
+from diffprep.energon import finalize
+from tasks.common import settings_from, small
+
+
+@task(name="finalize", cache_policy=NO_CACHE, persist_result=False)
+def finalize_task(settings: dict, out_dir: str, encoding: str = contract.ENCODING_PREENCODED) -> dict:
+    f = settings_from(settings).finalize
+    result = finalize(out_dir, encoding=encoding, train_split=f.train_split, seed=f.shuffle_seed, workers=f.workers)
+    return small(asdict(result))

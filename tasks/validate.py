@@ -1,0 +1,16 @@
+"""Task: strict validation of the finished dataset (diffprep.validate); a failure fails the run."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from diffprep.validate import validate_dataset
+from tasks.common import small
+
+
+@task(name="validate", cache_policy=NO_CACHE, persist_result=False)
+def validate_task(out_dir: str, encoding: str | None = None, max_load: int | None = None) -> dict:
+    report = validate_dataset(out_dir, encoding=encoding, max_load=max_load)
+    report.raise_if_failed()
+    return small(report.to_json()) | {"markdown": report.to_markdown()}

@@ -1,0 +1,162 @@
+"""Shared fixtures: the tiny offline Flux model, the demo dataset, and small settings.
+
+Everything here is built locally: nothing is downloaded, and the environment
+keeps the libraries offline and silent before any of them is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before diffusers, transformers, huggingface_hub or prefect are imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import torch
+
+from diffprep import contract
+from diffprep.config import Settings, load_settings
+from diffprep.demo import write_demo_dataset
+from diffprep.plan import Plan, UnitPlan, fingerprint
+from diffprep.shards import Reject, ShardWriter, UnitManifest, write_manifest
+from diffprep.tiny import write_tiny_model
+
+# Small values that keep an encode of the tiny model well under a second per unit.
+SMALL_SETTINGS: dict[str, dict[str, Any]] = {
+    "output": {"shard_size": 4},
+    "model": {"precision": "fp32", "device": "cpu", "batch_size": 4, "t5_max_length": 16},
+    "image": {"image_size": 32, "decode_workers": 1},
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_diffprep_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings read ``DIFFPREP_*`` from the environment: a variable set in the shell must not change a test."""
+    for name in list(os.environ):
+        if name.startswith("DIFFPREP_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight encoder set in the FLUX.1-dev layout (written once per session; do not modify)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-flux")
+
+
+@pytest.fixture
+def demo_data(tmp_path: Path) -> Path:
+    """A fresh 12-sample directory source (images/ + captions/) that the test may change."""
+    return write_demo_dataset(tmp_path / "demo", samples=12)
+
+
+@pytest.fixture
+def settings_for() -> Callable[..., Settings]:
+    """``settings_for(out_dir, input_dir, model_path, **sections)`` -> small, explicit settings.
+
+    A directory source at ``input_dir``, fp32 on the CPU, image_size 32,
+    t5_max_length 16, batch_size 4, shard_size 4; ``sections`` are per-section
+    overrides merged over those, e.g. ``image={"image_size": 64}``.
+    """
+
+    def make(
+        out_dir: str | os.PathLike,
+        input_dir: str | os.PathLike,
+        model_path: str | os.PathLike,
+        **sections: dict[str, Any],
+    ) -> Settings:
+        overrides: dict[str, dict[str, Any]] = {name: dict(values) for name, values in SMALL_SETTINGS.items()}
+        overrides.setdefault("source", {}).update(type="directory", input_dir=str(input_dir))
+        overrides["output"]["output_dir"] = str(out_dir)
+        overrides["model"]["model_path"] = str(model_path)
+        for section, values in sections.items():
+            overrides.setdefault(section, {}).update(values)
+        return load_settings(overrides=overrides)
+
+    return make
+
+
+# --- Hand-built outputs (no encoder): plans and finished units with real shards and manifests --------
+
+# Shapes of the tiny model at image_size 32, t5_max_length 16 (what fetch() plans for it).
+TINY_EXPECTED: dict[str, Any] = {"latents": [16, 4, 4], "prompt_embeds": [16, 32], "pooled_prompt_embeds": [32],
+                                 "dtype": "float32"}
+
+
+@pytest.fixture
+def make_plan() -> Callable[..., Plan]:
+    """``make_plan(sizes=(4, 4, 2), settings=None, expected=None)`` -> a Plan of ``len(sizes)`` units.
+
+    Source ids are ``img0000.png``, ``img0001.png``...; the fingerprint is that of ``settings``.
+    """
+
+    def make(sizes=(4, 4, 2), *, settings: dict[str, Any] | None = None,
+             expected: dict[str, Any] | None = None) -> Plan:
+        settings = settings if settings is not None else {"shard_size": max(sizes, default=1), "test": True}
+        units, start = [], 0
+        for unit, size in enumerate(sizes):
+            units.append(UnitPlan(unit, [f"img{i:04d}.png" for i in range(start, start + size)]))
+            start += size
+        return Plan(
+            fingerprint=fingerprint(settings),
+            settings=settings,
+            source={"type": "directory", "input_dir": "/nowhere"},
+            expected=dict(expected or TINY_EXPECTED),
+            units=units,
+        )
+
+    return make
+
+
+@pytest.fixture
+def write_unit() -> Callable[..., UnitManifest]:
+    """``write_unit(out_dir, plan, unit, rejects={source_id: reason}, shapes={field_stem: shape})``.
+
+    Writes the unit's shard with the real ShardWriter (random tensors of the
+    plan's shapes unless ``shapes`` overrides one) and commits its manifest.
+    Rejected ids leave a gap in the keys, as the encoder does.
+    """
+
+    def write(out_dir: str | os.PathLike, plan: Plan, unit: int, *, rejects: dict[str, str] | None = None,
+              shapes: dict[str, list[int]] | None = None) -> UnitManifest:
+        rejects = rejects or {}
+        shapes = {**plan.expected, **(shapes or {})}
+        dtype = getattr(torch, plan.expected.get("dtype", "float32"))
+        generator = torch.Generator().manual_seed(unit)
+        keys, written = [], []
+        with ShardWriter(out_dir, unit) as writer:
+            for index, source_id in enumerate(plan.unit(unit).source_ids):
+                if source_id in rejects:
+                    continue
+                key = contract.sample_key(unit, index)
+                fields: dict[str, Any] = {
+                    name: torch.randn(shapes[contract.field_stem(name)], generator=generator).to(dtype)
+                    for name in contract.TENSOR_FIELDS
+                }
+                fields[contract.CAPTION] = f"caption of {source_id}"
+                fields[contract.META] = {"source_id": source_id}
+                writer.write(key, fields)
+                keys.append(key)
+                written.append(source_id)
+            info = writer.commit()
+        manifest = UnitManifest(
+            unit=unit, shard=info.name, fingerprint=plan.fingerprint, keys=keys, source_ids=written,
+            count=info.count, bytes=info.bytes, sha256=info.sha256,
+            rejects=[Reject(sid, reason, f"test reject of {sid}") for sid, reason in rejects.items()],
+        )
+        write_manifest(out_dir, manifest)
+        return manifest
+
+    return write
+
+
+# --- Prefect ------------------------------------------------------------------------------------
+# Reserved for the lead: the session-scoped ``prefect_test_harness`` fixture used by
+# tests/test_flow.py and tests/test_cli.py goes here. No test in the pipeline-core files
+# (config, plan, shards, existing, audit, encode) starts Prefect.
