@@ -1,0 +1,9 @@
+"""Prefect blocks: saved settings and secrets that flows accept by name.
+
+Register them once per server: ``prefect block register -m blocks``.
+"""
+
+from blocks.encoder_spec import EncoderSpec
+from blocks.hf_credentials import HuggingFaceCredentials
+
+__all__ = ["EncoderSpec", "HuggingFaceCredentials"]

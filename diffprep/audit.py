@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from diffprep import contract
+from diffprep.approvals import ABORT, Question
 from diffprep.plan import Plan
 from diffprep.shards import atomic_write_json, read_manifests, tar_keys
 
@@ -58,6 +59,39 @@ class AuditReport:
         if self.problems:
             lines += ["", "**Problems:**"] + [f"- {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+def rejects_accepted(report: AuditReport, accept: float | None) -> bool:
+    """No rejects, or no more than the fraction accepted ahead of time."""
+    return report.rejected == 0 or (accept is not None and report.rejected_fraction <= accept)
+
+
+def rejects_question(report: AuditReport, out_dir: str | os.PathLike) -> Question:
+    shown = report.rejected_ids[:50]
+    lines = [
+        f"**{report.rejected} of {report.inputs} samples** ({report.rejected_fraction:.2%}) were rejected: "
+        "the dataset would be smaller than its source.",
+        "",
+        report.to_markdown(),
+        "",
+        "| source id | reason | detail |",
+        "|---|---|---|",
+        *(f"| `{r['source_id']}` | `{r['reason']}` | {r['detail'].replace('|', '/')} |" for r in shown),
+    ]
+    if report.rejected > len(shown):
+        lines.append(f"\n...and {report.rejected - len(shown)} more in `{Path(out_dir) / contract.STATE_DIR / contract.AUDIT_JSON}`")
+    lines += [
+        "",
+        "**Choices:** `accept`: finalize without them (the encoded shards are kept) · `abort`: stop here; "
+        "fix the inputs and re-run (finished units are kept).",
+    ]
+    return Question(
+        key="rejected-samples",
+        title=f"{report.rejected} samples were rejected",
+        description="\n".join(lines),
+        choices=("accept", ABORT),
+        preset_hint=f"--accept-rejects {report.rejected_fraction:.4f} (flow parameter output.accept_rejects)",
+    )
 
 
 def audit(out_dir: str | os.PathLike, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
@@ -124,6 +158,7 @@ def audit(out_dir: str | os.PathLike, plan: Plan, *, units: list[int] | None = N
         problems=problems,
         missing_from_source=plan.missing_count,
     )
+    (out / contract.STATE_DIR).mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / contract.STATE_DIR / contract.AUDIT_JSON, report.to_json())
     return report
 

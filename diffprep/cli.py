@@ -36,6 +36,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--compress": ("output", "compress"),
     "--on-existing": ("output", "on_existing"),
     "--accept-rejects": ("output", "accept_rejects"),
+    "--approval-timeout": ("output", "approval_timeout"),
     "--model-path": ("model", "model_path"),
     "--revision": ("model", "revision"),
     "--vae-path": ("model", "vae_path"),
@@ -54,7 +55,9 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--decode-workers": ("image", "decode_workers"),
     "--train-split": ("finalize", "train_split"),
     "--finalize": ("finalize", "enabled"),
+    "--on-split-change": ("finalize", "on_split_change"),
     "--hf-token-file": ("auth", "hf_token_file"),
+    "--hf-credentials-block": ("auth", "hf_credentials_block"),
 }
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize"}
 LIST_FLAGS = {"--hf-data-files"}
@@ -100,17 +103,20 @@ def _prefect_defaults() -> None:
 
 def run_encode(config: str | None, overrides: dict[str, dict[str, Any]]) -> dict:
     _prefect_defaults()
-    from diffprep.config import check_runnable, load_settings
+    from diffprep.config import EncodeParameters, check_runnable, load_settings
 
     check_runnable(load_settings(config, overrides))  # fail on bad settings before Prefect starts
     from flows.encode import encode_dataset
 
-    return encode_dataset(config=config, overrides=overrides)
+    return encode_dataset(EncodeParameters(config=config, **overrides))
 
 
 def print_summary(result: dict) -> None:
     print()
     print(f"dataset: {result['out_dir']}  ({result['action']}, fingerprint {result['fingerprint']})")
+    if result["action"] == "reuse":
+        print("  reused as it is: nothing encoded, nothing changed")
+        return
     print(f"  samples written: {result['samples']}   rejected: {result['rejected']}   "
           f"units: {result['units']} ({result['encoded_units']} encoded this run)   time: {result['seconds']} s")
     for reason, count in result.get("rejects_by_reason", {}).items():

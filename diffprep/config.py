@@ -22,7 +22,8 @@ from diffprep.errors import ConfigError
 SourceType = Literal["directory", "huggingface", "webdataset"]
 Precision = Literal["bf16", "fp16", "fp32"]
 LatentMode = Literal["sample", "mode"]
-OnExisting = Literal["resume", "overwrite", "abort", "new-dir"]
+OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
+OnSplitChange = Literal["replace", "keep", "abort"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
 
@@ -50,11 +51,17 @@ class OutputConfig(_Section):
     max_samples: int | None = Field(None, ge=1, description="Stop after this many source samples (smoke tests).")
     compress: bool = Field(False, description="Gzip the shards. Refused: Energon indexes uncompressed tars only.")
     on_existing: OnExisting | None = Field(
-        None, description="What to do when the output already holds data: resume | overwrite | abort | new-dir."
+        None,
+        description="When the output holds data this run would change: resume (same settings only) | new-dir | "
+        "overwrite | reuse (keep it as it is, encode nothing) | abort. Unset: ask.",
     )
     accept_rejects: float | None = Field(
         None, ge=0.0, le=1.0,
         description="Accept up to this fraction of rejected samples without asking (0.01 = 1%).",
+    )
+    approval_timeout: int = Field(
+        3600, ge=10, le=7 * 24 * 3600,
+        description="Seconds a paused run waits for an answer in the Prefect UI; then it stops, changing nothing.",
     )
 
 
@@ -102,10 +109,17 @@ class FinalizeConfig(_Section):
     train_split: float = Field(1.0, gt=0.0, le=1.0, description="Share of shards for train; the rest is split evenly into val and test.")
     shuffle_seed: int = Field(42, description="Seed for assigning new shards to splits.")
     workers: int = Field(2, ge=1, le=256, description="Processes for Energon prepare.")
+    on_split_change: OnSplitChange | None = Field(
+        None, description="When the output is already split with another train_split: replace (moves shards) | "
+        "keep | abort. Unset: ask.",
+    )
 
 
 class AuthConfig(_Section):
     hf_token_file: str | None = Field(None, description="File holding a Hugging Face token (mode 600 or 400).")
+    hf_credentials_block: str | None = Field(
+        None, description="Name of a saved diffprep Hugging Face credentials block (Prefect runs)."
+    )
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -151,6 +165,32 @@ class Settings(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
         return (init_settings, env_settings, _YamlSource(settings_cls, _YAML_DATA.get()))
+
+
+class EncodeParameters(BaseModel):
+    """The parameters of the encode-dataset flow (a form in the Prefect UI).
+
+    Only the fields given count: they override the environment and the config
+    file, the way typed CLI flags do.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str | None = Field(None, description="YAML config file, on the machine that runs the flow.")
+    encoder_spec: str | None = Field(
+        None, description="Name of a saved diffprep encoder-spec block; its settings apply under the model fields given here."
+    )
+    source: SourceConfig = Field(default_factory=SourceConfig, description="Where samples come from.")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="Destination, sharding, approvals.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Encoders, precision, batch size.")
+    image: ImageConfig = Field(default_factory=ImageConfig, description="Image decoding and sizing.")
+    finalize: FinalizeConfig = Field(default_factory=FinalizeConfig, description="Energon metadata and splits.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Hugging Face credentials.")
+
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        """The settings given explicitly, per section."""
+        given = self.model_dump(mode="json", include=set(SECTIONS), exclude_unset=True)
+        return {section: values for section, values in given.items() if values}
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

@@ -8,6 +8,7 @@ its manifest's rejects, with a reason.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -235,7 +236,8 @@ def encode_unit(
     keys: list[str] = []
     source_ids: list[str] = []
     batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
-    with ShardWriter(out_dir, unit_index) as writer:
+    # closing(): an encoder error must also stop the reader thread and its decode pool at once.
+    with contextlib.closing(batches), ShardWriter(out_dir, unit_index) as writer:
         for batch in batches:
             latents = encoders.encode_images(batch.pixels, batch.keys)
             text = encoders.encode_text(batch.captions)

@@ -36,6 +36,7 @@ import braceexpand
 import yaml
 
 from diffprep import contract
+from diffprep.approvals import ABORT, Question
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
 from diffprep.shards import UnitManifest, atomic_write_bytes, atomic_write_json, read_manifests
 
@@ -179,6 +180,35 @@ def read_split_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def split_question(out_dir: str | os.PathLike, *, train_split: float, seed: int = 42) -> Question | None:
+    """The question to ask before finalizing with another ``train_split`` than the recorded one, or None."""
+    record = read_split_record(out_dir)
+    if record is None or record["train_split"] == train_split:
+        return None
+    moves = preview_replace_split(out_dir, train_split=train_split, seed=seed)
+    if not moves:
+        return None
+    rows = [f"| `{shard}` | {old} | {new} |" for shard, (old, new) in list(moves.items())[:50]]
+    description = "\n".join([
+        f"`{out_dir}` is split with **train_split {record['train_split']}**; this run asks for "
+        f"**{train_split}**, which would move {len(moves)} shard(s):",
+        "",
+        "| shard | now | would be |",
+        "|---|---|---|",
+        *rows,
+        "",
+        "**Choices:** `replace`: reassign every shard (held-out val/test data may enter train) · `keep`: keep the "
+        "recorded split, new shards follow the new ratio · `abort`: change nothing.",
+    ])
+    return Question(
+        key="replace-split",
+        title=f"The dataset is already split with train_split {record['train_split']}",
+        description=description,
+        choices=("replace", "keep", ABORT),
+        preset_hint="--replace-split / finalize.on_split_change replace|keep|abort",
+    )
 
 
 def committed_shards(out_dir: str | os.PathLike) -> tuple[dict[str, UnitManifest], list[str], list[str]]:

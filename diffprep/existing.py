@@ -8,6 +8,7 @@ choice: ``resume`` (same settings only), ``new-dir``, ``overwrite`` or
 
 from __future__ import annotations
 
+import fcntl
 import getpass
 import io
 import json
@@ -21,11 +22,12 @@ from pathlib import Path
 import torch
 
 from diffprep import contract
+from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError, LockedError
 from diffprep.plan import Plan, read_plan
 from diffprep.shards import read_manifests
 
-CHOICES = ("resume", "new-dir", "overwrite", "abort")
+CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
 
 
 @dataclass
@@ -75,10 +77,24 @@ class Inspection:
             "- `new-dir`: leave it untouched and write to the next free `<out>-v2`, `-v3`...",
             "- `overwrite`: delete diffprep's shards, metadata and state there, then encode anew"
             + (" (files diffprep did not write stay)" if self.foreign else ""),
-            "- `resume`: only when the settings are the same",
+            "- `reuse`: keep it as it is and encode nothing",
             "- `abort`: change nothing",
         ]
         return "\n".join(lines)
+
+    @property
+    def needs_choice(self) -> bool:
+        """Holds data this run cannot simply resume: someone must choose what happens to it."""
+        return not self.empty and not self.matches
+
+    def question(self) -> Question:
+        return Question(
+            key="existing-output",
+            title=f"The output {self.out_dir} already holds data this run would change",
+            description=self.describe(),
+            choices=("new-dir", "overwrite", "reuse", ABORT),
+            preset_hint="--on-existing new-dir|overwrite|reuse|abort (flow parameter output.on_existing)",
+        )
 
 
 def _human_bytes(n: float) -> str:
@@ -95,6 +111,11 @@ def _is_ours(name: str) -> bool:
     if name.endswith(contract.INDEX_SUFFIX):
         name = name[: -len(".idx")]
     return contract.unit_of_shard(name) is not None
+
+
+def _state_is_empty(state: Path) -> bool:
+    """A state folder without a plan or any manifest (e.g. only a lock or temp files) holds no data."""
+    return not (state / contract.PLAN_JSON).exists() and not any((state / contract.UNITS_DIR).glob("*.json"))
 
 
 def _du(path: Path) -> int:
@@ -156,7 +177,7 @@ def inspect_output(out_dir: str | os.PathLike, plan: Plan) -> Inspection:
     if not out.is_dir():
         raise ExistingOutputError(f"output {out} exists and is not a directory")
     entries = sorted(os.listdir(out))
-    if not entries:
+    if not entries or (entries == [contract.STATE_DIR] and _state_is_empty(out / contract.STATE_DIR)):
         return Inspection(str(out), exists=True, empty=True, plan_fingerprint=None, same_settings=True,
                           units_left=[u.unit for u in plan.units])
     old = read_plan(out)
@@ -192,7 +213,7 @@ def inspect_output(out_dir: str | os.PathLike, plan: Plan) -> Inspection:
 
 @dataclass
 class Decision:
-    action: str  # fresh | resume | complete | new-dir | overwrite
+    action: str  # fresh | resume | complete | new-dir | overwrite | reuse
     out_dir: str
     inspection: dict
 
@@ -222,16 +243,18 @@ def decide(inspection: Inspection, on_existing: str | None) -> Decision:
     summary = asdict(inspection)
     if inspection.empty:
         return Decision("fresh", inspection.out_dir, summary)
-    if inspection.matches and on_existing in (None, "resume"):
+    if inspection.matches:
+        # Same settings: nothing would be lost, so nothing is asked and no preset answer applies
+        # (a nightly run with on_existing=overwrite must append, not re-encode everything).
         return Decision("complete" if inspection.complete else "resume", inspection.out_dir, summary)
     if on_existing is None:
         raise ExistingOutputError(
             "the output directory already holds data that this run would change:\n"
             + inspection.describe()
-            + "\n\nRe-run with --on-existing new-dir|overwrite|abort to say what to do."
+            + "\n\nRe-run with --on-existing new-dir|overwrite|reuse|abort to say what to do."
         )
     if on_existing == "abort":
-        raise ExistingOutputError(f"stopped as asked (on_existing=abort); {inspection.out_dir} is unchanged")
+        raise ExistingOutputError(f"aborted (on_existing=abort); nothing under {inspection.out_dir} was changed")
     if on_existing == "resume":
         reason = inspection.shape_problem or "it was written with other settings"
         raise ExistingOutputError(
@@ -240,6 +263,8 @@ def decide(inspection: Inspection, on_existing: str | None) -> Decision:
         )
     if on_existing == "new-dir":
         return Decision("new-dir", str(next_free_dir(inspection.out_dir)), summary)
+    if on_existing == "reuse":
+        return Decision("reuse", inspection.out_dir, summary)
     return Decision("overwrite", inspection.out_dir, summary)
 
 
@@ -279,47 +304,50 @@ class LockHolder:
     run: str | None = None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class OutputLock:
-    """``.diffprep/lock.json`` created with O_EXCL; names its holder; a dead holder's lock is taken over."""
+    """One run at a time per output: ``.diffprep/lock.json``, held with ``flock`` and naming its holder.
+
+    The kernel releases the lock when its process dies, so a crashed run never
+    leaves a lock behind that blocks the next one; the file's content only
+    tells the next run who holds it. Taking the lock checks that the locked
+    file is still the one at the path (another run may have just released and
+    removed it).
+    """
 
     def __init__(self, out_dir: str | os.PathLike, run: str | None = None) -> None:
         self.path = Path(out_dir) / contract.STATE_DIR / contract.LOCK_FILE
         self.me = LockHolder(socket.gethostname(), os.getpid(), getpass.getuser(), run)
+        self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = self.holder()
-                if holder is not None and (holder.host, holder.pid) == (self.me.host, self.me.pid):
-                    return  # re-entrant within one process (a retried task)
-                if holder is not None and holder.host == self.me.host and not _pid_alive(holder.pid):
-                    self.path.unlink(missing_ok=True)  # stale: its process is gone
-                    continue
-                raise LockedError(
-                    f"{self.path.parent.parent} is being written by another run "
-                    + (f"(host {holder.host}, pid {holder.pid}, user {holder.user}"
-                       + (f", flow run {holder.run}" if holder.run else "") + ")" if holder else "(lock unreadable)")
-                    + f". Wait for it to finish; if it is dead on another host, delete {self.path}."
-                ) from None
-            with os.fdopen(fd, "w") as handle:
-                json.dump(asdict(self.me), handle)
-                handle.flush()
-                os.fsync(handle.fileno())
+        if self._fd is not None:
             return
-        raise LockedError(f"could not take the lock {self.path}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = self.holder()
+                who = (f"host {holder.host}, pid {holder.pid}, user {holder.user}"
+                       + (f", flow run {holder.run}" if holder.run else "")) if holder else "holder unknown"
+                raise LockedError(
+                    f"{self.path.parent.parent} is being written by another run ({who}). "
+                    "Wait for it to finish, or stop it; its lock goes away with its process."
+                ) from None
+            try:
+                same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same_file = False
+            if not same_file:  # released and removed between our open and our flock: try again
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(asdict(self.me)).encode())
+            os.fsync(fd)
+            self._fd = fd
+            return
 
     def holder(self) -> LockHolder | None:
         try:
@@ -328,9 +356,12 @@ class OutputLock:
             return None
 
     def release(self) -> None:
-        holder = self.holder()
-        if holder is not None and (holder.host, holder.pid) == (self.me.host, self.me.pid):
-            self.path.unlink(missing_ok=True)
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # before unlocking: a waiting run then sees a fresh file
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
 
     def __enter__(self) -> "OutputLock":
         self.acquire()

@@ -70,10 +70,15 @@ def staging_path(out_dir: str | os.PathLike) -> Path:
     return folder / f"plan-{key}.json"
 
 
-def fetch(settings: Settings, out_dir: str | os.PathLike | None = None) -> tuple[Plan, Source]:
-    """Resolve everything and plan the units. Reads ``out_dir`` (default: the settings') but writes nothing there."""
+def fetch(
+    settings: Settings, out_dir: str | os.PathLike | None = None, *, token: str | None = None
+) -> tuple[Plan, Source]:
+    """Resolve everything and plan the units. Reads ``out_dir`` (default: the settings') but writes nothing there.
+
+    ``token``: a Hugging Face token; by default the token file, ``HF_TOKEN`` or the cached login.
+    """
     out_dir = Path(out_dir or settings.output.output_dir)
-    token = resolve_token(settings.auth.hf_token_file)
+    token = token or resolve_token(settings.auth.hf_token_file)
     parts = resolve_encoders(settings.model, token=token)
     identity = describe_flux(
         parts,

@@ -10,6 +10,7 @@ samples always give the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -168,6 +169,9 @@ class ShardWriter:
             return
         self._done = True
         try:
+            # Close the tar stream first: left open, it flushes into the closed file when collected.
+            with contextlib.suppress(Exception):
+                self._tar.close()
             self._handle.close()
         finally:
             self._tmp.unlink(missing_ok=True)

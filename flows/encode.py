@@ -21,11 +21,13 @@ from prefect.artifacts import (
 )
 from prefect.runtime import flow_run
 
-from diffprep.audit import AuditReport
-from diffprep.config import Settings, check_runnable, load_settings
-from diffprep.errors import DiffprepError, ExistingOutputError
-from diffprep.existing import OutputLock, clear_output
+from diffprep.audit import AuditReport, rejects_accepted, rejects_question
+from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
+from diffprep.energon import split_question
+from diffprep.errors import DiffprepError
+from diffprep.existing import Inspection, OutputLock, clear_output, decide
 from diffprep.plan import read_plan, write_plan
+from tasks.approvals import ask
 from tasks.audit import audit_task
 from tasks.encode import encode_unit_task
 from tasks.fetch import fetch_task
@@ -35,42 +37,39 @@ from tasks.validate import validate_task
 from tasks.verify import verify_existing_task
 
 
-class RejectsNotAccepted(DiffprepError):
-    """Samples were rejected and the loss was not accepted."""
-
-
-def _rejects_accepted(report: AuditReport, accept: float | None) -> bool:
-    return report.rejected == 0 or (accept is not None and report.rejected_fraction <= accept)
-
-
-def _reject_message(report: AuditReport, out_dir: str) -> str:
-    shown = "\n".join(f"  {r['source_id']}: {r['reason']} {r['detail']}" for r in report.rejected_ids[:20])
-    more = f"\n  ... and {report.rejected - 20} more (see {out_dir}/.diffprep/audit.json)" if report.rejected > 20 else ""
-    return (
-        f"{report.rejected} of {report.inputs} samples were rejected ({report.rejected_fraction:.2%}); "
-        f"the dataset would be smaller than its source:\n{shown}{more}\n"
-        f"Fix the inputs and re-run, or accept the loss: re-run with --accept-rejects {report.rejected_fraction:.4f} "
-        "(encoded shards are kept; the re-run resumes at the audit)."
-    )
-
-
 def _slug(path: str) -> str:
     """An artifact key from an output path: lowercase letters, digits and dashes."""
     name = "".join(c if c.isalnum() else "-" for c in Path(path).name.lower()).strip("-")
     return (name or "output")[:40]
 
 
+def resolve_settings(parameters: EncodeParameters) -> Settings:
+    """Settings of a run: parameters given > encoder-spec block > env > YAML > defaults."""
+    overrides = parameters.overrides()
+    if parameters.encoder_spec:
+        from blocks.encoder_spec import EncoderSpec
+
+        spec = EncoderSpec.load(parameters.encoder_spec).model_settings()
+        overrides["model"] = spec | overrides.get("model", {})
+    settings = load_settings(parameters.config, overrides)
+    check_runnable(settings)
+    return settings
+
+
 @flow(name="encode-dataset", log_prints=True)
-def encode_dataset(config: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> dict:
+def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
     """Pre-encode a source into a validated Energon dataset.
 
-    ``config``: a YAML file; ``overrides``: settings per section that win over
-    the environment and the file (what the CLI flags say).
+    Only the parameters given count; the rest comes from the config file
+    (``parameters.config``), the ``DIFFPREP_*`` environment and the defaults.
+    Existing data is changed only after an approval: a parameter given ahead
+    of time, or an answer to the question the paused run asks in the UI.
     """
     logger = get_run_logger()
-    settings: Settings = load_settings(config, overrides)
-    check_runnable(settings)
+    parameters = parameters or EncodeParameters()
+    settings = resolve_settings(parameters)
     params = settings.model_dump(mode="json")
+    timeout = settings.output.approval_timeout
     started = time.perf_counter()
 
     out_dir = str(Path(settings.output.output_dir).expanduser().resolve())
@@ -81,20 +80,27 @@ def encode_dataset(config: str | None = None, overrides: dict[str, dict[str, Any
         logger.warning("%d planned samples are no longer in the source; nothing is removed from the dataset",
                        fetched["missing_from_source"])
 
-    decision = verify_existing_task(fetched["plan_path"], out_dir, settings.output.on_existing)
-    out_dir = decision["out_dir"]
-    inspection = decision["inspection"]
-    logger.info("output %s: %s", out_dir, decision["action"])
+    inspection = Inspection(**verify_existing_task(fetched["plan_path"], out_dir))
+    on_existing = settings.output.on_existing
+    if inspection.needs_choice and on_existing is None:
+        on_existing = ask(inspection.question(), timeout=timeout)
+    decision = decide(inspection, on_existing)
+    out_dir = decision.out_dir
+    logger.info("output %s: %s", out_dir, decision.action)
+    result: dict[str, Any] = {"out_dir": out_dir, "action": decision.action, "fingerprint": fetched["fingerprint"]}
+    if decision.action == "reuse":
+        logger.info("reusing %s as it is: nothing encoded, nothing changed", out_dir)
+        return result | {"seconds": round(time.perf_counter() - started, 1)}
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with OutputLock(out_dir, run=str(flow_run.get_id() or "")):
-        if decision["action"] == "overwrite":
+        if decision.action == "overwrite":
             removed = clear_output(out_dir)
-            logger.warning("overwrite (approved by on_existing=overwrite): removed %s", ", ".join(removed))
+            logger.warning("overwrite (approved): removed %s", ", ".join(removed) or "nothing")
         plan = read_plan(fetched["plan_path"])
         write_plan(out_dir, plan)
-        if decision["action"] in ("resume", "complete"):
-            units_left = sorted(inspection["units_left"] + inspection["damaged_units"])
+        if decision.action in ("resume", "complete"):
+            units_left = sorted(inspection.units_left + inspection.damaged_units)
         else:
             units_left = [u.unit for u in plan.units]
         _plan_artifact(plan, units_left, out_dir)
@@ -103,11 +109,11 @@ def encode_dataset(config: str | None = None, overrides: dict[str, dict[str, Any
         if units_left:
             sanity = sanity_task(params, out_dir, units_left)
             logger.info(
-                "sanity: %s per batch, projected %.1f GiB and %.0f s for %d units; PSNR %s dB",
+                "sanity: %s s per batch, projected %.2f GiB and %.0f s for %d units; round-trip PSNR %s dB",
                 sanity["seconds_per_batch"], sanity["projected_bytes"] / 2**30, sanity["projected_seconds"],
                 len(units_left), sanity["psnr_db"],
             )
-            _encode_units(params, out_dir, units_left, len(plan.units))
+            _encode_units(params, out_dir, units_left)
         else:
             logger.info("every unit is already encoded with these settings: nothing to encode")
 
@@ -120,13 +126,10 @@ def encode_dataset(config: str | None = None, overrides: dict[str, dict[str, Any
         )
         if audit.problems:
             raise DiffprepError("audit failed:\n  " + "\n  ".join(audit.problems))
-        if not _rejects_accepted(audit, settings.output.accept_rejects):
-            raise RejectsNotAccepted(_reject_message(audit, out_dir))
+        if not rejects_accepted(audit, settings.output.accept_rejects):
+            ask(rejects_question(audit, out_dir), timeout=timeout)
 
-        result: dict[str, Any] = {
-            "out_dir": out_dir,
-            "action": decision["action"],
-            "fingerprint": plan.fingerprint,
+        result |= {
             "units": len(plan.units),
             "encoded_units": len(units_left),
             "samples": audit.written,
@@ -136,7 +139,11 @@ def encode_dataset(config: str | None = None, overrides: dict[str, dict[str, Any
             "sanity": sanity,
         }
         if settings.finalize.enabled:
-            result["finalize"] = finalize_task(params, out_dir)
+            question = split_question(out_dir, train_split=settings.finalize.train_split,
+                                      seed=settings.finalize.shuffle_seed)
+            replace = question is not None and ask(
+                question, preset=settings.finalize.on_split_change, timeout=timeout) == "replace"
+            result["finalize"] = finalize_task(params, out_dir, replace)
             validation = validate_task(out_dir)
             result["validation"] = {"ok": validation["ok"], "summary": validation["summary"]}
             create_markdown_artifact(key=f"validation-{_slug(out_dir)}", markdown=validation["markdown"],
@@ -156,7 +163,7 @@ def _plan_artifact(plan, units_left: list[int], out_dir: str) -> None:
                                       f"{len(units_left)} to encode (fingerprint `{plan.fingerprint}`)")
 
 
-def _encode_units(params: dict, out_dir: str, units: list[int], total_units: int) -> None:
+def _encode_units(params: dict, out_dir: str, units: list[int]) -> None:
     logger = get_run_logger()
     artifact = create_progress_artifact(progress=0.0, key=f"progress-{_slug(out_dir)}",
                                         description=f"units encoded of {len(units)}")

@@ -13,6 +13,17 @@ def settings_from(params: dict[str, Any]) -> Settings:
     return Settings(**params)
 
 
+def run_token(settings: Settings) -> str | None:
+    """The Hugging Face token: a credentials block by name, else the token file / HF_TOKEN / cached login."""
+    from diffprep.encoders import resolve_token
+
+    if settings.auth.hf_credentials_block:
+        from blocks.hf_credentials import HuggingFaceCredentials
+
+        return HuggingFaceCredentials.load(settings.auth.hf_credentials_block).token.get_secret_value()
+    return resolve_token(settings.auth.hf_token_file)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Network and storage hiccups: worth a retry. Bad settings and bad samples are not."""
     from huggingface_hub.errors import HfHubHTTPError

@@ -13,11 +13,11 @@ from prefect.cache_policies import NO_CACHE
 
 from diffprep.config import Settings
 from diffprep.encode import encode_unit
-from diffprep.encoders import FluxEncoders, resolve_token
+from diffprep.encoders import FluxEncoders
 from diffprep.images import ImageSpec
 from diffprep.plan import read_plan
 from diffprep.sources import Source, open_source
-from tasks.common import retry_transient, settings_from
+from tasks.common import retry_transient, run_token, settings_from
 
 _ENCODERS: dict[str, FluxEncoders] = {}
 _LOCK = threading.Lock()
@@ -28,12 +28,12 @@ def load_encoders(settings: Settings) -> FluxEncoders:
     with _LOCK:
         if key not in _ENCODERS:
             _ENCODERS.clear()  # one encoder set per process: free the previous one first
-            _ENCODERS[key] = FluxEncoders.load(settings.model, token=resolve_token(settings.auth.hf_token_file))
+            _ENCODERS[key] = FluxEncoders.load(settings.model, token=run_token(settings))
         return _ENCODERS[key]
 
 
 def open_run_source(settings: Settings) -> Source:
-    return open_source(settings.source, token=resolve_token(settings.auth.hf_token_file))
+    return open_source(settings.source, token=run_token(settings))
 
 
 @task(name="encode-unit", task_run_name="encode-unit-{unit:06d}", retries=2, retry_delay_seconds=[10, 60],

@@ -13,7 +13,9 @@ from tasks.common import settings_from, small
 
 
 @task(name="finalize", cache_policy=NO_CACHE, persist_result=False)
-def finalize_task(settings: dict, out_dir: str, encoding: str = contract.ENCODING_PREENCODED) -> dict:
+def finalize_task(settings: dict, out_dir: str, replace_split: bool = False,
+                  encoding: str = contract.ENCODING_PREENCODED) -> dict:
     f = settings_from(settings).finalize
-    result = finalize(out_dir, encoding=encoding, train_split=f.train_split, seed=f.shuffle_seed, workers=f.workers)
+    result = finalize(out_dir, encoding=encoding, train_split=f.train_split, seed=f.shuffle_seed, workers=f.workers,
+                      replace_split=replace_split)
     return small(asdict(result))

@@ -157,6 +157,14 @@ def write_unit() -> Callable[..., UnitManifest]:
 
 
 # --- Prefect ------------------------------------------------------------------------------------
-# Reserved for the lead: the session-scoped ``prefect_test_harness`` fixture used by
-# tests/test_flow.py and tests/test_cli.py goes here. No test in the pipeline-core files
-# (config, plan, shards, existing, audit, encode) starts Prefect.
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One real Prefect server for the session (a temporary SQLite database); sets PREFECT_API_URL."""
+    # Imported here, at first use, and before any test captures output: Prefect's console log
+    # handler keeps the stream it finds when it is set up.
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

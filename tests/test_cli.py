@@ -26,14 +26,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def demo_inputs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("cli")
     data = write_demo_dataset(root / "demo-data", samples=12)
@@ -82,7 +74,7 @@ def test_encode_validate_finalize_end_to_end(prefect_server, demo_inputs, tmp_pa
     assert empty["prompt_embeds"].shape[0] == 16
 
     assert main(["validate", str(out)]) == 0
-    # Re-splitting finalized shards moves them: refused without --replace-split.
+    # Re-splitting finalized shards moves them: refused without --replace-split (no terminal to ask on).
     assert main(["finalize", str(out), "--train-split", "0.34"]) == 2
     assert "--replace-split" in capsys.readouterr().err
     assert main(["finalize", str(out), "--train-split", "0.34", "--replace-split"]) == 0
@@ -93,7 +85,7 @@ def test_encode_validate_finalize_end_to_end(prefect_server, demo_inputs, tmp_pa
                             capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
     assert module.returncode == 0, module.stdout + module.stderr
 
-    # Same settings again: nothing to encode, shards untouched.
+    # Same settings again: nothing to encode, shards untouched, the recorded split kept.
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
     capsys.readouterr()
     assert main(_encode_args(data, model, out, "--train-split", "0.34")) == 0
@@ -117,12 +109,17 @@ def test_existing_output_needs_a_choice(prefect_server, demo_inputs, tmp_path, c
     (out / "000000.tar").write_bytes(b"not ours")
     before = _tree(out)
 
-    assert main(_encode_args(data, model, out)) == 2
+    # With a Prefect server the run pauses for an answer; unanswered, it stops and changes nothing.
+    assert main(_encode_args(data, model, out, "--approval-timeout", "10")) == 2
     err = capsys.readouterr().err
-    assert "--on-existing" in err and "notes.txt" in err
+    assert "no answer within 10 s" in err and "--on-existing" in err and "notes.txt" in err
     assert _tree(out) == before
 
     assert main(_encode_args(data, model, out, "--on-existing", "abort")) == 2
+    assert "aborted" in capsys.readouterr().err
+    assert _tree(out) == before
+
+    assert main(_encode_args(data, model, out, "--on-existing", "reuse")) == 0
     assert _tree(out) == before
 
     assert main(_encode_args(data, model, out, "--on-existing", "new-dir", "--no-finalize")) == 0
@@ -166,14 +163,15 @@ def test_rejects_stop_the_run_until_accepted(prefect_server, tmp_path, tiny_mode
     (data / "images" / "broken.jpg").write_bytes(b"this is not a jpeg")
     (data / "captions" / "broken.txt").write_text("a broken file")
     out = tmp_path / "out"
-    assert main(_encode_args(data, tiny_model, out)) == 2
+    # 1 of 5 rejected: more than the 10 % accepted ahead of time, and nobody answers the question.
+    assert main(_encode_args(data, tiny_model, out, "--accept-rejects", "0.1", "--approval-timeout", "10")) == 2
     err = capsys.readouterr().err
-    assert "broken.jpg" in err and "image_decode_error" in err and "--accept-rejects" in err
+    assert "broken.jpg" in err and "image_decode_error" in err and "--accept-rejects 0.2000" in err
     assert not (out / contract.NV_META).exists()
 
     assert main(_encode_args(data, tiny_model, out, "--accept-rejects", "0.2")) == 0
     printed = capsys.readouterr().out
-    assert "rejected: 1" in printed and "image_decode_error: 1" in printed
+    assert "rejected: 1" in printed and "image_decode_error: 1" in printed and "0 encoded this run" in printed
 
 
 def test_bad_settings_fail_before_prefect(tmp_path, capsys):

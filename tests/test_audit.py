@@ -1,0 +1,179 @@
+"""The audit: every planned sample is written or rejected with a reason, and tars match manifests."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from diffprep import contract
+from diffprep.audit import audit
+from diffprep.plan import write_plan
+from diffprep.shards import ShardWriter, UnitManifest, manifest_path, read_manifest, write_manifest
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+def test_complete_output_passes(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((4, 2))
+    write_plan(out, plan)
+    write_unit(out, plan, 0)
+    write_unit(out, plan, 1)
+    report = audit(out, plan)
+    assert report.problems == []
+    assert report.ok is True
+    assert (report.units, report.inputs, report.written, report.rejected) == (2, 6, 6, 0)
+    assert report.by_reason == {}
+    assert report.rejected_fraction == 0.0
+    saved = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    assert saved["ok"] is True
+    assert (saved["inputs"], saved["written"], saved["rejected"]) == (6, 6, 0)
+
+
+def test_rejects_are_counted_by_reason(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((4, 4))
+    write_plan(out, plan)
+    write_unit(out, plan, 0, rejects={"img0001.png": "image_truncated", "img0003.png": "missing_caption"})
+    write_unit(out, plan, 1, rejects={"img0005.png": "image_truncated"})
+    report = audit(out, plan)
+    assert report.ok is True, report.problems
+    assert (report.inputs, report.written, report.rejected) == (8, 5, 3)
+    assert report.by_reason == {"image_truncated": 2, "missing_caption": 1}
+    assert report.rejected_fraction == pytest.approx(3 / 8)
+    assert [r["source_id"] for r in report.rejected_ids] == ["img0001.png", "img0003.png", "img0005.png"]
+    assert report.rejected_ids[1] == {"source_id": "img0003.png", "reason": "missing_caption",
+                                      "detail": "test reject of img0003.png"}
+    saved = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    assert saved["by_reason"] == {"image_truncated": 2, "missing_caption": 1}
+    assert saved["rejected"] == 3
+    assert "| `image_truncated` | 2 |" in report.to_markdown()
+
+
+def test_notes_are_summed(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((2, 2))
+    write_plan(out, plan)
+    for unit, notes in ((0, {"empty_caption": 1}), (1, {"empty_caption": 2, "caption_truncated": 1})):
+        manifest = write_unit(out, plan, unit)
+        manifest.notes = notes
+        write_manifest(out, manifest)
+    report = audit(out, plan)
+    assert report.notes == {"caption_truncated": 1, "empty_caption": 3}
+    assert report.ok is True
+
+
+def test_missing_manifest_is_a_problem(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((2, 2))
+    write_plan(out, plan)
+    write_unit(out, plan, 0)
+    report = audit(out, plan)
+    assert report.problems == ["unit 000001 has no manifest (not encoded): re-run the encode"]
+    assert report.ok is False
+    assert (report.inputs, report.written) == (4, 2)
+    assert json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())["ok"] is False
+
+
+def test_units_argument_limits_the_audit(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((2, 2))
+    write_plan(out, plan)
+    write_unit(out, plan, 0)
+    report = audit(out, plan, units=[0])
+    assert report.ok is True
+    assert (report.units, report.inputs) == (1, 2)
+
+
+def test_planned_id_neither_written_nor_rejected(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((3,))
+    write_plan(out, plan)
+    manifest = write_unit(out, plan, 0)
+    # The manifest forgets one sample: it is neither in the shard's list nor in the rejects.
+    manifest.source_ids.remove("img0001.png")
+    write_manifest(out, manifest)
+    report = audit(out, plan)
+    assert report.ok is False
+    assert len(report.problems) == 1
+    assert report.problems[0] == (
+        "unit 000000: 3 planned, 3 written + 0 rejected; unaccounted ['img0001.png'], unplanned []"
+    )
+
+
+def test_manifest_keys_missing_from_the_tar(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((3,))
+    write_plan(out, plan)
+    manifest = write_unit(out, plan, 0)
+    # Rewrite the shard without its last sample; the manifest still lists three keys.
+    with tarfile.open(out / manifest.shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with ShardWriter(out, 0) as writer:
+        for key in manifest.keys[:2]:
+            fields = {m.name.partition(".")[2]: data for m, data in members if m.name.partition(".")[0] == key}
+            writer.write(key, fields)
+        info = writer.commit()
+    manifest.bytes, manifest.sha256 = info.bytes, info.sha256
+    write_manifest(out, manifest)
+
+    report = audit(out, plan)
+    assert report.problems == ["unit 000000: 000000.tar holds 2 samples, the manifest lists 3"]
+
+
+def test_sample_with_missing_fields(out: Path, make_plan) -> None:
+    plan = make_plan((1,))
+    write_plan(out, plan)
+    with ShardWriter(out, 0) as writer:
+        writer.write("000000_000000", {contract.CAPTION: "no tensors", contract.META: {}})
+        info = writer.commit()
+    write_manifest(out, UnitManifest(0, info.name, plan.fingerprint, ["000000_000000"], ["img0000.png"],
+                                     info.count, info.bytes, info.sha256))
+    report = audit(out, plan)
+    assert report.problems == ["unit 000000: samples with missing fields: ['000000_000000']"]
+
+
+def test_missing_shard_and_foreign_fingerprint(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((2, 2))
+    write_plan(out, plan)
+    write_unit(out, plan, 0)
+    (out / "000000.tar").unlink()
+    other = write_unit(out, make_plan((2, 2), settings={"other": True}), 1)
+    report = audit(out, plan)
+    assert report.problems == [
+        "unit 000000: shard 000000.tar is missing",
+        f"unit 000001 was written with other settings (fingerprint {other.fingerprint})",
+    ]
+
+
+def test_count_that_disagrees_with_keys(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((2,))
+    write_plan(out, plan)
+    manifest = write_unit(out, plan, 0)
+    manifest.count = 3
+    write_manifest(out, manifest)
+    assert read_manifest(out, 0).count == 3
+    report = audit(out, plan)
+    assert "unit 000000: manifest count 3 != 2 keys" in report.problems
+
+
+def test_missing_from_source_is_carried(out: Path, make_plan, write_unit) -> None:
+    plan = make_plan((2,))
+    plan.missing, plan.missing_count = ["gone.png"], 1
+    write_plan(out, plan)
+    write_unit(out, plan, 0)
+    report = audit(out, plan)
+    assert report.missing_from_source == 1
+    assert report.ok is True
+    assert manifest_path(out, 0).is_file()
+
+
+def test_output_without_state_folder_reports_every_unit(out: Path, make_plan) -> None:
+    plan = make_plan((2, 2))
+    report = audit(out, plan)
+    assert report.problems == [
+        "unit 000000 has no manifest (not encoded): re-run the encode",
+        "unit 000001 has no manifest (not encoded): re-run the encode",
+    ]
+    assert json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())["ok"] is False

@@ -1,0 +1,258 @@
+"""The plan: units cut from the source listing, appends that keep old units, the fingerprint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diffprep import contract
+from diffprep.plan import MISSING_PREVIEW, Plan, UnitPlan, fingerprint, plan_path, plan_units, read_plan, write_plan
+
+
+def ids(n: int, prefix: str = "s") -> list[str]:
+    return [f"{prefix}{i:03d}" for i in range(n)]
+
+
+def as_pairs(units: list[UnitPlan]) -> list[tuple[int, list[str]]]:
+    return [(u.unit, u.source_ids) for u in units]
+
+
+def make_plan(units: list[UnitPlan], **fields) -> Plan:
+    values = dict(
+        fingerprint=fingerprint({"shard_size": 4}),
+        settings={"shard_size": 4},
+        source={"type": "directory", "input_dir": "/data"},
+        expected={"latents": [16, 4, 4], "prompt_embeds": [16, 32], "pooled_prompt_embeds": [32], "dtype": "float32"},
+        units=units,
+    )
+    values.update(fields)
+    return Plan(**values)
+
+
+# Cutting the listing into units
+
+
+def test_units_are_chunks_of_shard_size_in_listing_order() -> None:
+    units, missing, missing_count = plan_units(ids(10), shard_size=4)
+    assert as_pairs(units) == [
+        (0, ["s000", "s001", "s002", "s003"]),
+        (1, ["s004", "s005", "s006", "s007"]),
+        (2, ["s008", "s009"]),
+    ]
+    assert (missing, missing_count) == ([], 0)
+    assert [u.shard for u in units] == ["000000.tar", "000001.tar", "000002.tar"]
+
+
+def test_exact_multiple_has_no_empty_unit() -> None:
+    units, _, _ = plan_units(ids(8), shard_size=4)
+    assert [len(u.source_ids) for u in units] == [4, 4]
+
+
+def test_empty_listing_gives_no_units() -> None:
+    assert plan_units([], shard_size=4) == ([], [], 0)
+
+
+def test_max_samples_stops_the_listing() -> None:
+    consumed: list[str] = []
+
+    def listing():
+        for sid in ids(100):
+            consumed.append(sid)
+            yield sid
+
+    units, _, _ = plan_units(listing(), shard_size=4, max_samples=6)
+    assert as_pairs(units) == [(0, ids(4)), (1, ["s004", "s005"])]
+    assert len(consumed) == 7  # stops right after the limit, not at the end of a large source
+
+
+def test_duplicate_id_is_an_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"listed the sample id 's001' twice"):
+        plan_units(["s000", "s001", "s002", "s001"], shard_size=4)
+
+
+# Appends
+
+
+def test_append_keeps_previous_units_and_plans_new_ids_only() -> None:
+    first, _, _ = plan_units(ids(6), shard_size=4)
+    previous = make_plan(first)
+    before = json.dumps(previous.to_json(), sort_keys=True)
+
+    units, missing, missing_count = plan_units(ids(11), shard_size=4, previous=previous)
+
+    # The partly filled unit 1 stays as it was: its shard may already be written.
+    assert as_pairs(units) == [
+        (0, ["s000", "s001", "s002", "s003"]),
+        (1, ["s004", "s005"]),
+        (2, ["s006", "s007", "s008", "s009"]),
+        (3, ["s010"]),
+    ]
+    assert json.dumps([u.__dict__ for u in units[:2]]) == json.dumps([u.__dict__ for u in first])
+    assert (missing, missing_count) == ([], 0)
+    assert json.dumps(previous.to_json(), sort_keys=True) == before  # the previous plan is not modified
+
+
+def test_append_with_new_ids_sorting_before_old_ones() -> None:
+    first, _, _ = plan_units(["m1", "m2", "m3"], shard_size=2)
+    units, _, _ = plan_units(["a1", "a2", "m1", "m2", "m3", "z1"], shard_size=2, previous=make_plan(first))
+    assert as_pairs(units) == [(0, ["m1", "m2"]), (1, ["m3"]), (2, ["a1", "a2"]), (3, ["z1"])]
+
+
+def test_append_with_nothing_new_changes_nothing() -> None:
+    first, _, _ = plan_units(ids(5), shard_size=2)
+    units, _, _ = plan_units(ids(5), shard_size=2, previous=make_plan(first))
+    assert as_pairs(units) == as_pairs(first)
+
+
+def test_ids_gone_from_the_source_are_reported_not_removed() -> None:
+    first, _, _ = plan_units(ids(6), shard_size=4)
+    shrunk = [sid for sid in ids(8) if sid not in ("s001", "s004")]
+    units, missing, missing_count = plan_units(shrunk, shard_size=4, previous=make_plan(first))
+    assert as_pairs(units)[:2] == as_pairs(first)
+    assert as_pairs(units)[2:] == [(2, ["s006", "s007"])]
+    assert (missing, missing_count) == (["s001", "s004"], 2)
+
+
+def test_missing_preview_is_capped_and_count_is_exact() -> None:
+    first, _, _ = plan_units(ids(MISSING_PREVIEW + 5), shard_size=8)
+    units, missing, missing_count = plan_units([], shard_size=8, previous=make_plan(first))
+    assert as_pairs(units) == as_pairs(first)
+    assert missing == ids(MISSING_PREVIEW)
+    assert missing_count == MISSING_PREVIEW + 5
+
+
+def test_max_samples_counts_previous_units_and_still_finds_missing_ids() -> None:
+    first, _, _ = plan_units(ids(4), shard_size=4)
+    listing = [sid for sid in ids(10) if sid != "s002"]
+    units, missing, missing_count = plan_units(listing, shard_size=4, max_samples=6, previous=make_plan(first))
+    assert as_pairs(units) == [(0, ids(4)), (1, ["s004", "s005"])]
+    assert (missing, missing_count) == (["s002"], 1)
+
+
+def test_duplicate_of_a_new_id_in_an_append_is_an_error() -> None:
+    first, _, _ = plan_units(ids(2), shard_size=4)
+    with pytest.raises(ValueError, match=r"'n1' twice"):
+        plan_units(["s000", "s001", "n1", "n1"], shard_size=4, previous=make_plan(first))
+
+
+# Fingerprint
+
+
+def test_fingerprint_is_stable_and_independent_of_key_order() -> None:
+    a = {"shard_size": 4, "image": {"image_size": 32, "center_crop": True}, "encoders": {"dtype": "float32"}}
+    b = {"encoders": {"dtype": "float32"}, "image": {"center_crop": True, "image_size": 32}, "shard_size": 4}
+    assert fingerprint(a) == fingerprint(b)
+    assert len(fingerprint(a)) == 16
+    assert all(c in "0123456789abcdef" for c in fingerprint(a))
+    # A fixed value: the fingerprint of an existing output must not change between versions of this code.
+    assert fingerprint({"a": 1}) == "015abd7f5cc57a2d"
+
+
+def test_fingerprint_changes_with_any_value() -> None:
+    base = {"shard_size": 4, "image": {"image_size": 32}}
+    assert fingerprint(base) != fingerprint({"shard_size": 4, "image": {"image_size": 64}})
+    assert fingerprint(base) != fingerprint({"shard_size": 5, "image": {"image_size": 32}})
+
+
+# plan.json
+
+
+def test_plan_round_trip_through_plan_json(tmp_path: Path) -> None:
+    units, missing, missing_count = plan_units(ids(6), shard_size=4)
+    plan = make_plan(units, missing=missing, missing_count=missing_count)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    path = write_plan(out, plan)
+
+    assert path == out / contract.STATE_DIR / contract.PLAN_JSON == plan_path(out)
+    assert read_plan(out) == plan
+    assert read_plan(path) == plan
+    loaded = read_plan(out)
+    assert isinstance(loaded.units[0], UnitPlan)
+    assert loaded.unit(1).source_ids == ["s004", "s005"]
+    assert loaded.total_samples == 6
+    assert json.loads(path.read_text())["version"] == contract.CONTRACT_VERSION
+
+
+def test_write_plan_to_a_json_file_and_to_a_new_output_dir(tmp_path: Path) -> None:
+    plan = make_plan([UnitPlan(0, ["a"])])
+    staged = write_plan(tmp_path / "staging" / "plan-x.json", plan)
+    assert staged == tmp_path / "staging" / "plan-x.json"
+    assert read_plan(staged) == plan
+    new_out = write_plan(tmp_path / "not-yet", plan)
+    assert new_out == tmp_path / "not-yet" / contract.STATE_DIR / contract.PLAN_JSON
+    assert read_plan(tmp_path / "not-yet") == plan
+
+
+def test_read_plan_of_an_output_without_one(tmp_path: Path) -> None:
+    assert read_plan(tmp_path) is None
+    assert read_plan(tmp_path / "absent") is None
+
+
+def test_unit_lookup_error_names_the_unit() -> None:
+    plan = make_plan([UnitPlan(0, ["a"]), UnitPlan(1, ["b"])])
+    assert plan.unit(1).source_ids == ["b"]
+    with pytest.raises(KeyError, match="unit 7 is not in the plan"):
+        plan.unit(7)
+
+
+# Through the fetch phase: the plan found in the output is extended, never rebuilt
+
+
+def test_fetch_extends_the_plan_of_a_grown_source(
+    tmp_path: Path, demo_data: Path, tiny_model: Path, settings_for
+) -> None:
+    from diffprep.fetch import fetch
+
+    out = tmp_path / "out"
+    settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 5})
+    first, _ = fetch(settings)
+    assert [len(u.source_ids) for u in first.units] == [5, 5, 2]
+    write_plan(out, first)
+    # The source grows: one id sorts before every old one, one after; one old sample disappears.
+    images, captions = demo_data / "images", demo_data / "captions"
+    for stem in ("00000a", "zzz"):
+        (images / f"{stem}.png").write_bytes((images / "00001.png").read_bytes())
+        (captions / f"{stem}.txt").write_text("a new sample")
+    (images / "00004.png").unlink()
+    (captions / "00004.txt").unlink()
+
+    second, _ = fetch(settings)
+
+    assert second.fingerprint == first.fingerprint
+    assert as_pairs(second.units[:3]) == as_pairs(first.units)
+    assert as_pairs(second.units[3:]) == [(3, ["00000a.png", "zzz.png"])]
+    assert (second.missing, second.missing_count) == (["00004.png"], 1)
+
+    # Other byte-affecting settings: the old plan is not extended (verify-existing will ask).
+    other, _ = fetch(settings_for(out, demo_data, tiny_model, output={"shard_size": 5}, image={"image_size": 64}))
+    assert other.fingerprint != first.fingerprint
+    assert other.units[0].source_ids[:2] == ["00000.jpg", "00000a.png"]
+    assert other.missing_count == 0
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "changes"),
+    [
+        ("model", {"batch_size": 2}, False),
+        ("image", {"decode_workers": 2}, False),
+        ("output", {"max_samples": 3}, False),
+        ("image", {"image_size": 64}, True),
+        ("image", {"center_crop": False}, True),
+        ("model", {"t5_max_length": 8}, True),
+        ("model", {"precision": "bf16"}, True),
+        ("model", {"latent_mode": "mode"}, True),
+        ("output", {"shard_size": 3}, True),
+    ],
+)
+def test_fingerprint_covers_the_byte_affecting_settings(
+    tmp_path: Path, demo_data: Path, tiny_model: Path, settings_for, section: str, values: dict, changes: bool
+) -> None:
+    from diffprep.fetch import fetch
+
+    base, _ = fetch(settings_for(tmp_path / "out", demo_data, tiny_model))
+    changed, _ = fetch(settings_for(tmp_path / "out", demo_data, tiny_model, **{section: values}))
+    assert (changed.fingerprint != base.fingerprint) is changes
