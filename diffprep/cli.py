@@ -58,6 +58,11 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--on-split-change": ("finalize", "on_split_change"),
     "--hf-token-file": ("auth", "hf_token_file"),
     "--hf-credentials-block": ("auth", "hf_credentials_block"),
+    "--devices": ("workers", "devices"),
+    "--encode-deployment": ("workers", "deployment"),
+    "--chunks": ("workers", "chunks"),
+    "--num-shards": ("workers", "num_shards"),
+    "--shard-index": ("workers", "shard_index"),
 }
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize"}
 LIST_FLAGS = {"--hf-data-files"}
@@ -116,6 +121,11 @@ def print_summary(result: dict) -> None:
     print(f"dataset: {result['out_dir']}  ({result['action']}, fingerprint {result['fingerprint']})")
     if result["action"] == "reuse":
         print("  reused as it is: nothing encoded, nothing changed")
+        return
+    if "shard" in result:
+        print(f"  shard {result['shard']}: {result['encoded_units']} of {result['units']} units encoded by this run "
+              f"in {result['seconds']} s; when every shard is done, run a plain `diffprep encode` with the same "
+              "settings to audit, finalize and validate")
         return
     print(f"  samples written: {result['samples']}   rejected: {result['rejected']}   "
           f"units: {result['units']} ({result['encoded_units']} encoded this run)   time: {result['seconds']} s")
@@ -219,6 +229,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve encode-dataset and validate-dataset from this process (flows/serve.py) until interrupted."""
+    _prefect_defaults()  # the served runs are subprocesses of this one and inherit its environment
+    from flows.serve import serve_flows
+
+    serve_flows(limit=args.limit)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffprep", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -253,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default="demo", help="folder for the tiny model, the data and the output")
     demo.add_argument("--samples", type=int, default=24)
     demo.set_defaults(func=cmd_demo)
+
+    serve = sub.add_parser("serve", help="serve the encode and validate deployments from this process "
+                           "(no work pool or worker; needs PREFECT_API_URL)")
+    serve.add_argument("--limit", type=int, default=None,
+                       help="most runs at once (1 on a single GPU); default: no limit")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,7 +1,7 @@
 """Settings: defaults < YAML file < environment (``DIFFPREP_SECTION__FIELD``) < explicit parameters.
 
 The YAML file has the sections ``source``, ``output``, ``model``, ``image``,
-``finalize`` and ``auth``; an unknown section or key is an error that names it.
+``finalize``, ``auth`` and ``workers``; an unknown section or key is an error that names it.
 Parameters passed explicitly (CLI flags, flow parameters) win even when they
 equal the default: the CLI only passes the flags the user typed.
 """
@@ -122,6 +122,35 @@ class AuthConfig(_Section):
     )
 
 
+class WorkersConfig(_Section):
+    devices: str | None = Field(
+        None,
+        description="One encode process per device: '0,1,2,3' (CUDA indices), 'auto' (every visible GPU), "
+        "'cpu:N' (N CPU processes). Unset: one worker in the flow's process on model.device.",
+    )
+    deployment: str | None = Field(
+        None,
+        description="Fan units out to a work pool: the encode-units deployment to run, e.g. "
+        "'encode-units/encode-units'. The output must be on storage every worker reaches.",
+    )
+    chunks: int | None = Field(
+        None, ge=1, le=10_000, description="With deployment: how many encode-units runs to split the units into."
+    )
+    num_shards: int | None = Field(
+        None, ge=1, description="Manual distribution (SLURM arrays, torchrun): this run encodes only units "
+        "u % num_shards == shard_index, then stops; a later plain run audits and finalizes.",
+    )
+    shard_index: int | None = Field(None, ge=0, description="This run's index, 0 <= shard_index < num_shards.")
+
+    @model_validator(mode="after")
+    def _shards_together(self) -> "WorkersConfig":
+        if (self.num_shards is None) != (self.shard_index is None):
+            raise ValueError("num_shards and shard_index go together: pass both or neither")
+        if self.num_shards is not None and self.shard_index >= self.num_shards:
+            raise ValueError(f"shard_index must be < num_shards ({self.num_shards}), got {self.shard_index}")
+        return self
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "source": SourceConfig,
     "output": OutputConfig,
@@ -129,6 +158,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "image": ImageConfig,
     "finalize": FinalizeConfig,
     "auth": AuthConfig,
+    "workers": WorkersConfig,
 }
 
 
@@ -159,8 +189,7 @@ class Settings(BaseSettings):
     image: ImageConfig = ImageConfig()
     finalize: FinalizeConfig = FinalizeConfig()
     auth: AuthConfig = AuthConfig()
-
-    _yaml_data: dict[str, Any] = {}
+    workers: WorkersConfig = WorkersConfig()
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
@@ -186,6 +215,7 @@ class EncodeParameters(BaseModel):
     image: ImageConfig = Field(default_factory=ImageConfig, description="Image decoding and sizing.")
     finalize: FinalizeConfig = Field(default_factory=FinalizeConfig, description="Energon metadata and splits.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Hugging Face credentials.")
+    workers: WorkersConfig = Field(default_factory=WorkersConfig, description="Encode processes, devices, fan-out.")
 
     def overrides(self) -> dict[str, dict[str, Any]]:
         """The settings given explicitly, per section."""

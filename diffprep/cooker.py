@@ -46,14 +46,11 @@ import torch
 from megatron.energon import Batch, Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, edataclass, stateless
 
 from diffprep import contract
+from diffprep.shards import SampleLoadError, load_tensor
 
 # Fields of a raw (not pre-encoded) sample: one image file and its caption.
 RAW_IMAGE_FIELDS = contract.RAW_IMAGE_FIELDS
 RAW_CAPTION = contract.RAW_CAPTION
-
-
-class SampleLoadError(ValueError):
-    """A field of a sample cannot be decoded; the message names the sample key and the field."""
 
 
 @edataclass
@@ -96,39 +93,6 @@ def _field(sample: dict, name: str) -> bytes:
     except KeyError:
         fields = sorted(k for k in sample if not k.startswith("__"))
         raise SampleLoadError(f"sample {sample.get('__key__')!r} has no {name!r} field (it has {fields})") from None
-
-
-def _load_failure_reason(error: Exception) -> str:
-    """The specific line of a torch.load error.
-
-    weights_only refusals open with generic advice to retry with
-    weights_only=False, which is exactly what must not be done with a file
-    from a shard; keep only what was refused.
-    """
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if lines and lines[0].startswith("Weights only load failed"):
-        lines = [
-            line.split("WeightsUnpickler error:", 1)[-1].strip()
-            for line in lines[1:]
-            if not line.startswith("Check the documentation")
-        ]
-        lines = [line for line in lines if line]
-    reason = " ".join(lines) or type(error).__name__
-    return reason if len(reason) <= 300 else reason[:300] + "…"
-
-
-def load_tensor(data: bytes, *, key: str = "?", field: str = "?") -> torch.Tensor:
-    """Decode a ``torch.save``d tensor without unpickling arbitrary objects."""
-    try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise SampleLoadError(
-            f"sample {key!r} field {field!r} is not a plain tensor file: torch.load(weights_only=True) refused it "
-            f"({_load_failure_reason(error)}); never load it with weights_only=False, it may run code"
-        ) from error
-    if not isinstance(value, torch.Tensor):
-        raise SampleLoadError(f"sample {key!r} field {field!r} holds a {type(value).__name__}, expected a tensor")
-    return value
 
 
 def _text(sample: dict, name: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import getpass
-import io
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError, LockedError
 from diffprep.plan import Plan, read_plan
-from diffprep.shards import read_manifests
+from diffprep.shards import load_tensor, read_manifests
 
 CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
 
@@ -143,8 +142,7 @@ def _check_shapes(out_dir: Path, plan: Plan, manifests) -> str | None:
                     field_name = wanted.get(member.name)
                     if field_name is None:
                         continue
-                    data = tar.extractfile(member).read()
-                    tensor = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+                    tensor = load_tensor(tar.extractfile(member).read(), key=key, field=field_name)
                     problem = _compare_shape(field_name, tensor, plan.expected)
                     if problem:
                         return f"{manifest.shard}:{key}: {problem}"
@@ -293,6 +291,36 @@ def clear_output(out_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
+def clear_dead_temp_files(out_dir: str | os.PathLike) -> list[str]:
+    """Remove temporary shards that writers on this host left when they died (never committed, never data).
+
+    Files of live processes and of other hosts are left alone.
+    """
+    tmp = Path(out_dir) / contract.STATE_DIR / contract.TMP_DIR
+    removed = []
+    if not tmp.is_dir():
+        return removed
+    host = socket.gethostname()
+    for path in sorted(tmp.iterdir()):
+        stem, _, pid = path.name.rpartition(".")
+        if not pid.isdigit() or not stem.endswith("." + host):
+            continue
+        if not _pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # --- one run at a time per output -------------------------------------------------------------
 
 
@@ -302,6 +330,21 @@ class LockHolder:
     pid: int
     user: str
     run: str | None = None
+
+
+def _held(path: Path) -> bool:
+    """Whether some process holds the flock on ``path`` (tried without waiting, released at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 class OutputLock:
@@ -314,10 +357,13 @@ class OutputLock:
     removed it).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, run: str | None = None) -> None:
-        self.path = Path(out_dir) / contract.STATE_DIR / contract.LOCK_FILE
+    def __init__(self, out_dir: str | os.PathLike, run: str | None = None, *, shard: int | None = None) -> None:
+        """``shard``: the lock of one manual shard (``--shard-index``); shard runs exclude a plain run, not each other."""
+        name = contract.LOCK_FILE if shard is None else f"lock-shard-{shard:04d}.json"
+        self.path = Path(out_dir) / contract.STATE_DIR / name
         self.me = LockHolder(socket.gethostname(), os.getpid(), getpass.getuser(), run)
         self._fd: int | None = None
+        self._shard = shard
 
     def acquire(self) -> None:
         if self._fd is not None:
@@ -347,7 +393,26 @@ class OutputLock:
             os.write(fd, json.dumps(asdict(self.me)).encode())
             os.fsync(fd)
             self._fd = fd
+            conflict = self._conflicting_holder()
+            if conflict is not None:
+                self.release()
+                raise LockedError(conflict)
             return
+
+    def _conflicting_holder(self) -> str | None:
+        """A plain run excludes every shard run and the other way round; the message names the holder."""
+        state = self.path.parent
+        others = [state / contract.LOCK_FILE] if self._shard is not None else sorted(state.glob("lock-shard-*.json"))
+        for path in others:
+            if path.is_file() and _held(path):
+                try:
+                    holder = LockHolder(**json.loads(path.read_text()))
+                    who = f"host {holder.host}, pid {holder.pid}, user {holder.user}"
+                except (OSError, ValueError, TypeError):
+                    who = "holder unknown"
+                kind = "a plain run" if self._shard is not None else "a --shard-index run"
+                return f"{state.parent} is being written by {kind} ({who}, {path.name}); wait for it to finish."
+        return None
 
     def holder(self) -> LockHolder | None:
         try:

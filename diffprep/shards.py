@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +59,11 @@ def field_bytes(value: Any) -> bytes:
     if isinstance(value, (dict, list)):
         return json_bytes(value)
     raise TypeError(f"cannot store a {type(value).__name__} in a shard; use bytes, str, dict or a tensor")
+
+
+def temp_name(name: str) -> str:
+    """``<name>.<host>.<pid>``: whose temporary file this is, so a later run can tell a dead writer's leftovers."""
+    return f"{name}.{socket.gethostname()}.{os.getpid()}"
 
 
 def fsync_dir(path: Path) -> None:
@@ -123,7 +129,7 @@ class ShardWriter:
         self.name = contract.shard_name(unit)
         tmp_dir = self.out_dir / contract.STATE_DIR / contract.TMP_DIR
         tmp_dir.mkdir(parents=True, exist_ok=True)
-        self._tmp = tmp_dir / f"{self.name}.{os.getpid()}"
+        self._tmp = tmp_dir / temp_name(self.name)
         self._handle = open(self._tmp, "wb")
         self._hashing = _HashingFile(self._handle)
         # Plain USTAR-compatible headers; GNU format keeps long names if a caller ever needs them.
@@ -272,3 +278,43 @@ def tar_keys(path: str | os.PathLike) -> dict[str, list[str]]:
             key, _, ext = member.name.partition(".")
             samples.setdefault(key, []).append(ext)
     return samples
+
+
+# --- reading tensors back ------------------------------------------------------------------------
+
+
+class SampleLoadError(ValueError):
+    """A field of a sample cannot be decoded; the message names the sample key and the field."""
+
+
+def _load_failure_reason(error: Exception) -> str:
+    """The specific line of a torch.load error.
+
+    weights_only refusals open with generic advice to retry with
+    weights_only=False, which is exactly what must not be done with a file
+    from a shard; keep only what was refused.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        lines = [
+            line.split("WeightsUnpickler error:", 1)[-1].strip()
+            for line in lines[1:]
+            if not line.startswith("Check the documentation")
+        ]
+        lines = [line for line in lines if line]
+    reason = " ".join(lines) or type(error).__name__
+    return reason if len(reason) <= 300 else reason[:300] + "…"
+
+
+def load_tensor(data: bytes, *, key: str = "?", field: str = "?") -> torch.Tensor:
+    """Decode a ``torch.save``d tensor without unpickling arbitrary objects."""
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise SampleLoadError(
+            f"sample {key!r} field {field!r} is not a plain tensor file: torch.load(weights_only=True) refused it "
+            f"({_load_failure_reason(error)}); never load it with weights_only=False, it may run code"
+        ) from error
+    if not isinstance(value, torch.Tensor):
+        raise SampleLoadError(f"sample {key!r} field {field!r} holds a {type(value).__name__}, expected a tensor")
+    return value

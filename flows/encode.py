@@ -12,24 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import (
-    create_link_artifact,
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
 from diffprep.audit import AuditReport, rejects_accepted, rejects_question
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
 from diffprep.energon import split_question
 from diffprep.errors import DiffprepError
-from diffprep.existing import Inspection, OutputLock, clear_output, decide
+from diffprep.existing import Inspection, OutputLock, clear_dead_temp_files, clear_output, decide
+from diffprep.workers import units_for_shard
+from flows.runners import RUNNERS, Progress, runner_for
 from diffprep.plan import read_plan, write_plan
 from tasks.approvals import ask
 from tasks.audit import audit_task
-from tasks.encode import encode_unit_task
 from tasks.fetch import fetch_task
 from tasks.finalize import finalize_task
 from tasks.sanity import sanity_task
@@ -92,8 +87,17 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
         logger.info("reusing %s as it is: nothing encoded, nothing changed", out_dir)
         return result | {"seconds": round(time.perf_counter() - started, 1)}
 
+    workers = settings.workers
+    if workers.num_shards is not None and decision.action in ("overwrite", "new-dir"):
+        raise DiffprepError(
+            f"--shard-index runs only resume; decide about the existing output ({decision.action}) "
+            "with a plain run first"
+        )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    with OutputLock(out_dir, run=str(flow_run.get_id() or "")):
+    with OutputLock(out_dir, run=str(flow_run.get_id() or ""), shard=workers.shard_index):
+        removed_temp = clear_dead_temp_files(out_dir)
+        if removed_temp:
+            logger.info("removed temporary files of interrupted writers: %s", ", ".join(removed_temp))
         if decision.action == "overwrite":
             removed = clear_output(out_dir)
             logger.warning("overwrite (approved): removed %s", ", ".join(removed) or "nothing")
@@ -103,6 +107,7 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
             units_left = sorted(inspection.units_left + inspection.damaged_units)
         else:
             units_left = [u.unit for u in plan.units]
+        units_left = units_for_shard(units_left, workers.num_shards, workers.shard_index)
         _plan_artifact(plan, units_left, out_dir)
 
         sanity = None
@@ -113,9 +118,16 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
                 sanity["seconds_per_batch"], sanity["projected_bytes"] / 2**30, sanity["projected_seconds"],
                 len(units_left), sanity["psnr_db"],
             )
-            _encode_units(params, out_dir, units_left)
+            runner = runner_for(settings)
+            logger.info("encoding %d units with the %s runner", len(units_left), runner)
+            RUNNERS[runner](settings, params, out_dir, units_left, Progress(len(units_left), f"progress-{_slug(out_dir)}"))
         else:
             logger.info("every unit is already encoded with these settings: nothing to encode")
+        if workers.num_shards is not None:
+            logger.info("shard %d of %d: %d units encoded; run a plain `diffprep encode` with the same settings "
+                        "to audit and finalize", workers.shard_index, workers.num_shards, len(units_left))
+            return result | {"shard": f"{workers.shard_index}/{workers.num_shards}", "encoded_units": len(units_left),
+                             "units": len(plan.units), "seconds": round(time.perf_counter() - started, 1)}
 
         audit = AuditReport(**{k: v for k, v in audit_task(out_dir).items() if k != "ok"})
         create_table_artifact(
@@ -161,23 +173,6 @@ def _plan_artifact(plan, units_left: list[int], out_dir: str) -> None:
     create_table_artifact(key=f"plan-{_slug(out_dir)}", table=rows,
                           description=f"{plan.total_samples} samples in {len(plan.units)} units, "
                                       f"{len(units_left)} to encode (fingerprint `{plan.fingerprint}`)")
-
-
-def _encode_units(params: dict, out_dir: str, units: list[int]) -> None:
-    logger = get_run_logger()
-    artifact = create_progress_artifact(progress=0.0, key=f"progress-{_slug(out_dir)}",
-                                        description=f"units encoded of {len(units)}")
-    start = time.perf_counter()
-    samples = 0
-    for done, unit in enumerate(units, start=1):
-        result = encode_unit_task(params, out_dir, unit)
-        samples += result["count"] + result["rejected"]
-        elapsed = time.perf_counter() - start
-        rate = samples / elapsed if elapsed > 0 else 0.0
-        eta = elapsed / done * (len(units) - done)
-        logger.info("unit %06d done (%d/%d): %d written, %d rejected; %.1f samples/s overall, ETA %.0f s",
-                    unit, done, len(units), result["count"], result["rejected"], rate, eta)
-        update_progress_artifact(artifact_id=artifact, progress=100.0 * done / len(units))
 
 
 logging.getLogger("diffprep").setLevel(logging.INFO)

@@ -1,22 +1,33 @@
 """Task: encode one work unit into its shard and manifest (diffprep.encode.encode_unit).
 
-The encoders are loaded once per process and kept for the next units.
+The encoders are loaded once per process and kept for the next units. A unit
+that runs out of device memory is encoded again with half the batch size, down
+to 1; its shard is committed only once it is whole, so a failed try leaves
+nothing behind.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import os
+import socket
 import threading
 
-from prefect import task
+import torch
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 
 from diffprep.config import Settings
 from diffprep.encode import encode_unit
 from diffprep.encoders import FluxEncoders
+from diffprep.errors import DiffprepError
 from diffprep.images import ImageSpec
 from diffprep.plan import read_plan
 from diffprep.sources import Source, open_source
+from diffprep.workers import claimed_device
 from tasks.common import retry_transient, run_token, settings_from
 
 _ENCODERS: dict[str, FluxEncoders] = {}
@@ -24,24 +35,67 @@ _LOCK = threading.Lock()
 
 
 def load_encoders(settings: Settings) -> FluxEncoders:
-    key = json.dumps(settings.model.model_dump(mode="json"), sort_keys=True)
+    """The encoders for ``settings``, loaded once per process, on the device this worker claimed (if any)."""
+    model = settings.model
+    if claimed_device() is not None:
+        model = model.model_copy(update={"device": claimed_device()})
+    key = json.dumps(model.model_dump(mode="json"), sort_keys=True)
     with _LOCK:
         if key not in _ENCODERS:
             _ENCODERS.clear()  # one encoder set per process: free the previous one first
-            _ENCODERS[key] = FluxEncoders.load(settings.model, token=run_token(settings))
+            _ENCODERS[key] = FluxEncoders.load(model, token=run_token(settings))
         return _ENCODERS[key]
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}/{claimed_device() or 'flow'}"
 
 
 def open_run_source(settings: Settings) -> Source:
     return open_source(settings.source, token=run_token(settings))
 
 
+def free_device_memory() -> None:
+    """Return what a failed batch held: Python garbage first, then the CUDA allocator's cached blocks."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task run's logger (shipped to the run log); the module's logger when called outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
 @task(name="encode-unit", task_run_name="encode-unit-{unit:06d}", retries=2, retry_delay_seconds=[10, 60],
       retry_jitter_factor=0.5, retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def encode_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
     s = settings_from(settings)
-    result = encode_unit(out_dir, read_plan(out_dir), unit, load_encoders(s), open_run_source(s),
-                         ImageSpec.from_config(s.image), batch_size=s.model.batch_size,
-                         decode_workers=s.image.decode_workers)
+    plan = read_plan(out_dir)
+    encoders = load_encoders(s)
+    spec = ImageSpec.from_config(s.image)
+    batch_size = s.model.batch_size
+    while True:
+        try:
+            result = encode_unit(out_dir, plan, unit, encoders, open_run_source(s), spec, batch_size=batch_size,
+                                 decode_workers=s.image.decode_workers)
+            break
+        except torch.OutOfMemoryError as exc:
+            error = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        # Freed outside the except block: the traceback's frames hold the failed batch's tensors.
+        free_device_memory()
+        if batch_size == 1:
+            raise DiffprepError(
+                f"unit {unit} ran out of memory even at batch size 1: lower --image-size (now {s.image.image_size}) "
+                f"or --t5-max-length (now {s.model.t5_max_length}), use --precision bf16 (now {s.model.precision}), "
+                f"or free memory on {encoders.device} ({error})"
+            )
+        smaller = batch_size // 2
+        _logger().warning("unit %06d ran out of memory at batch size %d: retrying it at batch size %d (%s)",
+                          unit, batch_size, smaller, error)
+        batch_size = smaller
     return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
-            "seconds": round(result.seconds, 3), "skipped": result.skipped}
+            "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}

@@ -1,0 +1,177 @@
+"""Full encode across workers: one process per device, a killed worker, manual shards, fan-out to a work pool."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
+from diffprep import contract
+from diffprep.cli import main
+from diffprep.demo import write_demo_dataset
+from diffprep.errors import LockedError
+from diffprep.existing import OutputLock
+from diffprep.shards import read_manifests
+from diffprep.workers import parse_devices, split_chunks, units_for_shard
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
+    return ["encode", "--source-type", "directory", "--input-dir", str(data), "--model-path", str(model),
+            "--output-dir", str(out), "--shard-size", "4", "--batch-size", "4", "--precision", "fp32",
+            "--image-size", "32", "--t5-max-length", "16", "--no-finalize", *extra]
+
+
+def _hashes(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.tar"))}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_demo_dataset(tmp_path_factory.mktemp("workers") / "data", samples=16)
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_server, data, tiny_model, tmp_path_factory) -> dict[str, str]:
+    """Shard hashes of an uninterrupted single-worker run."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    assert main(_args(data, tiny_model, out)) == 0
+    hashes = _hashes(out)
+    assert len(hashes) == 4
+    return hashes
+
+
+def test_device_specs():
+    assert parse_devices("cpu:3") == ["cpu", "cpu", "cpu"]
+    assert parse_devices("0, 2") == ["cuda:0", "cuda:2"]
+    with pytest.raises(Exception, match="twice"):
+        parse_devices("1,1")
+    with pytest.raises(Exception, match="cpu:N"):
+        parse_devices("gpu0")
+    assert units_for_shard(range(7), 3, 2) == [2, 5]
+    assert split_chunks([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
+
+
+def test_two_cpu_workers_write_the_same_bytes_as_one(prefect_server, data, tiny_model, reference, tmp_path):
+    out = tmp_path / "out"
+    assert main(_args(data, tiny_model, out, "--devices", "cpu:2")) == 0
+    assert _hashes(out) == reference
+
+
+def test_killed_worker_then_rerun_with_another_worker_count(prefect_server, data, tiny_model, reference, tmp_path):
+    """SIGKILL a worker while it writes a shard; the re-run with one worker completes the same dataset."""
+    from prefect.settings import PREFECT_API_URL
+
+    out = tmp_path / "out"
+    tmp_dir = out / contract.STATE_DIR / contract.TMP_DIR
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    # Slow every unit down enough to catch a worker in the middle of one: big images, 2 per batch.
+    slow = write_demo_dataset(tmp_path / "slow", samples=16)
+    slow_args = _args(slow, tiny_model, out, "--devices", "cpu:2", "--image-size", "256", "--batch-size", "1")
+    run = subprocess.Popen([sys.executable, "-m", "diffprep.cli", *slow_args], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed is None and time.monotonic() < deadline and run.poll() is None:
+            for temp in tmp_dir.glob("*.tar.*") if tmp_dir.is_dir() else []:
+                pid = int(temp.name.rsplit(".", 1)[1])
+                os.kill(pid, signal.SIGKILL)
+                killed = temp.name
+                break
+            time.sleep(0.005)
+        assert killed is not None, "no worker was caught writing a shard"
+        assert run.wait(timeout=240) != 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    manifests = read_manifests(out)
+    assert len(manifests) < 4
+    assert (tmp_dir / killed).exists()  # the dead writer's temporary file, never committed
+
+    # Same settings as the reference from here on: re-run over the first output with one worker.
+    ref_out = tmp_path / "ref"
+    assert main(_args(slow, tiny_model, ref_out, "--image-size", "256", "--batch-size", "1")) == 0
+    assert main(_args(slow, tiny_model, out, "--image-size", "256", "--batch-size", "1")) == 0
+    assert _hashes(out) == _hashes(ref_out)
+    assert list(tmp_dir.iterdir()) == []
+    assert sorted(m.shard for m in read_manifests(out).values()) == sorted(p.name for p in out.glob("*.tar"))
+    counts = [m.count for m in read_manifests(out).values()]
+    assert sum(counts) == 16
+
+
+def test_manual_shards_then_a_plain_run_finalizes(prefect_server, data, tiny_model, reference, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_args(data, tiny_model, out, "--num-shards", "2", "--shard-index", "1")) == 0
+    assert "shard 1/2" in capsys.readouterr().out
+    assert sorted(read_manifests(out)) == [1, 3]
+    assert main(_args(data, tiny_model, out, "--num-shards", "2", "--shard-index", "0")) == 0
+    assert sorted(read_manifests(out)) == [0, 1, 2, 3]
+    capsys.readouterr()
+    args = [a for a in _args(data, tiny_model, out) if a != "--no-finalize"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "0 encoded this run" in printed and "validation: passed" in printed
+    assert _hashes(out) == reference
+
+
+def test_plain_run_and_shard_runs_exclude_each_other(tmp_path):
+    with OutputLock(tmp_path, shard=3):
+        with pytest.raises(LockedError, match="--shard-index run"):
+            OutputLock(tmp_path).acquire()
+        with OutputLock(tmp_path, shard=4):  # shard runs share the output
+            pass
+    with OutputLock(tmp_path):
+        with pytest.raises(LockedError, match="plain run"):
+            OutputLock(tmp_path, shard=0).acquire()
+
+
+def test_fan_out_to_two_pool_workers(prefect_server, data, tiny_model, reference, tmp_path):
+    """The parent flow sends chunks to the encode-units deployment; two process workers on one pool run them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.encode_units import encode_units
+
+    pool = "diffprep-fanout-test"
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"), overwrite=True)
+    encode_units.from_source(source=str(REPO), entrypoint="flows/encode_units.py:encode_units").deploy(
+        name="encode-units", work_pool_name=pool, print_next_steps=False
+    )
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1",
+                          "--name", f"test-worker-{i}"], env=env, cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for i in range(2)
+    ]
+    try:
+        out = tmp_path / "out"
+        assert main(_args(data, tiny_model, out, "--encode-deployment", "encode-units/encode-units",
+                          "--chunks", "2")) == 0
+        assert _hashes(out) == reference
+        with get_client(sync_client=True) as client:
+            runs = [r for r in client.read_flow_runs() if r.deployment_id is not None and r.name]
+        completed = [r for r in runs if r.state and r.state.is_completed()]
+        assert len(completed) >= 2
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
