@@ -25,8 +25,10 @@ class EncoderSpec(Block):
     vae_path: str | None = Field(None, description="VAE override.")
     t5_path: str | None = Field(None, description="T5 override.")
     clip_path: str | None = Field(None, description="CLIP override.")
-    precision: Precision = Field("bf16", description="bf16 | fp16 | fp32.")
-    t5_max_length: int = Field(512, ge=1, le=512, description="512 for FLUX.1-dev, 256 for schnell.")
+    precision: Precision | None = Field(None, description="bf16 | fp16 | fp32 (unset: the run's setting).")
+    t5_max_length: int | None = Field(
+        None, ge=1, le=512, description="512 for FLUX.1-dev, 256 for schnell (unset: the run's setting)."
+    )
 
     def model_settings(self) -> dict[str, Any]:
         """The block's values as ``model`` settings (unset overrides left out)."""

@@ -38,7 +38,6 @@ your own ``encode_sample``).
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 

@@ -9,11 +9,13 @@ its manifest's rejects, with a reason.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import queue
 import resource
 import shutil
+import statistics
 import threading
 import time
 from collections import Counter, deque
@@ -25,8 +27,10 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from diffprep import contract
+from diffprep.decode import CONTACT_SHEET, Preview, write_contact_sheet
 from diffprep.errors import DiffprepError, RejectError
-from diffprep.images import ImageSpec, PreparedImage, prepare_image, psnr, to_uint8
+from diffprep.failpoints import failpoint
+from diffprep.images import ImageSpec, PreparedImage, prepare_image, to_uint8
 from diffprep.plan import Plan, UnitPlan
 from diffprep.shards import (
     Reject,
@@ -68,6 +72,7 @@ def _prepare(sample: SourceSample, spec: ImageSpec) -> PreparedImage:
         raise RejectError("missing_image", "the source gave no image for this sample", phase="read")
     if sample.caption is None:
         raise RejectError("missing_caption", "the source gave no caption for this sample", phase="read")
+    failpoint("decode")
     return prepare_image(sample.image, spec)
 
 
@@ -224,8 +229,14 @@ def encode_unit(
     batch_size: int,
     decode_workers: int = 2,
     progress: Progress | None = None,
+    sample_fields: SampleFields | None = None,
 ) -> UnitResult:
-    """Encode one unit into its shard and manifest. Idempotent: a committed unit is left as it is."""
+    """Encode one unit into its shard and manifest. Idempotent: a committed unit is left as it is.
+
+    ``sample_fields`` turns a batch into its samples' fields; by default
+    ``preencoded_fields(encoders)`` (the raw pipeline passes its image writer
+    and no encoders).
+    """
     start = time.perf_counter()
     done = unit_is_done(out_dir, plan, unit_index)
     if done is not None:
@@ -237,32 +248,15 @@ def encode_unit(
     source_ids: list[str] = []
     batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
     # closing(): an encoder error must also stop the reader thread and its decode pool at once.
-    with contextlib.closing(batches), ShardWriter(out_dir, unit_index) as writer:
-        for batch in batches:
-            latents = encoders.encode_images(batch.pixels, batch.keys)
-            text = encoders.encode_text(batch.captions)
-            for i, key in enumerate(batch.keys):
-                if not torch.isfinite(latents[i]).all():
-                    rejects.append(Reject(batch.source_ids[i], "non_finite_latents",
-                                          "the VAE produced NaN or inf for this image", phase="encode"))
-                    continue
-                caption = batch.captions[i]
-                if not caption.strip():
-                    notes["empty_caption"] += 1
-                if text.t5_truncated[i]:
-                    notes["caption_truncated"] += 1
-                writer.write(key, {
-                    contract.LATENTS: latents[i],
-                    contract.PROMPT_EMBEDS: text.prompt_embeds[i],
-                    contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i],
-                    contract.CAPTION: caption,
-                    contract.META: batch.metas[i],
-                })
-                keys.append(key)
-                source_ids.append(batch.source_ids[i])
-            if progress:
-                progress({"unit": unit_index, "samples": len(keys) + len(rejects), "total": len(unit.source_ids)})
-        info = writer.commit()
+    try:
+        with contextlib.closing(batches), ShardWriter(out_dir, unit_index) as writer:
+            info = _write_unit(writer, batches, sample_fields or preencoded_fields(encoders), unit, rejects, notes,
+                               keys, source_ids, progress)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise DiskSpaceError(disk_full_message(out_dir, unit_index)) from exc
+        raise
+    failpoint("before-manifest")
     # Rejects in source order, whatever phase found them.
     order = {sid: i for i, sid in enumerate(unit.source_ids)}
     rejects.sort(key=lambda r: order[r.source_id])
@@ -284,6 +278,58 @@ def encode_unit(
     log.info("unit %06d: %d written, %d rejected in %.1f s (%.1f samples/s)",
              unit_index, info.count, len(rejects), seconds, result.samples_per_second)
     return result
+
+
+# How a batch becomes the fields of its samples (one dict, or a Reject, per sample); counts kept-but-noted
+# samples (e.g. truncated captions) in the Counter.
+SampleFields = Callable[[Batch, Counter], list[dict | Reject]]
+
+
+def preencoded_fields(encoders) -> SampleFields:
+    """The pre-encoded pipeline's fields: latents and text embeddings from ``encoders``, caption, meta."""
+
+    def fields(batch: Batch, notes: Counter) -> list[dict | Reject]:
+        latents = encoders.encode_images(batch.pixels, batch.keys)
+        text = encoders.encode_text(batch.captions)
+        samples: list[dict | Reject] = []
+        for i in range(len(batch.keys)):
+            if not torch.isfinite(latents[i]).all():
+                samples.append(Reject(batch.source_ids[i], "non_finite_latents",
+                                      "the VAE produced NaN or inf for this image", phase="encode"))
+                continue
+            if text.t5_truncated[i]:
+                notes["caption_truncated"] += 1
+            samples.append({
+                contract.LATENTS: latents[i],
+                contract.PROMPT_EMBEDS: text.prompt_embeds[i],
+                contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i],
+                contract.CAPTION: batch.captions[i],
+                contract.META: batch.metas[i],
+            })
+        return samples
+
+    return fields
+
+
+def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: SampleFields, unit: UnitPlan,
+                rejects: list[Reject], notes: Counter, keys: list[str], source_ids: list[str],
+                progress: Progress | None):
+    """Turn the unit's batches into samples in ``writer`` and commit it; returns the shard's info."""
+    for batch in batches:
+        failpoint("encode")
+        for i, fields in enumerate(sample_fields(batch, notes)):
+            if isinstance(fields, Reject):
+                rejects.append(fields)
+                continue
+            if not batch.captions[i].strip():
+                notes["empty_caption"] += 1
+            writer.write(batch.keys[i], fields)
+            failpoint("shard-write")
+            keys.append(batch.keys[i])
+            source_ids.append(batch.source_ids[i])
+        if progress:
+            progress({"unit": unit.unit, "samples": len(keys) + len(rejects), "total": len(unit.source_ids)})
+    return writer.commit()
 
 
 def write_empty_prompt(out_dir: str | Path, encoders) -> Path:
@@ -309,7 +355,7 @@ class SanityReport:
     shapes: dict[str, list[int]]
     dtypes: dict[str, str]
     finite: bool
-    psnr_db: list[float]
+    psnr_db: list[float | None]  # round trip per image; None: identical (a lossless raw format)
     seconds_per_batch: float
     peak_memory_bytes: int
     bytes_per_sample: int
@@ -317,15 +363,91 @@ class SanityReport:
     projected_seconds: float
     free_bytes: int
     problems: list[str] = field(default_factory=list)
+    min_psnr: float = 0.0  # the median of psnr_db must reach this; 0: not checked
+    contact_sheet: str | None = None  # the batch's images next to their round trip
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def sanity_markdown(report: dict) -> str:
+    """A sanity report (``SanityReport.to_json()``) as Markdown, for the run's artifact."""
+    gib = 1024**3
+    psnrs = ", ".join("identical" if v is None else f"{v:.1f}" for v in report["psnr_db"])
+    lines = [
+        f"# Sanity check {'passed' if report['ok'] else 'FAILED'}",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {name} | {shape} {report['dtypes'][name]} |" for name, shape in report["shapes"].items()),
+        f"| round-trip PSNR (dB) | {psnrs} (median must reach {report['min_psnr']}) |",
+        f"| seconds per batch of {report['samples']} | {report['seconds_per_batch']} |",
+        f"| peak memory | {report['peak_memory_bytes'] / gib:.2f} GiB |",
+        f"| bytes per sample | {report['bytes_per_sample']} |",
+        f"| projected | {report['projected_bytes'] / gib:.2f} GiB, {report['projected_seconds']} s; "
+        f"{report['free_bytes'] / gib:.2f} GiB free |",
+    ]
+    if report["problems"]:
+        lines += ["", "**Problems:**", *(f"- {problem}" for problem in report["problems"])]
+    return "\n".join(lines) + "\n"
 
 
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def first_batch(plan: Plan, source: Source, spec: ImageSpec, batch_size: int) -> Batch:
+    """The first batch that decodes, from the first units: at most a few units are read."""
+    rejects: list[Reject] = []
+    for unit in plan.units:
+        batch = next(iter_batches(source, unit, spec, batch_size, rejects), None)
+        if batch is not None:
+            return batch
+    raise DiffprepError(
+        "sanity: no sample of the source could be decoded; rejects: "
+        + "; ".join(f"{r.source_id}: {r.reason} {r.detail}" for r in rejects[:5])
+    )
+
+
+def check_round_trip(sanity_dir: Path, batch: Batch, decoded: torch.Tensor,
+                     min_psnr: float) -> tuple[list[float | None], Path, str | None]:
+    """PSNR of each image against its round trip, the contact sheet, and the problem when the median is too low."""
+    previews = [Preview(key, sid, caption, decoded[i], batch.pixels[i])
+                for i, (key, sid, caption) in enumerate(zip(batch.keys, batch.source_ids, batch.captions))]
+    sheet = write_contact_sheet(sanity_dir / CONTACT_SHEET, previews)
+    values = [p.psnr_db for p in previews]
+    median = statistics.median(values)
+    problem = None
+    if median < min_psnr:
+        problem = (
+            f"round-trip PSNR: median {median:.1f} dB over {len(values)} images is under model.min_psnr "
+            f"{min_psnr} dB, so the VAE does not reconstruct these images: a wrong VAE, wrong scaling/shift "
+            f"factors in its config, or a precision it overflows in. Look at {sheet}. (A random-weight test model "
+            "cannot reconstruct: run it with --min-psnr 0.)"
+        )
+    return [None if math.isinf(v) else round(v, 2) for v in values], sheet, problem
+
+
+def project_run(out_dir: str | Path, plan: Plan, units_left: Sequence[int] | None, seconds: float,
+                batch_size: int, workers: int) -> tuple[int, float, int]:
+    """Samples left to write, the seconds they take at ``seconds`` per batch, and the free bytes of the output."""
+    remaining_units = set(units_left) if units_left is not None else {u.unit for u in plan.units}
+    remaining = sum(len(u.source_ids) for u in plan.units if u.unit in remaining_units)
+    projected_seconds = seconds * math.ceil(remaining / batch_size) / max(1, workers)
+    return remaining, projected_seconds, shutil.disk_usage(out_dir).free
+
+
+def finish_sanity(out_dir: str | Path, report: SanityReport, remaining: int) -> SanityReport:
+    """Write ``sanity/report.json``; raise DiskSpaceError when the projection does not fit, or the problems."""
+    atomic_write_json(Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR / "report.json", report.to_json())
+    if report.projected_bytes > report.free_bytes:
+        raise DiskSpaceError(disk_summary(out_dir, report.projected_bytes, report.free_bytes, remaining,
+                                          report.bytes_per_sample))
+    if report.problems:
+        raise DiffprepError("sanity check failed:\n  " + "\n  ".join(report.problems))
+    return report
 
 
 def sanity_check(
@@ -338,25 +460,17 @@ def sanity_check(
     batch_size: int,
     units_left: Sequence[int] | None = None,
     workers: int = 1,
+    min_psnr: float = 0.0,
 ) -> SanityReport:
     """Encode one full batch into ``.diffprep/sanity/`` and project the whole run from it.
 
+    The batch is decoded again: its contact sheet is written next to the
+    report, and a median round-trip PSNR under ``min_psnr`` fails the check.
     Raises DiskSpaceError before any shard is written when the projection does not fit.
     """
     sanity_dir = Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR
     sanity_dir.mkdir(parents=True, exist_ok=True)
-    # The first batch that decodes, from the first units: at most a few units are read.
-    batch = None
-    rejects: list[Reject] = []
-    for unit in plan.units:
-        batch = next(iter_batches(source, unit, spec, batch_size, rejects), None)
-        if batch is not None:
-            break
-    if batch is None:
-        raise DiffprepError(
-            "sanity: no sample of the source could be decoded; rejects: "
-            + "; ".join(f"{r.source_id}: {r.reason} {r.detail}" for r in rejects[:5])
-        )
+    batch = first_batch(plan, source, spec, batch_size)
     device = getattr(encoders, "device", torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -364,8 +478,6 @@ def sanity_check(
     latents = encoders.encode_images(batch.pixels, batch.keys)
     text = encoders.encode_text(batch.captions)
     seconds = time.perf_counter() - start
-    decoded = to_uint8(encoders.decode_latents(latents))
-    psnrs = [round(psnr(decoded[i], batch.pixels[i]), 2) for i in range(len(batch.keys))]
 
     tensors = {
         contract.LATENTS: latents,
@@ -383,15 +495,18 @@ def sanity_check(
     finite = all(bool(torch.isfinite(t).all()) for t in tensors.values())
     if not finite:
         problems.append("non-finite values in the encoded batch (wrong precision for this VAE?)")
+        psnrs: list[float | None] = []
+        sheet = None
+    else:
+        decoded = to_uint8(encoders.decode_latents(latents))
+        psnrs, sheet, problem = check_round_trip(sanity_dir, batch, decoded, min_psnr)
+        if problem:
+            problems.append(problem)
 
     sample_fields = {name: tensor[0] for name, tensor in tensors.items()}
     per_sample = sum(len(tensor_bytes(t)) for t in sample_fields.values())
     per_sample += len(batch.captions[0].encode()) + 256 + TAR_MEMBER_OVERHEAD * len(contract.PREENCODED_FIELDS)
-    remaining_units = set(units_left) if units_left is not None else {u.unit for u in plan.units}
-    remaining = sum(len(u.source_ids) for u in plan.units if u.unit in remaining_units)
-    projected_bytes = per_sample * remaining
-    projected_seconds = seconds * math.ceil(remaining / batch_size) / max(1, workers)
-    free = shutil.disk_usage(out_dir).free
+    remaining, projected_seconds, free = project_run(out_dir, plan, units_left, seconds, batch_size, workers)
     report = SanityReport(
         ok=not problems,
         samples=len(batch.keys),
@@ -402,19 +517,30 @@ def sanity_check(
         seconds_per_batch=round(seconds, 4),
         peak_memory_bytes=_peak_memory(device),
         bytes_per_sample=per_sample,
-        projected_bytes=projected_bytes,
+        projected_bytes=per_sample * remaining,
         projected_seconds=round(projected_seconds, 1),
         free_bytes=free,
         problems=problems,
+        min_psnr=min_psnr,
+        contact_sheet=str(sheet) if sheet else None,
     )
     torch_payload = {name: t[0].clone() for name, t in tensors.items()}
     atomic_write_bytes(sanity_dir / "sample.pth", torch_bytes(torch_payload))
-    atomic_write_json(sanity_dir / "report.json", report.to_json())
-    if projected_bytes > free:
-        raise DiskSpaceError(disk_summary(out_dir, projected_bytes, free, remaining, per_sample))
-    if problems:
-        raise DiffprepError("sanity check failed:\n  " + "\n  ".join(problems))
-    return report
+    return finish_sanity(out_dir, report, remaining)
+
+
+def disk_full_message(out_dir: str | Path, unit: int) -> str:
+    """What a user needs when the disk filled up under a unit: where, how much is free, what the dataset uses."""
+    usage = shutil.disk_usage(out_dir)
+    used_here = sum(p.stat().st_size for p in Path(out_dir).glob("*.tar"))
+    gib = 1024**3
+    return (
+        f"the disk filled up while writing unit {unit:06d} to {out_dir}; that unit left nothing behind and the "
+        f"units finished before it are intact:\n"
+        f"  shards so far  {used_here / gib:10.2f} GiB  ({out_dir})\n"
+        f"  free           {usage.free / gib:10.2f} GiB of {usage.total / gib:.2f} GiB\n"
+        "Free space (or move the output) and re-run the same command: it resumes at this unit."
+    )
 
 
 def disk_summary(out_dir: str | Path, needed: int, free: int, samples: int, per_sample: int) -> str:

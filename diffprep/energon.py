@@ -37,6 +37,7 @@ import yaml
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
+from diffprep.failpoints import failpoint
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
 from diffprep.shards import UnitManifest, atomic_write_bytes, atomic_write_json, read_manifests
 
@@ -357,6 +358,7 @@ def finalize(
     splits = {split: names for split, names in splits.items() if names}
 
     write_dataset_yaml(out, encoding)
+    failpoint("finalize")
     parts = _run_prepare(out, splits, workers, progress)
 
     info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text(encoding="utf-8"))

@@ -24,7 +24,7 @@ from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError, LockedError
 from diffprep.plan import Plan, read_plan
-from diffprep.shards import load_tensor, read_manifests
+from diffprep.shards import load_tensor, read_manifests, temp_pid
 
 CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
 
@@ -292,23 +292,23 @@ def clear_output(out_dir: str | os.PathLike) -> list[str]:
 
 
 def clear_dead_temp_files(out_dir: str | os.PathLike) -> list[str]:
-    """Remove temporary shards that writers on this host left when they died (never committed, never data).
+    """Remove temporary files that writers on this host left when they died: never committed, never data.
 
-    Files of live processes and of other hosts are left alone.
+    Looks under ``<out>/.diffprep`` (temporary shards and state files); files
+    of live processes and of other hosts are left alone.
     """
-    tmp = Path(out_dir) / contract.STATE_DIR / contract.TMP_DIR
-    removed = []
-    if not tmp.is_dir():
-        return removed
+    state = Path(out_dir) / contract.STATE_DIR
     host = socket.gethostname()
-    for path in sorted(tmp.iterdir()):
-        stem, _, pid = path.name.rpartition(".")
-        if not pid.isdigit() or not stem.endswith("." + host):
-            continue
-        if not _pid_alive(int(pid)):
+    removed = []
+    for root, _dirs, files in os.walk(state):
+        for name in sorted(files):
+            pid = temp_pid(name, host)
+            if pid is None or _pid_alive(pid):
+                continue
+            path = Path(root) / name
             path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
+            removed.append(str(path.relative_to(out_dir)))
+    return sorted(removed)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -61,9 +61,20 @@ def field_bytes(value: Any) -> bytes:
     raise TypeError(f"cannot store a {type(value).__name__} in a shard; use bytes, str, dict or a tensor")
 
 
+TEMP_SUFFIX = ".tmp"
+
+
 def temp_name(name: str) -> str:
-    """``<name>.<host>.<pid>``: whose temporary file this is, so a later run can tell a dead writer's leftovers."""
-    return f"{name}.{socket.gethostname()}.{os.getpid()}"
+    """``<name>.<host>.<pid>.tmp``: whose temporary file this is, so a later run can tell a dead writer's leftovers."""
+    return f"{name}.{socket.gethostname()}.{os.getpid()}{TEMP_SUFFIX}"
+
+
+def temp_pid(name: str, host: str) -> int | None:
+    """The pid in a temporary file name made by :func:`temp_name` on ``host``; None for any other name."""
+    if not name.endswith(TEMP_SUFFIX):
+        return None
+    rest, _, pid = name[: -len(TEMP_SUFFIX)].rpartition(".")
+    return int(pid) if pid.isdigit() and rest.endswith("." + host) else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -77,7 +88,7 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync and rename."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name("." + temp_name(path.name))
     with open(tmp, "wb") as handle:
         handle.write(data)
         handle.flush()

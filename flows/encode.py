@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
 from diffprep.audit import AuditReport, rejects_accepted, rejects_question
@@ -24,18 +24,13 @@ from diffprep.workers import units_for_shard
 from flows.runners import RUNNERS, Progress, runner_for
 from diffprep.plan import read_plan, write_plan
 from tasks.approvals import ask
+from tasks.common import slug
 from tasks.audit import audit_task
 from tasks.fetch import fetch_task
 from tasks.finalize import finalize_task
 from tasks.sanity import sanity_task
 from tasks.validate import validate_task
 from tasks.verify import verify_existing_task
-
-
-def _slug(path: str) -> str:
-    """An artifact key from an output path: lowercase letters, digits and dashes."""
-    name = "".join(c if c.isalnum() else "-" for c in Path(path).name.lower()).strip("-")
-    return (name or "output")[:40]
 
 
 def resolve_settings(parameters: EncodeParameters) -> Settings:
@@ -55,10 +50,12 @@ def resolve_settings(parameters: EncodeParameters) -> Settings:
 def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
     """Pre-encode a source into a validated Energon dataset.
 
-    Only the parameters given count; the rest comes from the config file
-    (``parameters.config``), the ``DIFFPREP_*`` environment and the defaults.
     Existing data is changed only after an approval: a parameter given ahead
     of time, or an answer to the question the paused run asks in the UI.
+
+    Args:
+        parameters: The run's settings by section. Only the fields given count; the rest comes from the
+            config file (``config``), the ``DIFFPREP_*`` environment of the worker, and the defaults.
     """
     logger = get_run_logger()
     parameters = parameters or EncodeParameters()
@@ -120,7 +117,7 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
             )
             runner = runner_for(settings)
             logger.info("encoding %d units with the %s runner", len(units_left), runner)
-            RUNNERS[runner](settings, params, out_dir, units_left, Progress(len(units_left), f"progress-{_slug(out_dir)}"))
+            RUNNERS[runner](settings, params, out_dir, units_left, Progress(len(units_left), f"progress-{slug(out_dir)}"))
         else:
             logger.info("every unit is already encoded with these settings: nothing to encode")
         if workers.num_shards is not None:
@@ -131,7 +128,7 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
 
         audit = AuditReport(**{k: v for k, v in audit_task(out_dir).items() if k != "ok"})
         create_table_artifact(
-            key=f"audit-{_slug(out_dir)}",
+            key=f"audit-{slug(out_dir)}",
             table=[{"reason": r, "samples": n} for r, n in audit.by_reason.items()]
             or [{"reason": "(none)", "samples": 0}],
             description=audit.to_markdown(),
@@ -158,9 +155,7 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
             result["finalize"] = finalize_task(params, out_dir, replace)
             validation = validate_task(out_dir)
             result["validation"] = {"ok": validation["ok"], "summary": validation["summary"]}
-            create_markdown_artifact(key=f"validation-{_slug(out_dir)}", markdown=validation["markdown"],
-                                     description="diffprep validation report")
-        create_link_artifact(key=f"output-{_slug(out_dir)}", link=Path(out_dir).as_uri(),
+        create_link_artifact(key=f"output-{slug(out_dir)}", link=Path(out_dir).as_uri(),
                              link_text=out_dir, description="The encoded dataset")
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
@@ -170,7 +165,7 @@ def _plan_artifact(plan, units_left: list[int], out_dir: str) -> None:
     left = set(units_left)
     rows = [{"unit": u.unit, "shard": u.shard, "samples": len(u.source_ids), "to encode": u.unit in left}
             for u in plan.units[:500]]
-    create_table_artifact(key=f"plan-{_slug(out_dir)}", table=rows,
+    create_table_artifact(key=f"plan-{slug(out_dir)}", table=rows,
                           description=f"{plan.total_samples} samples in {len(plan.units)} units, "
                                       f"{len(units_left)} to encode (fingerprint `{plan.fingerprint}`)")
 

@@ -38,7 +38,7 @@ def how_to_trigger(api_url: str, ui_url: str | None) -> str:
         "Start a run:",
     ]
     if ui_url:
-        lines.append(f"  UI:     {ui_url}/deployments -> encode-dataset / {DEPLOYMENT_NAME} -> Run -> Custom run (a form)")
+        lines.append(f"  UI:     {ui_url}/deployments -> encode-dataset / {DEPLOYMENT_NAME} -> Run -> Custom run")
     lines += [
         f"  CLI:    prefect deployment run validate-dataset/{DEPLOYMENT_NAME} --param out_dir=/path/to/dataset",
         f"          prefect deployment run encode-dataset/{DEPLOYMENT_NAME} "

@@ -12,11 +12,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
-from diffprep.errors import DatasetValidationError
-from flows.encode import _slug
 from tasks.validate import validate_task
 
 
@@ -36,14 +33,7 @@ def validate_dataset_flow(
     """
     logger = get_run_logger()
     out_dir = str(Path(out_dir).expanduser().resolve())
-    key = f"validation-{_slug(out_dir)}"
-    try:
-        result = validate_task(out_dir, encoding, max_load)
-    except DatasetValidationError as exc:
-        # The task's error carries the whole report: publish it before the run fails.
-        create_markdown_artifact(key=key, markdown=str(exc), description="diffprep validation report (FAILED)")
-        raise
-    create_markdown_artifact(key=key, markdown=result["markdown"], description="diffprep validation report")
+    result = validate_task(out_dir, encoding, max_load)  # publishes the report, passed or failed
     summary = result["summary"]
     logger.info("validation of %s passed: %s samples in %s shards", out_dir, summary.get("samples"),
                 summary.get("shards"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from diffprep.config import Settings
@@ -41,6 +42,12 @@ def retry_transient(task, task_run, state) -> bool:
     except Exception as exc:  # noqa: BLE001 - inspecting the failure
         return is_transient(exc)
     return False
+
+
+def slug(path: str) -> str:
+    """An artifact key from an output path: lowercase letters, digits and dashes."""
+    name = "".join(c if c.isalnum() else "-" for c in Path(path).name.lower()).strip("-")
+    return (name or "output")[:40]
 
 
 def small(value: Any) -> Any:

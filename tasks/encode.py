@@ -14,6 +14,8 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from prefect import get_run_logger, task
@@ -29,6 +31,8 @@ from diffprep.plan import read_plan
 from diffprep.sources import Source, open_source
 from diffprep.workers import claimed_device
 from tasks.common import retry_transient, run_token, settings_from
+
+T = TypeVar("T")
 
 _ENCODERS: dict[str, FluxEncoders] = {}
 _LOCK = threading.Lock()
@@ -70,6 +74,34 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger(__name__)
 
 
+def oom_advice(settings: Settings, encoders: FluxEncoders) -> str:
+    """What to change when even a batch of one does not fit."""
+    return (f"lower --image-size (now {settings.image.image_size}) or --t5-max-length (now "
+            f"{settings.model.t5_max_length}), use --precision bf16 (now {settings.model.precision}), "
+            f"or free memory on {encoders.device}")
+
+
+def with_smaller_batches_on_oom(attempt: Callable[[int], T], batch_size: int, *, what: str, advice: str) -> T:
+    """``attempt(batch_size)``; out of device memory, free it and try again at half the batch size, down to 1.
+
+    ``attempt`` must leave nothing behind when it fails (a unit commits its
+    shard only once it is whole). Other errors are not caught.
+    """
+    while True:
+        try:
+            return attempt(batch_size)
+        except torch.OutOfMemoryError as exc:
+            error = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        # Freed outside the except block: the traceback's frames hold the failed batch's tensors.
+        free_device_memory()
+        if batch_size <= 1:
+            raise DiffprepError(f"{what} ran out of memory even at batch size 1: {advice} ({error})")
+        smaller = batch_size // 2
+        _logger().warning("%s ran out of memory at batch size %d: retrying it at batch size %d (%s)",
+                          what, batch_size, smaller, error)
+        batch_size = smaller
+
+
 @task(name="encode-unit", task_run_name="encode-unit-{unit:06d}", retries=2, retry_delay_seconds=[10, 60],
       retry_jitter_factor=0.5, retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def encode_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
@@ -77,25 +109,10 @@ def encode_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
     plan = read_plan(out_dir)
     encoders = load_encoders(s)
     spec = ImageSpec.from_config(s.image)
-    batch_size = s.model.batch_size
-    while True:
-        try:
-            result = encode_unit(out_dir, plan, unit, encoders, open_run_source(s), spec, batch_size=batch_size,
-                                 decode_workers=s.image.decode_workers)
-            break
-        except torch.OutOfMemoryError as exc:
-            error = str(exc).splitlines()[0] if str(exc) else "out of memory"
-        # Freed outside the except block: the traceback's frames hold the failed batch's tensors.
-        free_device_memory()
-        if batch_size == 1:
-            raise DiffprepError(
-                f"unit {unit} ran out of memory even at batch size 1: lower --image-size (now {s.image.image_size}) "
-                f"or --t5-max-length (now {s.model.t5_max_length}), use --precision bf16 (now {s.model.precision}), "
-                f"or free memory on {encoders.device} ({error})"
-            )
-        smaller = batch_size // 2
-        _logger().warning("unit %06d ran out of memory at batch size %d: retrying it at batch size %d (%s)",
-                          unit, batch_size, smaller, error)
-        batch_size = smaller
+    result = with_smaller_batches_on_oom(
+        lambda batch_size: encode_unit(out_dir, plan, unit, encoders, open_run_source(s), spec,
+                                       batch_size=batch_size, decode_workers=s.image.decode_workers),
+        s.model.batch_size, what=f"unit {unit}", advice=oom_advice(s, encoders),
+    )
     return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
             "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}

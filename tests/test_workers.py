@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from diffprep.cli import main
 from diffprep.demo import write_demo_dataset
 from diffprep.errors import LockedError
 from diffprep.existing import OutputLock
-from diffprep.shards import read_manifests
+from diffprep.shards import read_manifests, temp_pid
 from diffprep.workers import parse_devices, split_chunks, units_for_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,8 +84,8 @@ def test_killed_worker_then_rerun_with_another_worker_count(prefect_server, data
     try:
         deadline = time.monotonic() + 240
         while killed is None and time.monotonic() < deadline and run.poll() is None:
-            for temp in tmp_dir.glob("*.tar.*") if tmp_dir.is_dir() else []:
-                pid = int(temp.name.rsplit(".", 1)[1])
+            for temp in tmp_dir.glob("*.tar.*.tmp") if tmp_dir.is_dir() else []:
+                pid = temp_pid(temp.name, socket.gethostname())
                 os.kill(pid, signal.SIGKILL)
                 killed = temp.name
                 break
