@@ -42,6 +42,7 @@ class Inspection:
     units_left: list[int] = field(default_factory=list)
     damaged_units: list[int] = field(default_factory=list)  # manifest present, shard missing or of another size
     foreign: list[str] = field(default_factory=list)  # top-level entries that diffprep did not write
+    unmanaged: list[str] = field(default_factory=list)  # shard-named files without a manifest: a run rewrites them
     shape_problem: str | None = None
     bytes_on_disk: int = 0
 
@@ -69,6 +70,11 @@ class Inspection:
             shown = ", ".join(f"`{name}`" for name in self.foreign[:10])
             more = f" and {len(self.foreign) - 10} more" if len(self.foreign) > 10 else ""
             lines.append(f"- {len(self.foreign)} file(s) diffprep did not write: {shown}{more}")
+        if self.unmanaged:
+            shown = ", ".join(f"`{name}`" for name in self.unmanaged[:10])
+            more = f" and {len(self.unmanaged) - 10} more" if len(self.unmanaged) > 10 else ""
+            lines.append(f"- {len(self.unmanaged)} shard-named file(s) with no diffprep manifest, which "
+                         f"`overwrite` deletes and encoding rewrites: {shown}{more}")
         lines.append(f"- {_human_bytes(self.bytes_on_disk)} on disk")
         lines += [
             "",
@@ -202,6 +208,8 @@ def inspect_output(out_dir: str | os.PathLike, plan: Plan) -> Inspection:
         units_left=left if same else [u.unit for u in plan.units],
         damaged_units=damaged if same else [],
         foreign=[name for name in entries if not _is_ours(name)],
+        unmanaged=sorted(name for name in entries if contract.unit_of_shard(name) is not None
+                         and contract.unit_of_shard(name) not in manifests),
         bytes_on_disk=_du(out),
     )
     if same:

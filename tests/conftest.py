@@ -13,6 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Library log lines reach run logs only if set before prefect is first imported (as the CLI does).
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "diffprep")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +34,8 @@ from diffprep.tiny import write_tiny_model
 # Small values that keep an encode of the tiny model well under a second per unit.
 SMALL_SETTINGS: dict[str, dict[str, Any]] = {
     "output": {"shard_size": 4},
-    "model": {"precision": "fp32", "device": "cpu", "batch_size": 4, "t5_max_length": 16},
+    # min_psnr 0: the tiny model's random-weight VAE cannot reconstruct images (round trip about 8 dB).
+    "model": {"precision": "fp32", "device": "cpu", "batch_size": 4, "t5_max_length": 16, "min_psnr": 0.0},
     "image": {"image_size": 32, "decode_workers": 1},
 }
 
