@@ -1,6 +1,7 @@
-"""The ``diffprep`` command: encode, finalize, validate, tiny-model, demo.
+"""The ``diffprep`` command: encode, raw, decode, finalize, validate, tiny-model, demo.
 
-``encode`` runs the Prefect flow ``flows/encode.py`` (an embedded Prefect
+``encode`` runs the Prefect flow ``flows/encode.py``, ``raw`` the flow
+``flows/raw.py`` (an embedded Prefect
 server starts when no ``PREFECT_API_URL`` is set). Only the flags typed on the
 command line override the environment and the config file: argparse
 defaults are suppressed, so a flag given explicitly wins even when it equals
@@ -10,7 +11,6 @@ the default.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +30,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--image-key": ("source", "image_key"),
     "--caption-key": ("source", "caption_key"),
     "--input-path": ("source", "input_path"),
+    "--s3-endpoint-url": ("source", "s3_endpoint_url"),
+    "--s3-profile": ("source", "s3_profile"),
     "--output-dir": ("output", "output_dir"),
     "--shard-size": ("output", "shard_size"),
     "--max-samples": ("output", "max_samples"),
@@ -47,6 +49,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--batch-size": ("model", "batch_size"),
     "--t5-max-length": ("model", "t5_max_length"),
     "--latent-mode": ("model", "latent_mode"),
+    "--min-psnr": ("model", "min_psnr"),
     "--image-size": ("image", "image_size"),
     "--center-crop": ("image", "center_crop"),
     "--variable-size": ("image", "variable_size"),
@@ -64,17 +67,24 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
 }
+# `diffprep raw`: the same flags without the encoders and workers, plus the stored image format.
+RAW_FLAGS: dict[str, tuple[str, str]] = {
+    **{flag: target for flag, target in ENCODE_FLAGS.items() if target[0] not in ("model", "workers")},
+    "--image-format": ("raw", "image_format"),
+    "--image-quality": ("raw", "image_quality"),
+}
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize"}
 LIST_FLAGS = {"--hf-data-files"}
 
 
-def _add_encode_flags(parser: argparse.ArgumentParser) -> None:
+def _add_encode_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str]] = ENCODE_FLAGS) -> None:
     from diffprep.config import SECTIONS
 
-    parser.add_argument("--config", help="YAML config (sections: source, output, model, image, finalize, auth)")
-    for flag, (section, key) in ENCODE_FLAGS.items():
+    sections = ", ".join(dict.fromkeys(section for section, _ in flags.values()))
+    parser.add_argument("--config", help=f"YAML config (sections used: {sections})")
+    for flag, (section, key) in flags.items():
         info = SECTIONS[section].model_fields[key]
-        help_text = f"{info.description} [{section}.{key}]"
+        help_text = f"{info.description} [{section}.{key}]".replace("%", "%%")  # argparse formats help with %
         dest = f"{section}.{key}"
         if flag in BOOLEAN_FLAGS:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
@@ -106,11 +116,16 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
-def run_encode(config: str | None, overrides: dict[str, dict[str, Any]]) -> dict:
+def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw: bool = False) -> dict:
+    """Run encode-dataset, or encode-raw with ``raw``."""
     _prefect_defaults()
-    from diffprep.config import EncodeParameters, check_runnable, load_settings
+    from diffprep.config import EncodeParameters, RawParameters, check_runnable, load_settings
 
     check_runnable(load_settings(config, overrides))  # fail on bad settings before Prefect starts
+    if raw:
+        from flows.raw import encode_raw
+
+        return encode_raw(RawParameters(config=config, **overrides))
     from flows.encode import encode_dataset
 
     return encode_dataset(EncodeParameters(config=config, **overrides))
@@ -145,12 +160,40 @@ def print_summary(result: dict) -> None:
               f"{summary.get('bytes_per_sample', '?')} bytes per sample")
         for name, info in summary.get("fields", {}).items():
             print(f"    {name}: {', '.join(info['shapes'])} {', '.join(info['dtypes'])}")
+        for kind, count in summary.get("images", {}).items():
+            print(f"    images {kind}: {count}")
+        previews = summary.get("previews", {})
+        if previews.get("contact_sheet"):
+            values = [f"{p['psnr_db']:.1f}" for p in previews["samples"] if p["psnr_db"] is not None]
+            print(f"  previews: PSNR {', '.join(values) or 'n/a'} dB; contact sheet {previews['contact_sheet']}")
+        elif previews:
+            print(f"  previews: {previews['note']}")
     else:
         print("  not finalized (--no-finalize): run `diffprep finalize OUT` when ready")
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
     print_summary(run_encode(args.config, overrides_from(args)))
+    return 0
+
+
+def cmd_raw(args: argparse.Namespace) -> int:
+    print_summary(run_encode(args.config, overrides_from(args), raw=True))
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from diffprep.decode import decode_dataset
+    from diffprep.encoders import resolve_token
+
+    report = decode_dataset(args.out, args.samples, to_dir=args.to, model_path=args.model_path, device=args.device,
+                            token=resolve_token(args.hf_token_file))
+    using = f" with the VAE at {report.vae}" if report.vae else ""
+    print(f"{len(report.previews)} samples of the {report.encoding} dataset {args.out} decoded{using}; "
+          "PSNR against the source as prepared for encoding:")
+    for line in report.lines():
+        print(f"  {line}")
+    print(f"decoded PNGs in {args.to}; contact sheet (source left, decoded right): {report.contact_sheet}")
     return 0
 
 
@@ -221,7 +264,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     overrides = {
         "source": {"type": "directory", "input_dir": str(data)},
         "output": {"output_dir": str(work / "demo-out"), "shard_size": 8, "on_existing": "resume"},
-        "model": {"model_path": str(model), "precision": "fp32", "batch_size": 4, "t5_max_length": 32},
+        # min_psnr 0: random weights cannot reconstruct an image, whatever the settings.
+        "model": {"model_path": str(model), "precision": "fp32", "batch_size": 4, "t5_max_length": 32,
+                  "min_psnr": 0.0},
         "image": {"image_size": 64},
         "finalize": {"train_split": 0.8},
     }
@@ -245,6 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
     encode = sub.add_parser("encode", help="pre-encode a dataset (runs the encode-dataset Prefect flow)")
     _add_encode_flags(encode)
     encode.set_defaults(func=cmd_encode)
+
+    raw = sub.add_parser("raw", help="store resized images and captions without encoding (runs the encode-raw flow)")
+    _add_encode_flags(raw, RAW_FLAGS)
+    raw.set_defaults(func=cmd_raw)
+
+    decode = sub.add_parser("decode", help="decode samples back to images next to their sources and print the PSNR")
+    decode.add_argument("out", help="the dataset folder")
+    decode.add_argument("--samples", type=int, default=8, help="samples to decode, spread over the dataset (default 8)")
+    decode.add_argument("--to", required=True, metavar="DIR", help="folder for the PNGs and contact_sheet.png")
+    decode.add_argument("--model-path", default=None,
+                        help="the VAE (a FLUX.1-dev layout root or the vae folder); default: the one in plan.json")
+    decode.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    decode.add_argument("--hf-token-file", default=None, help="token file, when the VAE is a gated hub repo")
+    decode.set_defaults(func=cmd_decode)
 
     finalize = sub.add_parser("finalize", help="(re)write the Energon metadata of an output, then validate it")
     finalize.add_argument("out")

@@ -1,7 +1,7 @@
 """Settings: defaults < YAML file < environment (``DIFFPREP_SECTION__FIELD``) < explicit parameters.
 
 The YAML file has the sections ``source``, ``output``, ``model``, ``image``,
-``finalize``, ``auth`` and ``workers``; an unknown section or key is an error that names it.
+``raw``, ``finalize``, ``auth`` and ``workers``; an unknown section or key is an error that names it.
 Parameters passed explicitly (CLI flags, flow parameters) win even when they
 equal the default: the CLI only passes the flags the user typed.
 """
@@ -24,6 +24,7 @@ Precision = Literal["bf16", "fp16", "fp32"]
 LatentMode = Literal["sample", "mode"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
+RawImageFormat = Literal["jpg", "png", "webp"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
 
@@ -34,7 +35,9 @@ class _Section(BaseModel):
 
 class SourceConfig(_Section):
     type: SourceType | None = Field(None, description="Where samples come from: directory | huggingface | webdataset.")
-    input_dir: str | None = Field(None, description="directory: a folder with images/ and captions/ paired by file stem.")
+    input_dir: str | None = Field(
+        None, description="directory: a folder (or s3://bucket/prefix) with images/ and captions/ paired by file stem."
+    )
     hf_dataset: str | None = Field(None, description="huggingface: hub name or local path of the dataset.")
     hf_split: str = Field("train", description="huggingface: split to read.")
     hf_data_files: str | list[str] | None = Field(None, description="huggingface: data files within the dataset.")
@@ -42,7 +45,17 @@ class SourceConfig(_Section):
     hf_streaming: bool = Field(False, description="huggingface: stream rows instead of preparing the dataset locally.")
     image_key: str | None = Field(None, description="Column (or dotted path) holding the image; auto-detected when unset.")
     caption_key: str | None = Field(None, description="Column (or dotted path, e.g. json.prompt) holding the caption; auto-detected when unset.")
-    input_path: str | None = Field(None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar.")
+    input_path: str | None = Field(
+        None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar."
+    )
+    s3_endpoint_url: str | None = Field(
+        None, description="s3:// sources: endpoint of a non-AWS store (MinIO, Ceph, R2), e.g. http://minio:9000. "
+        "Unset: AWS, or AWS_ENDPOINT_URL. Credentials come from the AWS chain (env, profile, instance role).",
+    )
+    s3_profile: str | None = Field(
+        None, description="s3:// sources: AWS profile (~/.aws/config) for credentials and region. Unset: "
+        "AWS_PROFILE or the default chain.",
+    )
 
 
 class OutputConfig(_Section):
@@ -78,6 +91,11 @@ class ModelConfig(_Section):
     latent_mode: LatentMode = Field(
         "sample", description="sample: draw from the VAE posterior, seeded by the sample key; mode: its mean."
     )
+    min_psnr: float = Field(
+        20.0, ge=0.0,
+        description="Sanity check: the median VAE round-trip PSNR (dB) of the first batch must reach this; a "
+        "correctly configured Flux VAE scores about 30. 0 turns the check off (random-weight test models).",
+    )
 
 
 class ImageConfig(_Section):
@@ -102,6 +120,13 @@ class ImageConfig(_Section):
         if self.max_size % 16:
             raise ValueError(f"max_size must be a multiple of 16, got {self.max_size}")
         return self
+
+
+class RawConfig(_Section):
+    image_format: RawImageFormat = Field("jpg", description="Raw pipeline: file format of the stored images.")
+    image_quality: int = Field(
+        95, ge=1, le=100, description="Raw pipeline: jpg/webp quality, 1-100 (ignored for png, which is lossless)."
+    )
 
 
 class FinalizeConfig(_Section):
@@ -156,6 +181,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "output": OutputConfig,
     "model": ModelConfig,
     "image": ImageConfig,
+    "raw": RawConfig,
     "finalize": FinalizeConfig,
     "auth": AuthConfig,
     "workers": WorkersConfig,
@@ -187,6 +213,7 @@ class Settings(BaseSettings):
     output: OutputConfig = OutputConfig()
     model: ModelConfig = ModelConfig()
     image: ImageConfig = ImageConfig()
+    raw: RawConfig = RawConfig()
     finalize: FinalizeConfig = FinalizeConfig()
     auth: AuthConfig = AuthConfig()
     workers: WorkersConfig = WorkersConfig()
@@ -221,6 +248,25 @@ class EncodeParameters(BaseModel):
         """The settings given explicitly, per section."""
         given = self.model_dump(mode="json", include=set(SECTIONS), exclude_unset=True)
         return {section: values for section, values in given.items() if values}
+
+
+class RawParameters(BaseModel):
+    """The parameters of the encode-raw flow: images and captions stored without encoders.
+
+    Only the fields given count, as for :class:`EncodeParameters`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str | None = Field(None, description="YAML config file, on the machine that runs the flow.")
+    source: SourceConfig = Field(default_factory=SourceConfig, description="Where samples come from.")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="Destination, sharding, approvals.")
+    image: ImageConfig = Field(default_factory=ImageConfig, description="Image decoding and sizing.")
+    raw: RawConfig = Field(default_factory=RawConfig, description="File format and quality of the stored images.")
+    finalize: FinalizeConfig = Field(default_factory=FinalizeConfig, description="Energon metadata and splits.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Hugging Face credentials.")
+
+    overrides = EncodeParameters.overrides
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

@@ -19,6 +19,12 @@ checks, in order:
 - shapes/dtypes against the expected ones, finite values; per-channel latent
   mean/std (float64) saved to ``.diffprep/latent_stats.pt`` when all passed.
 
+The summary also holds the reject counts of ``.diffprep/audit.json`` and
+previews: a few samples decoded (latents through the dataset's VAE, raw
+images as stored) next to their re-read sources, their PSNR, and a contact
+sheet at ``.diffprep/contact_sheet.png``. Previews inform, they never fail the
+validation: without a reachable VAE or source they are skipped with a note.
+
 The report is written to ``.diffprep/validation.json``. Tensors are only
 ever loaded with ``torch.load(weights_only=True)`` (in the cooker): a shard
 holding a pickle that would run code fails validation instead of running it.
@@ -82,7 +88,8 @@ class ValidationReport:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_markdown(self) -> str:
+    def to_markdown(self, pictures: bool = False) -> str:
+        """The report as Markdown; ``pictures`` embeds the contact sheet (for a Prefect artifact, not a terminal)."""
         lines = [f"# Validation {'passed' if self.ok else 'FAILED'}: `{self.out_dir}`", ""]
         lines += ["| | check | detail |", "|---|---|---|"]
         for check in self.checks:
@@ -108,9 +115,34 @@ class ValidationReport:
             stats = s["latent_stats"]
             lines.append(f"| latent mean | {', '.join(f'{v:.4f}' for v in stats['mean'])} |")
             lines.append(f"| latent std | {', '.join(f'{v:.4f}' for v in stats['std'])} |")
+        if "rejects" in s:
+            rejects = s["rejects"]
+            reasons = ", ".join(f"`{reason}` {n}" for reason, n in rejects["by_reason"].items())
+            lines.append(f"| rejected | {rejects['rejected']} of {rejects['inputs']} inputs"
+                         f"{': ' + reasons if reasons else ''} |")
         if s.get("foreign"):
             lines.append(f"| not in dataset | {', '.join(s['foreign'])} |")
+        lines += _previews_markdown(s.get("previews"))
+        sheet = (s.get("previews") or {}).get("contact_sheet")
+        if pictures and sheet and Path(sheet).is_file():
+            from diffprep.decode import markdown_image
+
+            lines += ["", markdown_image(sheet)]
         return "\n".join(lines) + "\n"
+
+
+def _previews_markdown(previews: dict[str, Any] | None) -> list[str]:
+    if not previews:
+        return []
+    lines = ["", "## Previews", ""]
+    if "note" in previews:
+        return lines + [previews["note"]]
+    lines += ["| sample | source | PSNR (dB) | |", "|---|---|---:|---|"]
+    for sample in previews["samples"]:
+        value = "" if sample["psnr_db"] is None else f"{sample['psnr_db']:.2f}"
+        lines.append(f"| {sample['key']} | {sample['source_id'] or ''} | {value} | {sample['note']} |")
+    lines += ["", f"Contact sheet (source left, decoded right): `{previews['contact_sheet']}`"]
+    return lines
 
 
 class _Problems:
@@ -575,6 +607,7 @@ def validate_dataset(
     expected: dict[str, Any] | None = None,
     max_load: int | None = None,
     progress: Progress | None = None,
+    previews: int = 4,
 ) -> ValidationReport:
     """Check a finalized output folder; never raises for a problem in the data, reports it.
 
@@ -585,12 +618,16 @@ def validate_dataset(
     else to the first sample's shapes (latent height and width free).
     ``max_load`` limits the samples loaded per split; counts are still checked
     from the tar headers. ``progress(stage, done, total)`` is called as work
-    advances. Raises ConfigError only for invalid arguments.
+    advances. ``previews`` samples are decoded and compared with their
+    sources into ``.diffprep/contact_sheet.png`` (0: none). Raises
+    ConfigError only for invalid arguments.
     """
     if encoding is not None and encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
     if max_load is not None and max_load < 1:
         raise ConfigError(f"max_load must be >= 1 (or None for every sample), got {max_load}")
+    if previews < 0:
+        raise ConfigError(f"previews must be >= 0 (0: none), got {previews}")
     out = Path(out_dir)
     validator = _Validator(out, encoding, expected, max_load, progress)
     if not out.is_dir():
@@ -606,7 +643,29 @@ def validate_dataset(
     foreign = sorted(p.name for p in out.iterdir() if p.name.endswith((".tar", ".tgz")) and p.name not in ours)
     if foreign:
         validator.summary["foreign"] = foreign
+    audit = out / contract.STATE_DIR / contract.AUDIT_JSON
+    if audit.is_file():
+        recorded = json.loads(audit.read_text(encoding="utf-8"))
+        validator.summary["rejects"] = {key: recorded[key] for key in ("inputs", "rejected", "by_reason")}
+    if previews and validator.manifests:
+        validator.summary["previews"] = _previews(out, previews)
     return validator.report()
+
+
+def _previews(out: Path, count: int) -> dict[str, Any]:
+    """``count`` samples decoded next to their sources, with a contact sheet; a note when that cannot be done."""
+    from diffprep.decode import CONTACT_SHEET, decode_dataset
+
+    try:
+        # local_only: validation downloads nothing; a VAE that is not at hand means no previews.
+        report = decode_dataset(out, count, sheet=out / contract.STATE_DIR / CONTACT_SHEET, local_only=True)
+    except Exception as error:  # noqa: BLE001 - previews inform; what stopped them is reported, never raised
+        # A dataset without a reachable VAE (a copy elsewhere, a model not cached) is still valid, and a damaged
+        # shard already fails the checks above.
+        return {"note": f"no previews: {type(error).__name__}: {error}"}
+    summary = report.to_json()
+    del summary["images"]
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -619,16 +678,19 @@ def main(argv: list[str] | None = None) -> int:
         "--encoding", choices=contract.ENCODINGS, help="fail unless dataset.yaml declares this encoding"
     )
     parser.add_argument("--max-load", type=int, default=None, metavar="N", help="load at most N samples per split")
+    parser.add_argument("--previews", type=int, default=4, metavar="N",
+                        help="decode N samples next to their sources into .diffprep/contact_sheet.png (0: none)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
     args = parser.parse_args(argv)
+    options = {"encoding": args.encoding, "max_load": args.max_load, "previews": args.previews}
     try:
         if args.json:
             # Energon prints progress and errors on stdout; keep stdout for the JSON alone.
             with contextlib.redirect_stdout(sys.stderr):
-                report = validate_dataset(args.out, encoding=args.encoding, max_load=args.max_load)
+                report = validate_dataset(args.out, **options)
             print(json.dumps(report.to_json(), indent=1))
         else:
-            report = validate_dataset(args.out, encoding=args.encoding, max_load=args.max_load)
+            report = validate_dataset(args.out, **options)
             print(report.to_markdown())
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,21 +1,28 @@
 """The encode-dataset flow: fetch -> verify existing -> sanity -> encode units -> audit -> finalize -> validate.
 
 The flow only composes tasks; each task is a thin wrapper over diffprep/.
-Tasks pass paths and small summaries, never tensors.
+Tasks pass paths and small summaries, never tensors. ``run_pipeline`` holds
+the phases; encode-raw (flows/raw.py) runs them with its own ``Pipeline``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
+from diffprep import contract
 from diffprep.audit import AuditReport, rejects_accepted, rejects_question
+from diffprep.decode import markdown_image
+from diffprep.encode import sanity_markdown
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
 from diffprep.energon import split_question
 from diffprep.errors import DiffprepError
@@ -57,15 +64,35 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
         parameters: The run's settings by section. Only the fields given count; the rest comes from the
             config file (``config``), the ``DIFFPREP_*`` environment of the worker, and the defaults.
     """
+    settings = resolve_settings(parameters or EncodeParameters())
+    return run_pipeline(settings, Pipeline(contract.ENCODING_PREENCODED, fetch_task, sanity_task, _run_encoders))
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What encode-dataset and encode-raw (flows/raw.py) do differently; every other step is the same."""
+
+    encoding: str
+    fetch: Callable[[dict, str], dict]  # (settings, out_dir) -> plan summary with the staged plan_path
+    sanity: Callable[[dict, str, list[int]], dict]  # (settings, out_dir, units_left) -> sanity report
+    write_units: Callable[[Settings, dict, str, list[int], Progress], None]  # a flows.runners runner
+
+
+def _run_encoders(settings: Settings, params: dict, out_dir: str, units: list[int], progress: Progress) -> None:
+    runner = runner_for(settings)
+    get_run_logger().info("encoding %d units with the %s runner", len(units), runner)
+    RUNNERS[runner](settings, params, out_dir, units, progress)
+
+
+def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
+    """fetch -> verify existing -> sanity -> units -> audit -> finalize -> validate, inside a flow run."""
     logger = get_run_logger()
-    parameters = parameters or EncodeParameters()
-    settings = resolve_settings(parameters)
     params = settings.model_dump(mode="json")
     timeout = settings.output.approval_timeout
     started = time.perf_counter()
 
     out_dir = str(Path(settings.output.output_dir).expanduser().resolve())
-    fetched = fetch_task(params, out_dir)
+    fetched = pipeline.fetch(params, out_dir)
     logger.info("planned %d samples in %d units (fingerprint %s)", fetched["samples"], fetched["units"],
                 fetched["fingerprint"])
     if fetched["missing_from_source"]:
@@ -109,15 +136,15 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
 
         sanity = None
         if units_left:
-            sanity = sanity_task(params, out_dir, units_left)
+            with publish_sanity(out_dir):
+                sanity = pipeline.sanity(params, out_dir, units_left)
             logger.info(
                 "sanity: %s s per batch, projected %.2f GiB and %.0f s for %d units; round-trip PSNR %s dB",
                 sanity["seconds_per_batch"], sanity["projected_bytes"] / 2**30, sanity["projected_seconds"],
                 len(units_left), sanity["psnr_db"],
             )
-            runner = runner_for(settings)
-            logger.info("encoding %d units with the %s runner", len(units_left), runner)
-            RUNNERS[runner](settings, params, out_dir, units_left, Progress(len(units_left), f"progress-{slug(out_dir)}"))
+            pipeline.write_units(settings, params, out_dir, units_left,
+                                 Progress(len(units_left), f"progress-{slug(out_dir)}"))
         else:
             logger.info("every unit is already encoded with these settings: nothing to encode")
         if workers.num_shards is not None:
@@ -152,13 +179,30 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
                                       seed=settings.finalize.shuffle_seed)
             replace = question is not None and ask(
                 question, preset=settings.finalize.on_split_change, timeout=timeout) == "replace"
-            result["finalize"] = finalize_task(params, out_dir, replace)
-            validation = validate_task(out_dir)
+            result["finalize"] = finalize_task(params, out_dir, replace, pipeline.encoding)
+            validation = validate_task(out_dir, pipeline.encoding)
             result["validation"] = {"ok": validation["ok"], "summary": validation["summary"]}
         create_link_artifact(key=f"output-{slug(out_dir)}", link=Path(out_dir).as_uri(),
                              link_text=out_dir, description="The encoded dataset")
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
+
+
+@contextlib.contextmanager
+def publish_sanity(out_dir: str) -> Iterator[None]:
+    """Around the sanity task: its report and contact sheet as a Markdown artifact, whether it passed or failed."""
+    report = Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR / "report.json"
+    started = time.time()
+    try:
+        yield
+    finally:
+        # A report older than this run is a previous run's: a check that failed before writing one shows nothing.
+        # (One second of slack for file systems with coarse timestamps.)
+        if report.is_file() and report.stat().st_mtime >= started - 1:
+            data = json.loads(report.read_text(encoding="utf-8"))
+            picture = markdown_image(data["contact_sheet"]) if data.get("contact_sheet") else ""
+            create_markdown_artifact(key=f"sanity-{slug(out_dir)}", markdown=sanity_markdown(data) + "\n" + picture,
+                                     description="diffprep sanity check: one batch written and decoded again")
 
 
 def _plan_artifact(plan, units_left: list[int], out_dir: str) -> None:

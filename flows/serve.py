@@ -19,14 +19,15 @@ TAGS = ["diffprep", "serve"]
 
 
 def served_deployments() -> list[RunnerDeployment]:
-    """encode-dataset and validate-dataset as deployments of this process (no schedule)."""
+    """encode-dataset, encode-raw and validate-dataset as deployments of this process (no schedule)."""
     from flows.encode import encode_dataset
+    from flows.raw import encode_raw
     from flows.validate import validate_dataset_flow
 
     # Module paths (the packages are installed), so the runs find the flows whatever the current folder.
     return [
         flow.to_deployment(name=DEPLOYMENT_NAME, tags=TAGS, entrypoint_type=EntrypointType.MODULE_PATH)
-        for flow in (encode_dataset, validate_dataset_flow)
+        for flow in (encode_dataset, encode_raw, validate_dataset_flow)
     ]
 
 

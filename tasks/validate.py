@@ -16,7 +16,7 @@ from tasks.common import slug, small
 @task(name="validate", cache_policy=NO_CACHE, persist_result=False)
 def validate_task(out_dir: str, encoding: str | None = None, max_load: int | None = None) -> dict:
     report = validate_dataset(out_dir, encoding=encoding, max_load=max_load)
-    create_markdown_artifact(key=f"validation-{slug(out_dir)}", markdown=report.to_markdown(),
+    create_markdown_artifact(key=f"validation-{slug(out_dir)}", markdown=report.to_markdown(pictures=True),
                              description="diffprep validation report" + ("" if report.ok else " (FAILED)"))
     report.raise_if_failed()
     return small(report.to_json()) | {"markdown": report.to_markdown()}

@@ -35,7 +35,7 @@ def demo_inputs(tmp_path_factory, tiny_model):
 def _encode_args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
     return ["encode", "--source-type", "directory", "--input-dir", str(data), "--model-path", str(model),
             "--output-dir", str(out), "--shard-size", "4", "--batch-size", "4", "--precision", "fp32",
-            "--image-size", "32", "--t5-max-length", "16", *extra]
+            "--image-size", "32", "--t5-max-length", "16", "--min-psnr", "0", *extra]
 
 
 def _hashes(out: Path) -> dict[str, str]:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 def _args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
     return ["encode", "--source-type", "directory", "--input-dir", str(data), "--model-path", str(model),
             "--output-dir", str(out), "--shard-size", "4", "--batch-size", "2", "--precision", "fp32",
-            "--image-size", "32", "--t5-max-length", "16", "--train-split", "0.5", *extra]
+            "--image-size", "32", "--t5-max-length", "16", "--min-psnr", "0", "--train-split", "0.5", *extra]
 
 
 def _snapshot(out: Path) -> dict[str, str]:

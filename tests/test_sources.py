@@ -358,5 +358,5 @@ def test_webdataset_grouping_matches_webdataset(tmp_path: Path) -> None:
     assert reason(next(wds(str(tmp_path / "corrupt.tar")).read(["corrupt.tar/a"]))) == "source_read_error"
     with pytest.raises(SourceError, match="matches no file"):
         wds(str(tmp_path / "none-*.tar"))
-    with pytest.raises(SourceError, match="local tar files only"):
-        wds("s3://bucket/*.tar")
+    with pytest.raises(SourceError, match="local tar files or s3:// URLs"):
+        wds("gs://bucket/*.tar")

@@ -2,7 +2,8 @@
 
 ``open_source(cfg)`` picks the reader for ``cfg.type``. Every reader lists ids
 lazily and reads a contiguous run of them at a time, so memory stays bounded by
-one work unit, never the dataset.
+one work unit, never the dataset. The directory and webdataset readers also
+read ``s3://`` URLs (``diffprep.storage``), streamed, never copied to disk.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
     if cfg.type == "directory":
         if not cfg.input_dir:
             raise SourceError("source.input_dir is not set: give the folder holding images/ and captions/")
-        return DirectorySource(cfg.input_dir)
+        return DirectorySource(cfg.input_dir, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
     if cfg.type == "huggingface":
         # Imported here: datasets takes a second to import and only this source needs it.
         from diffprep.sources.huggingface import HuggingFaceSource
@@ -32,8 +33,12 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
         return HuggingFaceSource(cfg, token=token)
     if cfg.type == "webdataset":
         if not cfg.input_path:
-            raise SourceError("source.input_path is not set: give a glob of tar shards, e.g. /data/shards/*.tar")
-        return WebDatasetSource(cfg.input_path, image_key=cfg.image_key, caption_key=cfg.caption_key)
+            raise SourceError(
+                "source.input_path is not set: give a glob of tar shards, e.g. /data/shards/*.tar or "
+                "s3://bucket/shards/*.tar"
+            )
+        return WebDatasetSource(cfg.input_path, image_key=cfg.image_key, caption_key=cfg.caption_key,
+                                s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
     raise SourceError(f"source.type is {cfg.type!r}; set it to one of {list(SOURCE_TYPES)}")
 
 

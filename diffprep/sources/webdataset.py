@@ -1,5 +1,7 @@
-"""WebDataset tar shards on local disk: ``source.input_path`` is a glob (``/data/shards/*.tar``), brace
-expansion allowed (``/data/shard-{000..099}.tar``).
+"""WebDataset tar shards on local disk or in S3-compatible storage: ``source.input_path`` is a glob
+(``/data/shards/*.tar``, ``s3://bucket/shards/*.tar``), brace expansion allowed
+(``/data/shard-{000..099}.tar``). In a bucket, wildcards match within one ``/``-separated part
+and ``**`` spans parts, as a local glob does.
 
 Members are grouped into samples by webdataset's own rule (``base_plus_ext``
 in ``webdataset.tariterators``): the key is the member path up to the first dot
@@ -13,9 +15,16 @@ members of one key within a shard form one sample even when they are not
 adjacent (a sample id must be unique); a repeated extension is a
 ``duplicate_member`` reject.
 
-Ids are ``<shard path relative to the glob's fixed folder>/<key>``. Listing
-reads tar headers only (seeking past the data); ``read`` goes through each
-needed shard once and keeps only the requested samples.
+Ids are ``<shard path relative to the glob's fixed folder>/<key>`` (the fixed
+folder of ``s3://bucket/shards/*.tar`` is ``s3://bucket/shards/``), so the same
+tars give the same ids on disk and in a bucket. ``read`` goes through each
+needed shard once and keeps only the requested samples. Listing a local shard
+reads its tar headers only (seeking past the data); an object in a bucket is a
+forward-only stream, so listing downloads each shard once (about one shard's
+bytes per shard, never held in memory or written to disk) and reading
+downloads each needed shard again. Ranged GETs of the headers alone would save
+that for shards of large members; for the small image members of a source
+shard the reads are mostly the data anyway.
 
 Member names are never used as file paths (nothing is extracted); a key with a
 ``..`` component or an absolute path is still listed, and read as an
@@ -35,6 +44,7 @@ import os
 import re
 import tarfile
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import braceexpand
@@ -50,6 +60,15 @@ from diffprep.sources.base import (
     reject,
     rejected,
     unescape_id,
+)
+from diffprep.storage import (
+    S3Url,
+    StorageUnavailableError,
+    glob_objects,
+    is_s3_url,
+    open_object,
+    parse_s3_url,
+    s3_client,
 )
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -87,34 +106,109 @@ def _regular_members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
             yield member
 
 
+def _fixed_folder(pattern: str) -> list[str]:
+    """The ``/``-separated parts of a glob before its first part with a wildcard or brace (the file excluded)."""
+    fixed = []
+    for part in pattern.split("/")[:-1]:
+        if _GLOB_MAGIC.search(part):
+            break
+        fixed.append(part)
+    return fixed
+
+
+class _LocalShards:
+    """Tar files on disk, opened seekable: listing reads their headers only."""
+
+    def __init__(self, input_path: str) -> None:
+        pattern = os.path.abspath(os.path.expanduser(input_path))
+        self.base = "/".join(_fixed_folder(pattern)) or "/"
+        paths = {p for expanded in braceexpand.braceexpand(pattern) for p in glob.glob(expanded, recursive=True)}
+        self.shards = sorted(escape_id(os.path.relpath(p, self.base)) for p in paths if os.path.isfile(p))
+        if not self.shards:
+            raise SourceError(f"source.input_path {input_path!r} matches no file (looked for {pattern})")
+        self.extra: dict = {}
+
+    def where(self, shard: str) -> str:
+        return os.path.join(self.base, unescape_id(shard))
+
+    def is_shard(self, name: str) -> bool:
+        return os.path.isfile(self.where(name))
+
+    @contextmanager
+    def open_tar(self, shard: str) -> Iterator[tarfile.TarFile]:
+        with tarfile.open(self.where(shard), "r:*") as tar:
+            yield tar
+
+
+class _S3Shards:
+    """Tar objects in a bucket, each read as one forward-only GET stream (nothing is written to disk)."""
+
+    def __init__(self, input_path: str, endpoint_url: str | None, profile: str | None) -> None:
+        pattern = parse_s3_url(input_path, "source.input_path")
+        self._client = s3_client(endpoint_url, profile)
+        fixed = "/".join(_fixed_folder(pattern.key))
+        self._folder = S3Url(pattern.bucket, fixed + "/" if fixed else "")
+        self.base = str(self._folder)
+        start = len(self._folder.key)
+        self.shards = sorted(escape_id(info.key[start:]) for info in glob_objects(self._client, pattern))
+        if not self.shards:
+            raise SourceError(
+                f"source.input_path {input_path!r} matches no object (listed {self.base} at "
+                f"{self._client.meta.endpoint_url})"
+            )
+        self._names = frozenset(self.shards)
+        for name in self.shards:  # a key can be a "folder" of other keys; a file cannot
+            for slash in (i for i, char in enumerate(name) if char == "/"):
+                if name[:slash] in self._names:
+                    raise SourceError(
+                        f"source.input_path {input_path!r} matches {self.where(name[:slash])} and "
+                        f"{self.where(name)}, which lies under it: sample ids would be ambiguous; narrow the glob"
+                    )
+        self.extra = {"s3_endpoint_url": endpoint_url, "s3_profile": profile}
+
+    def where(self, shard: str) -> str:
+        return str(self._folder.join(unescape_id(shard)))
+
+    def is_shard(self, name: str) -> bool:
+        return name in self._names  # a shard deleted since listing fails at GET (FileNotFoundError)
+
+    @contextmanager
+    def open_tar(self, shard: str) -> Iterator[tarfile.TarFile]:
+        stream = open_object(self._client, self._folder.join(unescape_id(shard)))
+        with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+            yield tar
+
+
 @dataclass
 class _Collected:
     parts: dict[str, bytes] = field(default_factory=dict)
     duplicates: list[str] = field(default_factory=list)
 
 
-class WebDatasetSource:
-    """Samples of local WebDataset tar shards (see the module docstring)."""
+@dataclass
+class _ShardRead:
+    found: dict[str, _Collected] = field(default_factory=dict)
+    error: str | None = None  # the read error that stopped the pass over the shard
+    missing: bool = False  # the shard was gone when it was opened (or while it was read, in a bucket)
 
-    def __init__(self, input_path: str, image_key: str | None = None, caption_key: str | None = None) -> None:
-        if "://" in input_path:
+
+class WebDatasetSource:
+    """Samples of WebDataset tar shards on disk or in a bucket (see the module docstring)."""
+
+    def __init__(self, input_path: str, image_key: str | None = None, caption_key: str | None = None, *,
+                 s3_endpoint_url: str | None = None, s3_profile: str | None = None) -> None:
+        if is_s3_url(input_path):
+            self._store: _LocalShards | _S3Shards = _S3Shards(input_path, s3_endpoint_url, s3_profile)
+        elif "://" in input_path:
             raise SourceError(
-                f"source.input_path {input_path!r}: the webdataset source reads local tar files only; "
-                f"copy or mount the shards and give a local glob"
+                f"source.input_path {input_path!r}: the webdataset source reads local tar files or s3:// URLs; "
+                f"copy or mount the shards and give a local glob, or give s3://bucket/prefix/*.tar"
             )
+        else:
+            self._store = _LocalShards(input_path)
         self.input_path = input_path
-        pattern = os.path.abspath(os.path.expanduser(input_path))
-        fixed = []
-        for part in pattern.split("/")[:-1]:
-            if _GLOB_MAGIC.search(part):
-                break
-            fixed.append(part)
-        self.base = "/".join(fixed) or "/"
-        paths = {p for expanded in braceexpand.braceexpand(pattern) for p in glob.glob(expanded, recursive=True)}
-        shards = sorted(escape_id(os.path.relpath(p, self.base)) for p in paths if os.path.isfile(p))
-        if not shards:
-            raise SourceError(f"source.input_path {input_path!r} matches no file (looked for {pattern})")
-        self.shards = shards
+        self.base = self._store.base
+        self.shards = self._store.shards
         self.image_key = image_key.lower() if image_key else None
         self.caption_key = caption_key
 
@@ -126,35 +220,35 @@ class WebDatasetSource:
             "num_shards": len(self.shards),
             "image_key": self.image_key,
             "caption_key": self.caption_key,
-        }
-
-    def _open(self, shard: str) -> tarfile.TarFile:
-        return tarfile.open(os.path.join(self.base, unescape_id(shard)), "r:*")
+        } | self._store.extra
 
     def list_ids(self) -> Iterator[str]:
         for shard in self.shards:
             seen: set[str] = set()
             try:
-                with self._open(shard) as tar:
+                with self._store.open_tar(shard) as tar:
                     for member in _regular_members(tar):
                         split = split_member_name(member.name)
                         if split is not None and split[0] not in seen:
                             seen.add(split[0])
                             yield f"{shard}/{escape_id(split[0])}"
+            except StorageUnavailableError:
+                raise  # the store, not the shard: running again can help
             except (OSError, tarfile.TarError) as exc:
-                raise SourceError(f"cannot list shard {os.path.join(self.base, unescape_id(shard))}: {exc}") from exc
+                raise SourceError(f"cannot list shard {self._store.where(shard)}: {exc}") from exc
 
     def _split_id(self, source_id: str, cache: dict[str, bool]) -> tuple[str | None, str]:
-        """``(shard, key)`` of an id; shard is None when no prefix of the id is an existing file any more.
+        """``(shard, key)`` of an id; shard is None when no prefix of the id is a shard any more.
 
-        The shard is the one prefix (at a ``/``) that is a file: a file cannot also be a folder
-        holding another shard, so the split is unambiguous without the listing.
+        The shard is the one prefix (at a ``/``) that is a shard: a shard is never also a folder
+        holding another shard (a file cannot be; in a bucket the listing refuses it), so the split
+        is unambiguous.
         """
         start = 0
         while (slash := source_id.find("/", start)) != -1:
             prefix = source_id[:slash]
             if prefix not in cache:
-                cache[prefix] = os.path.isfile(os.path.join(self.base, unescape_id(prefix)))
+                cache[prefix] = self._store.is_shard(prefix)
             if cache[prefix]:
                 return prefix, unescape_id(source_id[slash + 1:])
             start = slash + 1
@@ -164,7 +258,7 @@ class WebDatasetSource:
         cache: dict[str, bool] = {}
         located = [self._split_id(source_id, cache) for source_id in ids]
         last_use = {shard: pos for pos, (shard, _) in enumerate(located)}
-        collected: dict[str | None, tuple[dict[str, _Collected], str | None]] = {None: ({}, None)}
+        collected: dict[str | None, _ShardRead] = {None: _ShardRead()}
         pos = 0
         for shard in dict.fromkeys(s for s, _ in located):  # shards in order of first use
             if shard is not None:
@@ -173,43 +267,48 @@ class WebDatasetSource:
             # Yield every id whose shard has been read; drop a shard's samples after its last id.
             while pos < len(ids) and located[pos][0] in collected:
                 shard_of_id = located[pos][0]
-                yield self._sample(ids[pos], *located[pos], *collected[shard_of_id])
+                yield self._sample(ids[pos], *located[pos], collected[shard_of_id])
                 if shard_of_id is not None and last_use[shard_of_id] == pos:
                     del collected[shard_of_id]
                 pos += 1
 
-    def _collect(self, shard: str, wanted: set[str]) -> tuple[dict[str, _Collected], str | None]:
-        """Members of the wanted keys in one pass over the shard, and the read error that stopped it, if any."""
-        found: dict[str, _Collected] = {}
+    def _collect(self, shard: str, wanted: set[str]) -> _ShardRead:
+        """Members of the wanted keys in one pass over the shard, and what stopped the pass, if anything."""
+        result = _ShardRead()
         try:
-            with self._open(shard) as tar:
+            with self._store.open_tar(shard) as tar:
                 for member in _regular_members(tar):
                     split = split_member_name(member.name)
                     if split is None or split[0] not in wanted:
                         continue
                     key, ext = split
-                    sample = found.setdefault(key, _Collected())
+                    sample = result.found.setdefault(key, _Collected())
                     if ext in sample.parts:
                         sample.duplicates.append(member.name)
                         continue
                     extracted = tar.extractfile(member)
                     assert extracted is not None  # regular members always have data
                     sample.parts[ext] = extracted.read()
+        except StorageUnavailableError:
+            raise  # not the samples' fault: the unit fails and its task can run again
+        except FileNotFoundError:
+            result.missing = True
         except (OSError, tarfile.TarError) as exc:
-            return found, f"{type(exc).__name__}: {exc}"
-        return found, None
+            result.error = f"{type(exc).__name__}: {exc}"
+        return result
 
-    def _sample(self, source_id: str, shard: str | None, key: str, found: dict[str, _Collected],
-                error: str | None) -> SourceSample:
+    def _sample(self, source_id: str, shard: str | None, key: str, shard_read: _ShardRead) -> SourceSample:
         if shard is None:
             return rejected(source_id, "source_missing", f"its shard under {self.base} no longer exists")
-        where = f"{os.path.join(self.base, unescape_id(shard))}:{key}"
+        where = f"{self._store.where(shard)}:{key}"
         if is_unsafe_key(key):
             return rejected(source_id, "unsafe_member_path", f"{where}: member path is absolute or has '..'")
-        sample = found.get(key)
+        sample = shard_read.found.get(key)
         if sample is None:
-            if error is not None:
-                return rejected(source_id, "source_read_error", f"{where}: shard stopped reading: {error}")
+            if shard_read.missing:
+                return rejected(source_id, "source_missing", f"{where}: the shard no longer exists")
+            if shard_read.error is not None:
+                return rejected(source_id, "source_read_error", f"{where}: shard stopped reading: {shard_read.error}")
             return rejected(source_id, "source_missing", f"{where}: no member with this key any more")
         if sample.duplicates:
             return rejected(source_id, "duplicate_member", f"{where}: repeated member(s) {sample.duplicates}")
