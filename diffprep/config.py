@@ -223,26 +223,20 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, _YamlSource(settings_cls, _YAML_DATA.get()))
 
 
-class EncodeParameters(BaseModel):
-    """The parameters of the encode-dataset flow (a form in the Prefect UI).
+class _RunParameters(BaseModel):
+    """Flow parameters (a form in the Prefect UI): only the fields given count.
 
-    Only the fields given count: they override the environment and the config
-    file, the way typed CLI flags do.
+    They override the environment and the config file, the way typed CLI flags do.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     config: str | None = Field(None, description="YAML config file, on the machine that runs the flow.")
-    encoder_spec: str | None = Field(
-        None, description="Name of a saved diffprep encoder-spec block; its settings apply under the model fields given here."
-    )
     source: SourceConfig = Field(default_factory=SourceConfig, description="Where samples come from.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Destination, sharding, approvals.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Encoders, precision, batch size.")
     image: ImageConfig = Field(default_factory=ImageConfig, description="Image decoding and sizing.")
     finalize: FinalizeConfig = Field(default_factory=FinalizeConfig, description="Energon metadata and splits.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Hugging Face credentials.")
-    workers: WorkersConfig = Field(default_factory=WorkersConfig, description="Encode processes, devices, fan-out.")
 
     def overrides(self) -> dict[str, dict[str, Any]]:
         """The settings given explicitly, per section."""
@@ -250,23 +244,20 @@ class EncodeParameters(BaseModel):
         return {section: values for section, values in given.items() if values}
 
 
-class RawParameters(BaseModel):
-    """The parameters of the encode-raw flow: images and captions stored without encoders.
+class EncodeParameters(_RunParameters):
+    """The parameters of the encode-dataset flow."""
 
-    Only the fields given count, as for :class:`EncodeParameters`.
-    """
+    encoder_spec: str | None = Field(
+        None, description="Name of a saved diffprep encoder-spec block; its settings apply under the model fields given here."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Encoders, precision, batch size.")
+    workers: WorkersConfig = Field(default_factory=WorkersConfig, description="Encode processes, devices, fan-out.")
 
-    model_config = ConfigDict(extra="forbid")
 
-    config: str | None = Field(None, description="YAML config file, on the machine that runs the flow.")
-    source: SourceConfig = Field(default_factory=SourceConfig, description="Where samples come from.")
-    output: OutputConfig = Field(default_factory=OutputConfig, description="Destination, sharding, approvals.")
-    image: ImageConfig = Field(default_factory=ImageConfig, description="Image decoding and sizing.")
+class RawParameters(_RunParameters):
+    """The parameters of the encode-raw flow: images and captions stored without encoders."""
+
     raw: RawConfig = Field(default_factory=RawConfig, description="File format and quality of the stored images.")
-    finalize: FinalizeConfig = Field(default_factory=FinalizeConfig, description="Energon metadata and splits.")
-    auth: AuthConfig = Field(default_factory=AuthConfig, description="Hugging Face credentials.")
-
-    overrides = EncodeParameters.overrides
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
