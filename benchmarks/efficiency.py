@@ -1,0 +1,164 @@
+"""Pipeline efficiency: end-to-end samples/s of the library's encode path / samples/s of the encoders alone.
+
+End to end is ``diffprep.encode.encode_unit`` over every unit of a real plan
+(``diffprep.fetch.fetch`` on a directory source of 1024 px JPEGs), writing real
+shards and manifests. The compute limit is the same encoders on the same
+batches, already decoded and stacked in memory (``encode_images`` +
+``encode_text``, no I/O). A third side, the library's reader alone (read,
+decode, batch; no encoding), gives the input limit.
+
+Two configurations (see ``_common.CONFIGS``): compute-bound (medium
+random-weight encoders, 256 px; target >= 0.90) and input-bound (the tiny
+encoders, 64 px: decoding the 1024 px JPEG costs more than encoding). On a
+CPU the decode threads and the encoders share the same cores, so the
+input-bound figure is bounded by the input limit, not by the overlap.
+
+    python benchmarks/efficiency.py                      # both configurations, small
+    python benchmarks/efficiency.py --only compute --samples 128 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import _env  # first: offline environment, --malloc re-exec before torch is imported
+
+# isort: split
+
+import _common as c
+import torch
+
+from diffprep import contract
+from diffprep.images import prepare_image
+from diffprep.shards import ShardWriter
+
+TARGET_COMPUTE = 0.90
+
+
+def decode_cost(setup: c.Setup) -> float:
+    """CPU seconds per sample to decode and resize one image, on one thread."""
+    images = [sample.image for unit in setup.plan.units for sample in setup.source.read(unit.source_ids)]
+    start = time.perf_counter()
+    for data in images:
+        prepare_image(data, setup.spec)
+    return (time.perf_counter() - start) / len(images)
+
+
+def writer_cost(scratch: Path, latents, prompt_embeds, pooled, captions: list[str], metas: list[dict],
+                samples: int) -> tuple[float, int]:
+    """Seconds and bytes per sample for what ``encode_unit`` does with encoder outputs, alone.
+
+    The finiteness check, then ``ShardWriter.write`` (clone and ``torch.save`` of each tensor, tar,
+    sha256) and the commit (fsync, rename), for ``samples`` samples cycled from one batch.
+    """
+    start = time.perf_counter()
+    with ShardWriter(scratch, 999_999) as writer:
+        for n in range(samples):
+            i = n % len(captions)
+            if not torch.isfinite(latents[i]).all():
+                raise RuntimeError("the benchmark's latents are not finite")
+            writer.write(f"{n:012d}", {
+                contract.LATENTS: latents[i], contract.PROMPT_EMBEDS: prompt_embeds[i],
+                contract.POOLED_PROMPT_EMBEDS: pooled[i], contract.CAPTION: captions[i], contract.META: metas[i],
+            })
+        info = writer.commit()
+    return (time.perf_counter() - start) / samples, info.bytes // samples
+
+
+def write_cost(setup: c.Setup, batch, scratch: Path) -> float:
+    """Seconds per sample to write this configuration's encoder outputs."""
+    latents = setup.encoders.encode_images(batch.pixels, batch.keys)
+    text = setup.encoders.encode_text(batch.captions)
+    seconds, _ = writer_cost(scratch, latents, text.prompt_embeds, text.pooled_prompt_embeds, batch.captions,
+                             batch.metas, max(setup.config.samples, 16))
+    return seconds
+
+
+def flux_writer(scratch: Path, samples: int = 32) -> float:
+    """Seconds per sample to write FLUX.1-dev-sized outputs (1024 px, 512 tokens, bf16; no encoder runs)."""
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(8, 16, 128, 128, generator=generator).to(torch.bfloat16)
+    prompt_embeds = torch.randn(8, 512, 4096, generator=generator).to(torch.bfloat16)
+    pooled = torch.randn(8, 768, generator=generator).to(torch.bfloat16)
+    captions = [f"a caption of average length for sample {i}, " * 3 for i in range(8)]
+    metas = [{"source_id": f"{i:06d}.jpg", "original_size": [1024, 1024], "crop_box": [0, 0, 1024, 1024],
+              "size": [1024, 1024], "notes": []} for i in range(8)]
+    seconds, size = writer_cost(scratch, latents, prompt_embeds, pooled, captions, metas, samples)
+    print(f"\n== writer at FLUX.1-dev output shapes: {size / 2**20:.2f} MiB per sample, {seconds * 1000:.1f} ms per "
+          f"sample on one thread ({1 / seconds:.0f} samples/s at most while the encoders wait)")
+    return seconds
+
+
+def measure(config: c.Config, cache: Path, scratch: Path, rounds: int) -> dict:
+    print(f"\n== {config.describe()}", flush=True)
+    setup = c.prepare(config, cache, scratch)
+    batches = c.decoded_batches(setup)
+    c.warm_up(setup, batches)
+    decode_s = decode_cost(setup)
+    write_s = write_cost(setup, batches[0], scratch / f"writer-{config.name}")
+    times = c.interleaved(rounds, {
+        "compute limit": lambda: c.encode_in_memory(setup.encoders, batches),
+        "end to end": lambda: c.encode_with_library(setup),
+        "input limit": lambda: c.read_only(setup),
+    })
+    n = config.samples
+    # On a CPU the decode threads, the writer and the encoders share the cores: even a perfect overlap
+    # cannot beat encoder CPU time / (encoder + decode + write CPU time).
+    encoder_cpu = c.best(times["compute limit"]) * torch.get_num_threads()
+    sharing_bound = encoder_cpu / (encoder_cpu + n * (decode_s + write_s))
+    limit = n / c.best(times["compute limit"])
+    e2e = n / c.best(times["end to end"])
+    reader = n / c.best(times["input limit"])
+    efficiency = e2e / limit
+    print(f"  compute limit  {limit:8.2f} samples/s   ({1000 / limit:7.1f} ms/sample, encoders alone)")
+    print(f"  input limit    {reader:8.2f} samples/s   ({1000 / reader:7.1f} ms/sample, reader alone, "
+          f"{config.decode_workers} decode threads)")
+    print(f"  end to end     {e2e:8.2f} samples/s   ({1000 / e2e:7.1f} ms/sample, encode_unit)")
+    print(f"  one-thread CPU cost per sample: decode {decode_s * 1000:.1f} ms, write {write_s * 1000:.2f} ms")
+    print(f"  efficiency (end to end / compute limit)         {efficiency:.3f}")
+    print(f"  end to end / min(compute, input limit)          {e2e / min(limit, reader):.3f}")
+    if limit < reader:
+        print(f"  bound from sharing {torch.get_num_threads()} cores with decode and write: {sharing_bound:.3f} "
+              f"(efficiency / bound = {efficiency / sharing_bound:.3f})")
+    bound = "compute" if limit < reader else "input"
+    print(f"  slower stage: {bound} ({'as planned' if bound in config.name else 'NOT as the name says'})")
+    return {"config": config.name, "efficiency": efficiency, "bound": bound, "e2e": e2e, "limit": limit,
+            "reader": reader, "overlap": e2e / min(limit, reader)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    c.add_common_flags(parser)
+    c.add_config_flags(parser)
+    parser.add_argument("--only", choices=sorted(c.CONFIGS), default=None, help="one configuration only")
+    args = parser.parse_args(argv)
+    c.apply_torch_threads(args)
+    print(f"efficiency: {c.describe_machine()}")
+    cache = c.cache_dir(args.cache_dir)
+    scratch, cleanup = c.work_dir(args.work_dir)
+    try:
+        names = [args.only] if args.only else ["compute", "input"]
+        results = {name: measure(c.config_from(c.CONFIGS[name], args), cache, scratch, args.rounds)
+                   for name in names}
+        flux_write_s = flux_writer(scratch)
+    finally:
+        cleanup()
+    parts = []
+    if "compute" in results:
+        r = results["compute"]
+        parts.append(f"compute-bound {r['efficiency']:.3f} (target >= {TARGET_COMPUTE}: "
+                     f"{c.verdict(r['efficiency'], TARGET_COMPUTE)})")
+    if "input" in results:
+        r = results["input"]
+        parts.append(f"input-bound {r['efficiency']:.3f} (no target; {r['e2e']:.1f} samples/s vs input limit "
+                     f"{r['reader']:.1f})")
+    parts.append(f"writer at FLUX.1-dev shapes {flux_write_s * 1000:.1f} ms/sample")
+    print(f"\nSUMMARY efficiency: {'; '.join(parts)} [{_env.malloc_description()}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
