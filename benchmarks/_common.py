@@ -19,9 +19,7 @@ import _env  # first: offline environment, --malloc re-exec before torch is impo
 
 import argparse
 import os
-import queue
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -421,58 +419,12 @@ def warm_up(setup: Setup, batches: list[Batch]) -> None:
 # --- proposed fix, demonstrated by monkeypatching ------------------------------------------------------
 
 
-class BackgroundShardWriter(ShardWriter):
-    """A ShardWriter whose ``write`` returns at once; one thread serializes the samples, in order.
-
-    ``encode_unit`` writes each batch (clone, ``torch.save``, tar, sha256) on the thread that feeds the
-    encoders, so the device waits for the host. With this writer the next batch is encoded while the
-    previous one is written. At most ``depth`` samples wait (their tensors are views of at most
-    ``depth / batch_size + 1`` batch outputs). An error in the thread is raised by the next call.
-    """
-
-    def __init__(self, out_dir, unit: int, depth: int = 64) -> None:
-        super().__init__(out_dir, unit)
-        self._pending: queue.Queue = queue.Queue(maxsize=depth)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._drain, name=f"diffprep-writer-{unit}", daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        while (item := self._pending.get()) is not None:
-            if self._error is None:
-                try:
-                    ShardWriter.write(self, *item)
-                except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-                    self._error = exc
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _stop(self) -> None:
-        if self._thread.is_alive():
-            self._pending.put(None)
-            self._thread.join()
-
-    def write(self, key: str, fields) -> None:
-        self._check()
-        self._pending.put((key, dict(fields)))
-
-    def commit(self):
-        self._stop()
-        self._check()
-        return super().commit()
-
-    def abort(self) -> None:
-        self._stop()
-        super().abort()
-
-
-def use_background_writer() -> None:
-    """Make ``diffprep.encode.encode_unit`` write shards with :class:`BackgroundShardWriter` (this process)."""
+def use_background_writer(enabled: bool = True) -> None:
+    """Make ``diffprep.encode.encode_unit`` write with the background writer (its default) or the plain one."""
     import diffprep.encode
+    from diffprep.shards import BackgroundShardWriter, ShardWriter
 
-    diffprep.encode.ShardWriter = BackgroundShardWriter
+    diffprep.encode.UnitWriter = BackgroundShardWriter if enabled else ShardWriter
 
 
 # --- timing ------------------------------------------------------------------------------------------

@@ -158,14 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             return config.samples
 
         def background() -> int:
-            import diffprep.encode
-
-            plain = diffprep.encode.ShardWriter
-            c.use_background_writer()
+            c.use_background_writer(True)
             try:
                 return c.encode_with_library(setup, scratch / "out-bg")
             finally:
-                diffprep.encode.ShardWriter = plain
+                c.use_background_writer(False)
 
         # _t5_prompt_embeds / _clip_prompt_embeds: the exact per-encoder halves of encode_text.
         times = c.interleaved(args.rounds, {

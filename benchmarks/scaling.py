@@ -89,8 +89,7 @@ _worker: dict = {}
 
 def _init_worker(devices: list[str], claim_dir: str, device_args: dict, source_settings, use_claim: bool,
                  background_writer: bool) -> None:
-    if background_writer:
-        c.use_background_writer()
+    c.use_background_writer(background_writer)
     if use_claim:
         from diffprep.workers import claim_device
 

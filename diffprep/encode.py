@@ -33,6 +33,7 @@ from diffprep.failpoints import failpoint
 from diffprep.images import ImageSpec, PreparedImage, prepare_image, to_uint8
 from diffprep.plan import Plan, UnitPlan
 from diffprep.shards import (
+    BackgroundShardWriter,
     Reject,
     ShardWriter,
     UnitManifest,
@@ -49,7 +50,9 @@ from diffprep.sources import Source, SourceSample
 log = logging.getLogger("diffprep.encode")
 
 Progress = Callable[[dict], None]
-TAR_MEMBER_OVERHEAD = 1024  # header block + padding, on average, per member
+TAR_MEMBER_OVERHEAD = 1024
+# Shards are written in a thread of their own while the encoders work on the next batch.
+UnitWriter = BackgroundShardWriter  # header block + padding, on average, per member
 
 
 class DiskSpaceError(DiffprepError):
@@ -249,7 +252,7 @@ def encode_unit(
     batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
     # closing(): an encoder error must also stop the reader thread and its decode pool at once.
     try:
-        with contextlib.closing(batches), ShardWriter(out_dir, unit_index) as writer:
+        with contextlib.closing(batches), UnitWriter(out_dir, unit_index) as writer:
             info = _write_unit(writer, batches, sample_fields or preencoded_fields(encoders), unit, rejects, notes,
                                keys, source_ids, progress)
     except OSError as exc:
