@@ -106,7 +106,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return overrides
 
 
-def _prefect_defaults() -> None:
+def prefect_defaults() -> None:
     """Offline, quiet, patient defaults for the embedded Prefect server (the user's environment wins)."""
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -122,7 +122,7 @@ def _prefect_defaults() -> None:
 
 def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw: bool = False) -> dict:
     """Run encode-dataset, or encode-raw with ``raw``."""
-    _prefect_defaults()
+    prefect_defaults()
     from diffprep.config import EncodeParameters, RawParameters, check_runnable, load_settings
 
     check_runnable(load_settings(config, overrides))  # fail on bad settings before Prefect starts
@@ -201,31 +201,21 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _confirm(question: str) -> bool:
-    """Ask on the terminal; with no terminal the answer is no (the safe choice)."""
-    if not sys.stdin.isatty():
-        return False
-    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
-
-
 def cmd_finalize(args: argparse.Namespace) -> int:
-    from diffprep.energon import finalize, preview_replace_split, read_split_record
+    from diffprep.approvals import ask_terminal
+    from diffprep.energon import finalize, split_question
     from diffprep.plan import read_plan
     from diffprep.validate import validate_dataset
 
     plan = read_plan(args.out)
     encoding = args.encoding or (plan.encoding if plan else "preencoded")
     replace = args.replace_split
-    record = read_split_record(args.out)
-    if not replace and record is not None and record["train_split"] != args.train_split:
-        moves = preview_replace_split(args.out, train_split=args.train_split, seed=args.seed)
-        if moves:
-            listing = ", ".join(f"{shard} {old}->{new}" for shard, (old, new) in list(moves.items())[:10])
-            question = (f"{args.out} is split with train_split {record['train_split']}; {args.train_split} moves "
-                        f"{len(moves)} shard(s): {listing}. Held-out shards may enter train.")
-            if not _confirm(question + " Replace the split?"):
-                raise DiffprepError(question + " Nothing changed; re-run with --replace-split to replace it.")
-            replace = True
+    question = None if replace else split_question(args.out, train_split=args.train_split, seed=args.seed)
+    if question is not None:
+        answer = ask_terminal(question)
+        if answer is None:
+            raise question.refused("no terminal to ask on")
+        replace = question.check(answer) == "replace"
     result = finalize(args.out, encoding=encoding, train_split=args.train_split, seed=args.seed,
                       workers=args.workers, replace_split=replace)
     for split, shards in result.splits.items():
@@ -280,7 +270,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve encode-dataset and validate-dataset from this process (flows/serve.py) until interrupted."""
-    _prefect_defaults()  # the served runs are subprocesses of this one and inherit its environment
+    prefect_defaults()  # the served runs are subprocesses of this one and inherit its environment
     from flows.serve import serve_flows
 
     serve_flows(limit=args.limit)

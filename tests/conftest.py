@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 
-# Set before diffusers, transformers, huggingface_hub or prefect are imported anywhere.
+from diffprep.cli import prefect_defaults  # noqa: E402 - imports nothing heavy
+
+# Set before diffusers, transformers, huggingface_hub or prefect are imported anywhere: the CLI's own
+# defaults (offline, library log lines shipped to run logs), nothing downloaded, no warning when
+# library code logs outside a flow run.
+prefect_defaults()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# Library log lines reach run logs only if set before prefect is first imported (as the CLI does).
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "diffprep")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 from pathlib import Path
