@@ -3,7 +3,8 @@
 Register them once per server: ``prefect block register -m blocks``.
 """
 
+from blocks.aws_credentials import AwsS3Credentials
 from blocks.encoder_spec import EncoderSpec
 from blocks.hf_credentials import HuggingFaceCredentials
 
-__all__ = ["EncoderSpec", "HuggingFaceCredentials"]
+__all__ = ["AwsS3Credentials", "EncoderSpec", "HuggingFaceCredentials"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.plan import Plan
-from diffprep.shards import atomic_write_json, read_manifests, tar_keys
+from diffprep.outputs import Output, open_output
+from diffprep.shards import atomic_write_json, read_manifests
 
 REJECT_PREVIEW = 1000
 
@@ -79,7 +79,7 @@ def rejects_question(report: AuditReport, out_dir: str | os.PathLike) -> Questio
         *(f"| `{r['source_id']}` | `{r['reason']}` | {r['detail'].replace('|', '/')} |" for r in shown),
     ]
     if report.rejected > len(shown):
-        lines.append(f"\n...and {report.rejected - len(shown)} more in `{Path(out_dir) / contract.STATE_DIR / contract.AUDIT_JSON}`")
+        lines.append(f"\n...and {report.rejected - len(shown)} more in `{out_dir}/{contract.STATE_DIR}/{contract.AUDIT_JSON}`")
     lines += [
         "",
         "**Choices:** `accept`: finalize without them (the encoded shards are kept) · `abort`: stop here; "
@@ -94,9 +94,14 @@ def rejects_question(report: AuditReport, out_dir: str | os.PathLike) -> Questio
     )
 
 
-def audit(out_dir: str | os.PathLike, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
-    """Reconcile the plan, the manifests and the tars; write ``.diffprep/audit.json``."""
-    out = Path(out_dir)
+def audit(out_dir: str | os.PathLike | Output, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
+    """Reconcile the plan, the manifests and the tars; write ``.diffprep/audit.json``.
+
+    The tars are read where they are (a bucket prefix's from the bucket); the
+    manifests from the (staged) state.
+    """
+    output = open_output(out_dir)
+    out = output.local
     manifests = read_manifests(out)
     wanted = [u for u in plan.units if units is None or u.unit in units]
     problems: list[str] = []
@@ -123,12 +128,11 @@ def audit(out_dir: str | os.PathLike, plan: Plan, *, units: list[int] | None = N
             )
         if manifest.count != len(manifest.keys):
             problems.append(f"unit {unit.unit:06d}: manifest count {manifest.count} != {len(manifest.keys)} keys")
-        shard = out / manifest.shard
-        if not shard.is_file():
+        if output.size(manifest.shard) is None:
             problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} is missing")
         else:
             try:
-                in_tar = tar_keys(shard)
+                in_tar = output.shard_keys(manifest.shard)
             except Exception as exc:  # noqa: BLE001 - a damaged tar is a problem to report
                 problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} cannot be read: {exc}")
             else:
@@ -160,6 +164,7 @@ def audit(out_dir: str | os.PathLike, plan: Plan, *, units: list[int] | None = N
     )
     (out / contract.STATE_DIR).mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / contract.STATE_DIR / contract.AUDIT_JSON, report.to_json())
+    output.push(f"{contract.STATE_DIR}/{contract.AUDIT_JSON}")
     return report
 
 

@@ -33,6 +33,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--s3-endpoint-url": ("source", "s3_endpoint_url"),
     "--s3-profile": ("source", "s3_profile"),
     "--output-dir": ("output", "output_dir"),
+    "--output-s3-endpoint-url": ("output", "s3_endpoint_url"),
+    "--output-s3-profile": ("output", "s3_profile"),
     "--shard-size": ("output", "shard_size"),
     "--max-samples": ("output", "max_samples"),
     "--compress": ("output", "compress"),
@@ -189,7 +191,13 @@ def cmd_raw(args: argparse.Namespace) -> int:
 def cmd_decode(args: argparse.Namespace) -> int:
     from diffprep.decode import decode_dataset
     from diffprep.encoders import resolve_token
+    from diffprep.errors import ConfigError
+    from diffprep.storage import is_s3_url
 
+    if is_s3_url(args.out):
+        raise ConfigError(f"decode reads a local dataset; copy a few shards and .diffprep/ of {args.out} first "
+                          f"(e.g. aws s3 sync {args.out} ./copy --exclude '*' --include '000000.tar*' "
+                          "--include '.diffprep/*'), then decode ./copy")
     report = decode_dataset(args.out, args.samples, to_dir=args.to, model_path=args.model_path, device=args.device,
                             token=resolve_token(args.hf_token_file))
     using = f" with the VAE at {report.vae}" if report.vae else ""
@@ -201,26 +209,37 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _s3_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where an s3://bucket/prefix output is; credentials come from the AWS chain (env, profile, instance role)."""
+    parser.add_argument("--s3-endpoint-url", default=None,
+                        help="for an s3:// output: endpoint of a non-AWS store (default: AWS_ENDPOINT_URL, else AWS)")
+    parser.add_argument("--s3-profile", default=None, help="for an s3:// output: AWS profile (default: AWS_PROFILE)")
+
+
 def cmd_finalize(args: argparse.Namespace) -> int:
     from diffprep.approvals import ask_terminal
     from diffprep.energon import finalize, split_question
+    from diffprep.outputs import open_output
     from diffprep.plan import read_plan
     from diffprep.validate import validate_dataset
 
-    plan = read_plan(args.out)
+    output = open_output(args.out, endpoint_url=args.s3_endpoint_url, profile=args.s3_profile)
+    output.pull_state()
+    plan = read_plan(output.local)
     encoding = args.encoding or (plan.encoding if plan else "preencoded")
     replace = args.replace_split
-    question = None if replace else split_question(args.out, train_split=args.train_split, seed=args.seed)
+    question = None if replace else split_question(output, train_split=args.train_split, seed=args.seed)
     if question is not None:
         answer = ask_terminal(question)
         if answer is None:
             raise question.refused("no terminal to ask on")
         replace = question.check(answer) == "replace"
-    result = finalize(args.out, encoding=encoding, train_split=args.train_split, seed=args.seed,
-                      workers=args.workers, replace_split=replace)
+    with output.lock(run=None):
+        result = finalize(output, encoding=encoding, train_split=args.train_split, seed=args.seed,
+                          workers=args.workers, replace_split=replace)
     for split, shards in result.splits.items():
         print(f"{split}: {len(shards)} shards, {result.counts.get(split, 0)} samples")
-    report = validate_dataset(args.out, encoding=encoding)
+    report = validate_dataset(output, encoding=encoding)
     print(report.to_markdown())
     return 0 if report.ok else 1
 
@@ -233,6 +252,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         argv += ["--encoding", args.encoding]
     if args.max_load:
         argv += ["--max-load", str(args.max_load)]
+    if args.s3_endpoint_url:
+        argv += ["--s3-endpoint-url", args.s3_endpoint_url]
+    if args.s3_profile:
+        argv += ["--s3-profile", args.s3_profile]
     return validate_main(argv)
 
 
@@ -308,12 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     finalize.add_argument("--workers", type=int, default=2)
     finalize.add_argument("--replace-split", action="store_true",
                           help="reassign every shard (moves shards between splits; held-out data may enter train)")
+    _s3_arguments(finalize)
     finalize.set_defaults(func=cmd_finalize)
 
     validate = sub.add_parser("validate", help="strictly validate a finalized dataset (exit 1 on any failure)")
     validate.add_argument("out")
     validate.add_argument("--encoding", choices=["preencoded", "raw"], default=None)
     validate.add_argument("--max-load", type=int, default=None, help="load at most N samples per split")
+    _s3_arguments(validate)
     validate.set_defaults(func=cmd_validate)
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Flux encoder set (tests, demos)")

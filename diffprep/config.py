@@ -59,7 +59,18 @@ class SourceConfig(_Section):
 
 
 class OutputConfig(_Section):
-    output_dir: str | None = Field(None, description="Destination of the dataset (created if missing).")
+    output_dir: str | None = Field(
+        None, description="Destination of the dataset (created if missing): a folder, or s3://bucket/prefix "
+        "(staged in $DIFFPREP_STAGING_DIR, default ~/.cache/diffprep/staging).",
+    )
+    s3_endpoint_url: str | None = Field(
+        None, description="s3:// output: endpoint of a non-AWS store (MinIO, Ceph, R2). Unset: AWS, or "
+        "AWS_ENDPOINT_URL. Credentials come from the AWS chain (env, profile, instance role).",
+    )
+    s3_profile: str | None = Field(
+        None, description="s3:// output: AWS profile (~/.aws/config) for credentials and region. Unset: "
+        "AWS_PROFILE or the default chain.",
+    )
     shard_size: int = Field(1000, ge=1, le=1_000_000, description="Samples per tar shard (one work unit).")
     max_samples: int | None = Field(None, ge=1, description="Stop after this many source samples (smoke tests).")
     compress: bool = Field(False, description="Gzip the shards. Refused: Energon indexes uncompressed tars only.")
@@ -144,6 +155,10 @@ class AuthConfig(_Section):
     hf_token_file: str | None = Field(None, description="File holding a Hugging Face token (mode 600 or 400).")
     hf_credentials_block: str | None = Field(
         None, description="Name of a saved diffprep Hugging Face credentials block (Prefect runs)."
+    )
+    aws_credentials_block: str | None = Field(
+        None, description="Name of a saved diffprep S3 credentials block (Prefect runs): the keys for s3:// "
+        "sources and outputs. Unset: the AWS chain (env, profile, instance role).",
     )
 
 

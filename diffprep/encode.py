@@ -368,6 +368,7 @@ class SanityReport:
     problems: list[str] = field(default_factory=list)
     min_psnr: float = 0.0  # the median of psnr_db must reach this; 0: not checked
     contact_sheet: str | None = None  # the batch's images next to their round trip
+    local_bytes: int | None = None  # needed on this disk when less than projected_bytes (a bucket output)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -445,9 +446,10 @@ def project_run(out_dir: str | Path, plan: Plan, units_left: Sequence[int] | Non
 def finish_sanity(out_dir: str | Path, report: SanityReport, remaining: int) -> SanityReport:
     """Write ``sanity/report.json``; raise DiskSpaceError when the projection does not fit, or the problems."""
     atomic_write_json(Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR / "report.json", report.to_json())
-    if report.projected_bytes > report.free_bytes:
-        raise DiskSpaceError(disk_summary(out_dir, report.projected_bytes, report.free_bytes, remaining,
-                                          report.bytes_per_sample))
+    needed = report.projected_bytes if report.local_bytes is None else report.local_bytes
+    if needed > report.free_bytes:
+        samples = remaining if report.local_bytes is None else needed // max(1, report.bytes_per_sample)
+        raise DiskSpaceError(disk_summary(out_dir, needed, report.free_bytes, samples, report.bytes_per_sample))
     if report.problems:
         raise DiffprepError("sanity check failed:\n  " + "\n  ".join(report.problems))
     return report
@@ -464,12 +466,15 @@ def sanity_check(
     units_left: Sequence[int] | None = None,
     workers: int = 1,
     min_psnr: float = 0.0,
+    staged_samples: int | None = None,
 ) -> SanityReport:
     """Encode one full batch into ``.diffprep/sanity/`` and project the whole run from it.
 
     The batch is decoded again: its contact sheet is written next to the
     report, and a median round-trip PSNR under ``min_psnr`` fails the check.
-    Raises DiskSpaceError before any shard is written when the projection does not fit.
+    Raises DiskSpaceError before any shard is written when the projection does not fit:
+    the whole dataset, or with ``staged_samples`` (a bucket output, whose
+    shards leave the disk once uploaded) that many samples at once.
     """
     sanity_dir = Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR
     sanity_dir.mkdir(parents=True, exist_ok=True)
@@ -526,6 +531,7 @@ def sanity_check(
         problems=problems,
         min_psnr=min_psnr,
         contact_sheet=str(sheet) if sheet else None,
+        local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
     )
     torch_payload = {name: t[0].clone() for name, t in tensors.items()}
     atomic_write_bytes(sanity_dir / "sample.pth", torch_bytes(torch_payload))

@@ -39,6 +39,7 @@ from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.failpoints import failpoint
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
+from diffprep.outputs import Output, open_output
 from diffprep.shards import UnitManifest, atomic_write_bytes, atomic_write_json, read_manifests
 
 Progress = Callable[[str, int, int], None]
@@ -183,12 +184,14 @@ def read_split_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def split_question(out_dir: str | os.PathLike, *, train_split: float, seed: int = 42) -> Question | None:
+def split_question(out_dir: str | os.PathLike | Output, *, train_split: float, seed: int = 42) -> Question | None:
     """The question to ask before finalizing with another ``train_split`` than the recorded one, or None."""
-    record = read_split_record(out_dir)
+    output = open_output(out_dir)
+    record = read_split_record(output.local)
     if record is None or record["train_split"] == train_split:
         return None
-    moves = preview_replace_split(out_dir, train_split=train_split, seed=seed)
+    moves = preview_replace_split(output, train_split=train_split, seed=seed)
+    out_dir = output.uri
     if not moves:
         return None
     rows = [f"| `{shard}` | {old} | {new} |" for shard, (old, new) in list(moves.items())[:50]]
@@ -212,22 +215,22 @@ def split_question(out_dir: str | os.PathLike, *, train_split: float, seed: int 
     )
 
 
-def committed_shards(out_dir: str | os.PathLike) -> tuple[dict[str, UnitManifest], list[str], list[str]]:
+def committed_shards(out_dir: str | os.PathLike | Output) -> tuple[dict[str, UnitManifest], list[str], list[str]]:
     """(shard -> manifest for committed shards with samples, empty shards, foreign tar files).
 
     A committed shard whose tar is missing or has another size than its
     manifest records is an error: the data changed after the commit.
     """
-    out = Path(out_dir)
+    output = open_output(out_dir)
     shards: dict[str, UnitManifest] = {}
     empty: list[str] = []
-    for unit, manifest in sorted(read_manifests(out).items()):
-        path = out / manifest.shard
-        if not path.is_file():
+    for unit, manifest in sorted(read_manifests(output.local).items()):
+        path = f"{output.uri}/{manifest.shard}"
+        size = output.size(manifest.shard)
+        if size is None:
             raise DatasetValidationError(
                 f"unit {unit} has a manifest but its shard {path} is missing; re-run encoding to rewrite that unit"
             )
-        size = path.stat().st_size
         if size != manifest.bytes:
             raise DatasetValidationError(
                 f"shard {path} is {size} bytes but its manifest records {manifest.bytes}; the file changed after it "
@@ -240,20 +243,22 @@ def committed_shards(out_dir: str | os.PathLike) -> tuple[dict[str, UnitManifest
             shards[manifest.shard] = manifest
     ours = set(shards) | set(empty)
     foreign = sorted(
-        p.name for p in out.iterdir() if p.is_file() and p.name.endswith((".tar", ".tgz")) and p.name not in ours
+        name for name in output.entries()
+        if name.endswith((".tar", ".tgz")) and name not in ours and output.size(name) is not None
     )
     return shards, empty, foreign
 
 
 def preview_replace_split(
-    out_dir: str | os.PathLike, *, train_split: float, seed: int = 42
+    out_dir: str | os.PathLike | Output, *, train_split: float, seed: int = 42
 ) -> dict[str, tuple[str, str]]:
     """Recorded shards that ``finalize(..., replace_split=True)`` would move: shard -> (old, new).
 
     Meant for the approval question before a full reassignment.
     """
-    shards, _, _ = committed_shards(out_dir)
-    previous = read_assignment(out_dir)
+    output = open_output(out_dir)
+    shards, _, _ = committed_shards(output)
+    previous = read_assignment(output.local)
     fresh = assign_splits(sorted(shards), {}, train_split, seed)
     return {s: (previous[s], fresh[s]) for s in sorted(previous) if s in fresh and previous[s] != fresh[s]}
 
@@ -282,7 +287,7 @@ def _progress_adapter(progress: Progress | None) -> Callable[[Iterator[Any], int
     return progress_fn
 
 
-def _run_prepare(out: Path, splits: dict[str, list[str]], workers: int, progress: Progress | None) -> set[str]:
+def _run_prepare(out: Any, splits: dict[str, list[str]], workers: int, progress: Progress | None) -> set[str]:
     # Imported here: Energon pulls in torch and a lot more, which plan/CLI code paths do not need.
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 
@@ -314,7 +319,7 @@ def _run_prepare(out: Path, splits: dict[str, list[str]], workers: int, progress
 
 
 def finalize(
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | Output,
     *,
     encoding: str,
     train_split: float,
@@ -330,21 +335,26 @@ def finalize(
     reassigns every shard from scratch (held-out shards may move into train):
     pass it only after the user approved that. A shard that is recorded in a
     split but no longer committed is an error unless ``replace_split``.
+
+    A bucket prefix is prepared in place, Energon reading it through a
+    Multi-Storage Client profile; its metadata is then staged and checked here.
     """
-    out = Path(out_dir)
+    output = open_output(out_dir)
+    output.pull_state()
+    out = output.local
     if encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
     split_targets(train_split)
     existing_encoding = read_dataset_encoding(out)
     if existing_encoding is not None and existing_encoding != encoding:
         raise ExistingOutputError(
-            f"{out / contract.NV_META / contract.DATASET_YAML} declares encoding {existing_encoding!r}, "
+            f"{output.uri}/{contract.NV_META}/{contract.DATASET_YAML} declares encoding {existing_encoding!r}, "
             f"this finalize is for {encoding!r}; write to a new output directory instead"
         )
 
-    manifests, empty, foreign = committed_shards(out)
+    manifests, empty, foreign = committed_shards(output)
     if not manifests:
-        raise DatasetValidationError(f"{out} has no committed shards with samples; run encoding first")
+        raise DatasetValidationError(f"{output.uri} has no committed shards with samples; run encoding first")
     previous = read_assignment(out)
     vanished = sorted(set(previous) - set(manifests))
     if vanished and not replace_split:
@@ -358,8 +368,11 @@ def finalize(
     splits = {split: names for split, names in splits.items() if names}
 
     write_dataset_yaml(out, encoding)
+    output.push(f"{contract.NV_META}/{contract.DATASET_YAML}")
     failpoint("finalize")
-    parts = _run_prepare(out, splits, workers, progress)
+    with output.energon_access() as path:
+        parts = _run_prepare(path, splits, workers, progress)
+    output.pull_state()  # Energon wrote .nv-meta in the bucket: check the staged copy
 
     info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text(encoding="utf-8"))
     counted = info.get("shard_counts", {})
@@ -388,6 +401,7 @@ def finalize(
         out / contract.STATE_DIR / contract.SPLITS_JSON,
         {"version": SPLITS_VERSION, "train_split": train_split, "seed": seed, "assignment": assignment},
     )
+    output.push(f"{contract.STATE_DIR}/{contract.SPLITS_JSON}")
     moved = {s: (old, assignment[s]) for s, old in sorted(previous.items()) if assignment.get(s, old) != old}
     return FinalizeResult(
         splits=splits,

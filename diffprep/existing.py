@@ -23,6 +23,7 @@ import torch
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError, LockedError
+from diffprep.outputs import Output, clear_staged_state, is_ours, open_output
 from diffprep.plan import Plan, read_plan
 from diffprep.shards import load_tensor, read_manifests, temp_pid
 
@@ -75,7 +76,7 @@ class Inspection:
             more = f" and {len(self.unmanaged) - 10} more" if len(self.unmanaged) > 10 else ""
             lines.append(f"- {len(self.unmanaged)} shard-named file(s) with no diffprep manifest, which "
                          f"`overwrite` deletes and encoding rewrites: {shown}{more}")
-        lines.append(f"- {_human_bytes(self.bytes_on_disk)} on disk")
+        lines.append(f"- {_human_bytes(self.bytes_on_disk)} in all")
         lines += [
             "",
             "**Choices** (`--on-existing` / `on_existing`):",
@@ -110,41 +111,23 @@ def _human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _is_ours(name: str) -> bool:
-    if name in (contract.NV_META, contract.STATE_DIR):
-        return True
-    if name.endswith(contract.INDEX_SUFFIX):
-        name = name[: -len(".idx")]
-    return contract.unit_of_shard(name) is not None
-
-
 def _state_is_empty(state: Path) -> bool:
     """A state folder without a plan or any manifest (e.g. only a lock or temp files) holds no data."""
     return not (state / contract.PLAN_JSON).exists() and not any((state / contract.UNITS_DIR).glob("*.json"))
 
 
-def _du(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _check_shapes(out_dir: Path, plan: Plan, manifests) -> str | None:
+def _check_shapes(output: Output, plan: Plan, manifests) -> str | None:
     """Load the first sample of one finished shard (weights only) and compare its shapes with the plan."""
     for manifest in manifests.values():
-        shard = out_dir / manifest.shard
-        if not shard.is_file() or not manifest.keys:
+        if not manifest.keys:
             continue
         key = manifest.keys[0]
         wanted = {f"{key}.{field}": field for field in contract.TENSOR_FIELDS}
         try:
-            with tarfile.open(shard, "r:") as tar:
+            with output.open(manifest.shard) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
                 for member in tar:
+                    if not member.name.startswith(key + "."):
+                        break  # the first sample is over: read no further (a bucket streams the rest otherwise)
                     field_name = wanted.get(member.name)
                     if field_name is None:
                         continue
@@ -173,16 +156,20 @@ def _compare_shape(field_name: str, tensor, expected: dict) -> str | None:
     return None
 
 
-def inspect_output(out_dir: str | os.PathLike, plan: Plan) -> Inspection:
-    out = Path(out_dir)
-    if not out.exists():
-        return Inspection(str(out), exists=False, empty=True, plan_fingerprint=None, same_settings=True,
-                          units_left=[u.unit for u in plan.units])
-    if not out.is_dir():
-        raise ExistingOutputError(f"output {out} exists and is not a directory")
-    entries = sorted(os.listdir(out))
+def inspect_output(out_dir: str | os.PathLike | Output, plan: Plan) -> Inspection:
+    """What the output holds against ``plan``; a bucket prefix's state is pulled into its staging folder first."""
+    output = open_output(out_dir)
+    if not output.remote:
+        if not output.local.exists():
+            return Inspection(output.uri, exists=False, empty=True, plan_fingerprint=None, same_settings=True,
+                              units_left=[u.unit for u in plan.units])
+        if not output.local.is_dir():
+            raise ExistingOutputError(f"output {output.uri} exists and is not a directory")
+    output.pull_state()
+    out = output.local
+    entries = output.entries()
     if not entries or (entries == [contract.STATE_DIR] and _state_is_empty(out / contract.STATE_DIR)):
-        return Inspection(str(out), exists=True, empty=True, plan_fingerprint=None, same_settings=True,
+        return Inspection(output.uri, exists=output.exists(), empty=True, plan_fingerprint=None, same_settings=True,
                           units_left=[u.unit for u in plan.units])
     old = read_plan(out)
     manifests = read_manifests(out)
@@ -192,14 +179,13 @@ def inspect_output(out_dir: str | os.PathLike, plan: Plan) -> Inspection:
         manifest = manifests.get(unit.unit)
         if manifest is None or manifest.fingerprint != plan.fingerprint:
             continue
-        shard = out / manifest.shard
-        if shard.is_file() and shard.stat().st_size == manifest.bytes:
+        if output.committed(manifest.shard, manifest.bytes, manifest.sha256):
             done.append(unit.unit)
         else:
             damaged.append(unit.unit)
     left = [u.unit for u in plan.units if u.unit not in done and u.unit not in damaged]
     inspection = Inspection(
-        str(out),
+        output.uri,
         exists=True,
         empty=False,
         plan_fingerprint=old.fingerprint if old else None,
@@ -207,13 +193,13 @@ def inspect_output(out_dir: str | os.PathLike, plan: Plan) -> Inspection:
         units_done=done if same else [],
         units_left=left if same else [u.unit for u in plan.units],
         damaged_units=damaged if same else [],
-        foreign=[name for name in entries if not _is_ours(name)],
+        foreign=[name for name in entries if not is_ours(name)],
         unmanaged=sorted(name for name in entries if contract.unit_of_shard(name) is not None
                          and contract.unit_of_shard(name) not in manifests),
-        bytes_on_disk=_du(out),
+        bytes_on_disk=output.total_bytes(),
     )
     if same:
-        inspection.shape_problem = _check_shapes(out, plan, {u: manifests[u] for u in done})
+        inspection.shape_problem = _check_shapes(output, plan, {u: manifests[u] for u in done})
     return inspection
 
 
@@ -227,18 +213,12 @@ class Decision:
         return asdict(self)
 
 
-def next_free_dir(out_dir: str | os.PathLike) -> Path:
-    """``<out>-v2``, ``-v3``...: the first that does not exist or is empty."""
-    out = Path(out_dir)
-    version = 2
-    while True:
-        candidate = out.with_name(f"{out.name}-v{version}")
-        if not candidate.exists() or (candidate.is_dir() and not any(candidate.iterdir())):
-            return candidate
-        version += 1
+def next_free_dir(out_dir: str | os.PathLike | Output) -> str:
+    """``<out>-v2``, ``-v3``...: the first that does not exist or is empty (a path, or an s3:// URL)."""
+    return open_output(out_dir).next_free().uri
 
 
-def decide(inspection: Inspection, on_existing: str | None) -> Decision:
+def decide(inspection: Inspection, on_existing: str | None, output: Output | None = None) -> Decision:
     """Turn an inspection and the user's explicit choice (or none) into an action.
 
     Raises ExistingOutputError when the output needs a choice that was not given,
@@ -268,21 +248,26 @@ def decide(inspection: Inspection, on_existing: str | None) -> Decision:
             "choose --on-existing new-dir or overwrite, or run with the settings in its .diffprep/plan.json."
         )
     if on_existing == "new-dir":
-        return Decision("new-dir", str(next_free_dir(inspection.out_dir)), summary)
+        return Decision("new-dir", next_free_dir(output or inspection.out_dir), summary)
     if on_existing == "reuse":
         return Decision("reuse", inspection.out_dir, summary)
     return Decision("overwrite", inspection.out_dir, summary)
 
 
-def clear_output(out_dir: str | os.PathLike) -> list[str]:
+def clear_output(out_dir: str | os.PathLike | Output) -> list[str]:
     """Delete what diffprep wrote under ``out_dir`` (only after an approved overwrite).
 
     Files diffprep did not write are left where they are. Returns what was removed.
     """
-    out = Path(out_dir)
+    output = open_output(out_dir)
+    if output.remote:
+        removed = output.delete_ours()
+        clear_staged_state(output)
+        return removed
+    out = output.local
     removed = []
     for name in sorted(os.listdir(out)):
-        if not _is_ours(name):
+        if not is_ours(name):
             continue
         path = out / name
         if name == contract.STATE_DIR:

@@ -105,12 +105,14 @@ def raw_sanity_check(
     spec: ImageSpec,
     *,
     units_left: Sequence[int] | None = None,
+    staged_samples: int | None = None,
 ) -> SanityReport:
     """Write one batch's image files into memory, project the run's size and time, compare them with the pixels.
 
     The PSNR of the stored files against the prepared pixels is the format's
     loss (None for png: identical); it is reported, not checked. Raises
-    DiskSpaceError before any shard is written when the projection does not fit.
+    DiskSpaceError before any shard is written when the projection does not fit (``staged_samples``: as
+    in ``diffprep.encode.sanity_check``).
     """
     sanity_dir = Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR
     sanity_dir.mkdir(parents=True, exist_ok=True)
@@ -138,5 +140,6 @@ def raw_sanity_check(
         projected_seconds=round(projected_seconds, 1),
         free_bytes=free,
         contact_sheet=str(sheet),
+        local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
     )
     return finish_sanity(out_dir, report, remaining)

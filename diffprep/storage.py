@@ -16,7 +16,7 @@ Failures are sorted by what helps:
 - a missing bucket, refused credentials or a bucket policy that denies us
   (``NoSuchBucket``, ``AccessDenied``, 403...): ``SourceError`` at once, naming
   the bucket and the operation; no retry can help;
-- a missing object: ``FileNotFoundError``; any other refusal for one object: ``OSError``.
+- a missing object: ``FileNotFoundError``; a failed condition: ``ObjectChangedError``; any other refusal for one object: ``OSError``.
 """
 
 from __future__ import annotations
@@ -64,13 +64,17 @@ _DENIED = frozenset({
     "InvalidToken", "SignatureDoesNotMatch", "TokenRefreshRequired", "403", "Forbidden",
 })
 CREDENTIALS_HINT = (
-    "check the credentials (AWS_PROFILE or source.s3_profile, AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY, "
+    "check the credentials (AWS_PROFILE or s3_profile, AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY, "
     "or the instance role) and the bucket policy"
 )
 
 
 class StorageUnavailableError(SourceError, ConnectionError):
     """The store kept throttling, failing (5xx) or dropping the connection after every retry: try again later."""
+
+
+class ObjectChangedError(OSError):
+    """A conditional request (``If-Match`` / ``If-None-Match``) failed: someone else changed the object."""
 
 
 @dataclass(frozen=True)
@@ -106,31 +110,31 @@ def parse_s3_url(url: str, setting: str = "the URL") -> S3Url:
     return S3Url(bucket, key)
 
 
-def check_endpoint_url(endpoint_url: str) -> None:
+def check_endpoint_url(endpoint_url: str, section: str = "source") -> None:
     """Refuse an endpoint that is not ``http(s)://host[:port]``, or that carries credentials (never echoed)."""
     parts = urllib.parse.urlsplit(endpoint_url)
     if parts.username is not None or parts.password is not None:
         raise SourceError(
-            "source.s3_endpoint_url holds credentials (user:password@host): give the bare endpoint, and the "
+            f"{section}.s3_endpoint_url holds credentials (user:password@host): give the bare endpoint, and the "
             "credentials through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile"
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SourceError(
-            f"source.s3_endpoint_url {endpoint_url!r} is not an http(s)://host[:port] URL, "
+            f"{section}.s3_endpoint_url {endpoint_url!r} is not an http(s)://host[:port] URL, "
             f"e.g. http://minio.local:9000"
         )
 
 
 def s3_client(endpoint_url: str | None = None, profile: str | None = None, *,
-              max_attempts: int = MAX_ATTEMPTS) -> BaseClient:
+              max_attempts: int = MAX_ATTEMPTS, section: str = "source") -> BaseClient:
     """An S3 client from the standard AWS credential chain, retrying throttling, 5xx and connection errors."""
     if endpoint_url:
-        check_endpoint_url(endpoint_url)
+        check_endpoint_url(endpoint_url, section)
     try:
         session = boto3.session.Session(profile_name=profile or None)
     except ProfileNotFound:
         raise SourceError(
-            f"source.s3_profile {profile!r} is not a profile in the AWS config files (~/.aws/config, "
+            f"{section}.s3_profile {profile!r} is not a profile in the AWS config files (~/.aws/config, "
             f"~/.aws/credentials, or AWS_CONFIG_FILE): add it, or unset s3_profile to use the default chain"
         ) from None
     config = Config(
@@ -160,14 +164,15 @@ def storage_error(exc: Exception, url: S3Url, operation: str, client: BaseClient
         if code in _MISSING_BUCKET:
             return SourceError(
                 f"{bucket}: {operation} failed: the bucket does not exist ({code}) at {endpoint}; check the "
-                f"bucket name, and source.s3_endpoint_url for a non-AWS store"
+                f"bucket name, and s3_endpoint_url for a non-AWS store"
             )
         if code in _DENIED or status == 403:
             return SourceError(f"{bucket}: {operation} refused ({code}) for {url}: {CREDENTIALS_HINT}")
         if code in _MISSING_KEY or status == 404:
             return FileNotFoundError(f"{url} does not exist (any more): {operation} answered {code}")
         if code == "PreconditionFailed":
-            return OSError(f"{url} changed while it was being read (its ETag no longer matches)")
+            return ObjectChangedError(f"{url}: {operation}: the object changed meanwhile (its ETag no longer "
+                                      f"matches, or it was created by someone else)")
         if status is None or status >= 500 or status == 429 or code in ("SlowDown", "RequestTimeout"):
             attempts = int(meta.get("RetryAttempts", 0)) + 1
             return StorageUnavailableError(
@@ -179,7 +184,7 @@ def storage_error(exc: Exception, url: S3Url, operation: str, client: BaseClient
         attempts = client.meta.config.retries.get("total_max_attempts", MAX_ATTEMPTS)
         return StorageUnavailableError(
             f"{url}: {operation}: no answer from {endpoint} after {attempts} attempt(s) "
-            f"({type(exc).__name__}); check the network and source.s3_endpoint_url"
+            f"({type(exc).__name__}); check the network and s3_endpoint_url"
         )
     if isinstance(exc, CredentialRetrievalError):  # its text can quote a credential process's output
         return SourceError(f"{bucket}: {operation}: the AWS credentials could not be loaded; {CREDENTIALS_HINT}")
@@ -192,6 +197,7 @@ def storage_error(exc: Exception, url: S3Url, operation: str, client: BaseClient
 class ObjectInfo:
     key: str
     size: int
+    etag: str = ""
 
 
 def list_objects(client: BaseClient, url: S3Url, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
@@ -213,7 +219,7 @@ def list_objects(client: BaseClient, url: S3Url, *, start_after: str | None = No
                         f"listings in key order (S3 general purpose buckets, MinIO, Ceph and R2 give it)"
                     )
                 previous = key
-                yield ObjectInfo(key, int(item.get("Size", 0)))
+                yield ObjectInfo(key, int(item.get("Size", 0)), str(item.get("ETag", "")).strip('"'))
     except (ClientError, BotoCoreError) as exc:
         raise storage_error(exc, url, "ListObjectsV2", client) from None
 

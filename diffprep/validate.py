@@ -51,8 +51,9 @@ import yaml
 from diffprep import contract
 from diffprep.cooker import RAW_CAPTION, RAW_IMAGE_FIELDS, FluxPreencodedTaskEncoder, FluxRawTaskEncoder
 from diffprep.energon import Progress, read_assignment, read_split_yaml
-from diffprep.errors import ConfigError, DatasetValidationError
-from diffprep.shards import UnitManifest, atomic_write_bytes, atomic_write_json, file_sha256, read_manifests, tar_keys
+from diffprep.errors import ConfigError, DatasetValidationError, SourceError
+from diffprep.outputs import Output, open_output
+from diffprep.shards import UnitManifest, atomic_write_bytes, atomic_write_json, read_manifests
 
 TENSOR_NAMES = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)
 # plan.json's "expected": a shape per tensor (None for a free dimension), the dtype, and optionally
@@ -233,13 +234,14 @@ class _LatentStats:
 class _Validator:
     def __init__(
         self,
-        out: Path,
+        output: Output,
         encoding: str | None,
         expected: dict[str, Any] | None,
         max_load: int | None,
         progress: Progress | None,
     ) -> None:
-        self.out = out
+        self.output = output
+        self.out = output.local  # a bucket prefix's staged state; its shards are read from the bucket
         self.encoding_arg = encoding
         self.encoding: str | None = None
         self.expected: dict[str, Any] | None = None
@@ -386,9 +388,9 @@ class _Validator:
         total_bytes = 0
         names = sorted(self.info)
         for done, name in enumerate(names, start=1):
-            path = self.out / name
-            if path.is_file():
-                total_bytes += path.stat().st_size
+            size = self.output.size(name)
+            if size is not None:
+                total_bytes += size
                 self._check_shard(name, manifests, files, counts, manifests_check, fields)
             else:
                 files.add(f"{name} is listed in {contract.INFO_JSON} but missing")
@@ -419,14 +421,21 @@ class _Validator:
         manifests_check: _Problems,
         fields: _Problems,
     ) -> None:
-        path = self.out / name
         count = self.info[name]
-        idx = self.out / (name.removesuffix(contract.SHARD_SUFFIX) + contract.INDEX_SUFFIX)
-        if not idx.is_file():
-            files.add(f"{idx.name} is missing; run finalize to rebuild the tar index")
-        elif idx.stat().st_size != (count + 1) * _IDX_ENTRY_BYTES:
-            files.add(f"{idx.name} indexes {idx.stat().st_size // _IDX_ENTRY_BYTES - 1} samples, "
+        idx = name.removesuffix(contract.SHARD_SUFFIX) + contract.INDEX_SUFFIX
+        idx_size = self.output.size(idx)
+        if idx_size is None:
+            files.add(f"{idx} is missing; run finalize to rebuild the tar index")
+        elif idx_size != (count + 1) * _IDX_ENTRY_BYTES:
+            files.add(f"{idx} indexes {idx_size // _IDX_ENTRY_BYTES - 1} samples, "
                       f"{contract.INFO_JSON} counts {count}; run finalize")
+
+        try:  # one read of the shard (from the bucket, for a bucket prefix): size, hash and tar headers
+            digest = self.output.shard_digest(name)
+        except OSError as error:
+            files.add(f"{name} cannot be read: {error}")
+            return
+        size, sha256, samples = digest.size, digest.sha256, digest.keys
 
         unit = contract.unit_of_shard(name)
         manifest = manifests.get(unit) if unit is not None else None
@@ -435,17 +444,14 @@ class _Validator:
         if manifest is not None:
             if manifest.shard != name:
                 manifests_check.add(f"manifest of unit {unit} names shard {manifest.shard}, not {name}")
-            size, sha256 = file_sha256(path)
             if (size, sha256) != (manifest.bytes, manifest.sha256):
                 manifests_check.add(f"{name} is {size} bytes with sha256 {sha256[:12]}…, its manifest records "
                                     f"{manifest.bytes} bytes, {manifest.sha256[:12]}…: the shard was modified or "
                                     "corrupted after it was written; re-encode that unit")
-
-        try:
-            samples = tar_keys(path)
-        except (tarfile.TarError, OSError, EOFError) as error:
-            counts.add(f"{name}: cannot read the tar headers ({error})")
+        if digest.error is not None:
+            counts.add(f"{name}: cannot read the tar headers ({digest.error})")
             return
+
         if len(samples) != count:
             counts.add(f"{name} holds {len(samples)} samples, {contract.INFO_JSON} counts {count}")
         if manifest is not None and sorted(manifest.keys) != sorted(samples):
@@ -490,12 +496,12 @@ class _Validator:
             task_encoder = FluxPreencodedTaskEncoder() if preencoded else FluxRawTaskEncoder()
             worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), self.output.energon_access() as path:
                     # The loader asks for pinned memory, which a CPU-only machine cannot give; harmless here.
                     warnings.filterwarnings("ignore", message=".*pin_memory.*")
                     # get_val_dataset reads each split once, in order, without shuffling or repeating.
                     dataset = get_val_dataset(
-                        self.out,
+                        path,
                         split_part=split,
                         batch_size=None,
                         worker_config=worker_config,
@@ -583,6 +589,7 @@ class _Validator:
             buffer = io.BytesIO()
             torch.save(stats, buffer)
             atomic_write_bytes(state / contract.LATENT_STATS, buffer.getvalue())
+            self.output.push(f"{contract.STATE_DIR}/{contract.LATENT_STATS}")
             self.summary["latent_stats"] = {
                 "mean": [float(v) for v in stats["mean"]],
                 "std": [float(v) for v in stats["std"]],
@@ -593,15 +600,17 @@ class _Validator:
                 f"per-channel mean/std over {self.stats.samples} samples saved to "
                 f"{contract.STATE_DIR}/{contract.LATENT_STATS}",
             ))
-        report = ValidationReport(out_dir=str(self.out), ok=ok, checks=self.checks, summary=self.summary)
+        report = ValidationReport(out_dir=self.output.uri, ok=ok, checks=self.checks, summary=self.summary)
         if self.out.is_dir():
             state.mkdir(parents=True, exist_ok=True)
             atomic_write_json(state / contract.VALIDATION_JSON, report.to_json())
+            if self.output.remote and self.output.exists():
+                self.output.push(f"{contract.STATE_DIR}/{contract.VALIDATION_JSON}")
         return report
 
 
 def validate_dataset(
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | Output,
     *,
     encoding: str | None = None,
     expected: dict[str, Any] | None = None,
@@ -621,6 +630,10 @@ def validate_dataset(
     advances. ``previews`` samples are decoded and compared with their
     sources into ``.diffprep/contact_sheet.png`` (0: none). Raises
     ConfigError only for invalid arguments.
+
+    ``out_dir`` may be an ``s3://bucket/prefix`` (or an ``Output``): the
+    dataset is then validated in place, its shards read back from the bucket
+    and loaded through Energon's Multi-Storage Client access.
     """
     if encoding is not None and encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
@@ -628,9 +641,15 @@ def validate_dataset(
         raise ConfigError(f"max_load must be >= 1 (or None for every sample), got {max_load}")
     if previews < 0:
         raise ConfigError(f"previews must be >= 0 (0: none), got {previews}")
-    out = Path(out_dir)
-    validator = _Validator(out, encoding, expected, max_load, progress)
-    if not out.is_dir():
+    output = open_output(out_dir)
+    out = output.local
+    validator = _Validator(output, encoding, expected, max_load, progress)
+    if output.remote:
+        if not output.exists():
+            validator.checks.append(Check("metadata", False, f"{output.uri} holds no objects"))
+            return validator.report()
+        output.pull_state()
+    elif not out.is_dir():
         validator.checks.append(Check("metadata", False, f"{out} is not a directory"))
         return validator.report()
     if max_load is not None:
@@ -640,7 +659,7 @@ def validate_dataset(
     validator.check_shards()
     validator.check_loading()
     ours = set(validator.info or {}) | {m.shard for m in validator.manifests.values()}
-    foreign = sorted(p.name for p in out.iterdir() if p.name.endswith((".tar", ".tgz")) and p.name not in ours)
+    foreign = sorted(name for name in output.entries() if name.endswith((".tar", ".tgz")) and name not in ours)
     if foreign:
         validator.summary["foreign"] = foreign
     audit = out / contract.STATE_DIR / contract.AUDIT_JSON
@@ -648,7 +667,9 @@ def validate_dataset(
         recorded = json.loads(audit.read_text(encoding="utf-8"))
         validator.summary["rejects"] = {key: recorded[key] for key in ("inputs", "rejected", "by_reason")}
     if previews and validator.manifests:
-        validator.summary["previews"] = _previews(out, previews)
+        validator.summary["previews"] = (
+            {"note": "no previews for a bucket prefix: decode a few samples with `diffprep decode` on a copy"}
+            if output.remote else _previews(out, previews))
     return validator.report()
 
 
@@ -673,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m diffprep.validate",
         description="Validate a finalized diffprep dataset; exit 0 when every check passes, 1 otherwise.",
     )
-    parser.add_argument("out", help="the output folder (holds .nv-meta/)")
+    parser.add_argument("out", help="the output folder (holds .nv-meta/), or s3://bucket/prefix")
     parser.add_argument(
         "--encoding", choices=contract.ENCODINGS, help="fail unless dataset.yaml declares this encoding"
     )
@@ -681,18 +702,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--previews", type=int, default=4, metavar="N",
                         help="decode N samples next to their sources into .diffprep/contact_sheet.png (0: none)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
+    parser.add_argument("--s3-endpoint-url", default=None,
+                        help="for s3://: endpoint of a non-AWS store (default: AWS_ENDPOINT_URL, else AWS)")
+    parser.add_argument("--s3-profile", default=None, help="for s3://: AWS profile (default: AWS_PROFILE)")
     args = parser.parse_args(argv)
     options = {"encoding": args.encoding, "max_load": args.max_load, "previews": args.previews}
     try:
+        out = open_output(args.out, endpoint_url=args.s3_endpoint_url, profile=args.s3_profile)
         if args.json:
             # Energon prints progress and errors on stdout; keep stdout for the JSON alone.
             with contextlib.redirect_stdout(sys.stderr):
-                report = validate_dataset(args.out, **options)
+                report = validate_dataset(out, **options)
             print(json.dumps(report.to_json(), indent=1))
         else:
-            report = validate_dataset(args.out, **options)
+            report = validate_dataset(out, **options)
             print(report.to_markdown())
-    except ConfigError as error:
+    except (ConfigError, SourceError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0 if report.ok else 1

@@ -12,7 +12,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from prefect import flow, get_run_logger
@@ -26,12 +25,13 @@ from diffprep.encode import sanity_markdown
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
 from diffprep.energon import split_question
 from diffprep.errors import DiffprepError
-from diffprep.existing import Inspection, OutputLock, clear_dead_temp_files, clear_output, decide
+from diffprep.existing import Inspection, clear_dead_temp_files, clear_output, decide
+from diffprep.outputs import Output
 from diffprep.workers import units_for_shard
 from flows.runners import RUNNERS, Progress, runner_for
 from diffprep.plan import read_plan, write_plan
 from tasks.approvals import ask
-from tasks.common import slug
+from tasks.common import output_from, slug
 from tasks.audit import audit_task
 from tasks.fetch import fetch_task
 from tasks.finalize import finalize_task
@@ -91,7 +91,8 @@ def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
     timeout = settings.output.approval_timeout
     started = time.perf_counter()
 
-    out_dir = str(Path(settings.output.output_dir).expanduser().resolve())
+    output = output_from(settings)
+    out_dir = output.uri
     fetched = pipeline.fetch(params, out_dir)
     logger.info("planned %d samples in %d units (fingerprint %s)", fetched["samples"], fetched["units"],
                 fetched["fingerprint"])
@@ -99,12 +100,14 @@ def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
         logger.warning("%d planned samples are no longer in the source; nothing is removed from the dataset",
                        fetched["missing_from_source"])
 
-    inspection = Inspection(**verify_existing_task(fetched["plan_path"], out_dir))
+    inspection = Inspection(**verify_existing_task(fetched["plan_path"], out_dir, params))
     on_existing = settings.output.on_existing
     if inspection.needs_choice and on_existing is None:
         on_existing = ask(inspection.question(), timeout=timeout)
-    decision = decide(inspection, on_existing)
-    out_dir = decision.out_dir
+    decision = decide(inspection, on_existing, output)
+    if decision.out_dir != out_dir:
+        output = output_from(settings, decision.out_dir)
+    out_dir = output.uri
     logger.info("output %s: %s", out_dir, decision.action)
     result: dict[str, Any] = {"out_dir": out_dir, "action": decision.action, "fingerprint": fetched["fingerprint"]}
     if decision.action == "reuse":
@@ -117,16 +120,17 @@ def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
             f"--shard-index runs only resume; decide about the existing output ({decision.action}) "
             "with a plain run first"
         )
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    with OutputLock(out_dir, run=str(flow_run.get_id() or ""), shard=workers.shard_index):
-        removed_temp = clear_dead_temp_files(out_dir)
+    output.local.mkdir(parents=True, exist_ok=True)
+    with output.lock(run=str(flow_run.get_id() or ""), shard=workers.shard_index):
+        removed_temp = clear_dead_temp_files(output.local)
         if removed_temp:
             logger.info("removed temporary files of interrupted writers: %s", ", ".join(removed_temp))
         if decision.action == "overwrite":
-            removed = clear_output(out_dir)
+            removed = clear_output(output)
             logger.warning("overwrite (approved): removed %s", ", ".join(removed) or "nothing")
         plan = read_plan(fetched["plan_path"])
-        write_plan(out_dir, plan)
+        write_plan(output.local, plan)
+        output.push(f"{contract.STATE_DIR}/{contract.PLAN_JSON}")
         if decision.action in ("resume", "complete"):
             units_left = sorted(inspection.units_left + inspection.damaged_units)
         else:
@@ -136,7 +140,7 @@ def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
 
         sanity = None
         if units_left:
-            with publish_sanity(out_dir):
+            with publish_sanity(output):
                 sanity = pipeline.sanity(params, out_dir, units_left)
             logger.info(
                 "sanity: %s s per batch, projected %.2f GiB and %.0f s for %d units; round-trip PSNR %s dB",
@@ -153,7 +157,7 @@ def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
             return result | {"shard": f"{workers.shard_index}/{workers.num_shards}", "encoded_units": len(units_left),
                              "units": len(plan.units), "seconds": round(time.perf_counter() - started, 1)}
 
-        audit = AuditReport(**{k: v for k, v in audit_task(out_dir).items() if k != "ok"})
+        audit = AuditReport(**{k: v for k, v in audit_task(out_dir, params).items() if k != "ok"})
         create_table_artifact(
             key=f"audit-{slug(out_dir)}",
             table=[{"reason": r, "samples": n} for r, n in audit.by_reason.items()]
@@ -175,23 +179,24 @@ def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
             "sanity": sanity,
         }
         if settings.finalize.enabled:
-            question = split_question(out_dir, train_split=settings.finalize.train_split,
+            question = split_question(output, train_split=settings.finalize.train_split,
                                       seed=settings.finalize.shuffle_seed)
             replace = question is not None and ask(
                 question, preset=settings.finalize.on_split_change, timeout=timeout) == "replace"
             result["finalize"] = finalize_task(params, out_dir, replace, pipeline.encoding)
-            validation = validate_task(out_dir, pipeline.encoding)
+            validation = validate_task(out_dir, pipeline.encoding, settings=params)
             result["validation"] = {"ok": validation["ok"], "summary": validation["summary"]}
-        create_link_artifact(key=f"output-{slug(out_dir)}", link=Path(out_dir).as_uri(),
+        create_link_artifact(key=f"output-{slug(out_dir)}", link=output.link(),
                              link_text=out_dir, description="The encoded dataset")
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 
 
 @contextlib.contextmanager
-def publish_sanity(out_dir: str) -> Iterator[None]:
+def publish_sanity(output: Output) -> Iterator[None]:
     """Around the sanity task: its report and contact sheet as a Markdown artifact, whether it passed or failed."""
-    report = Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR / "report.json"
+    out_dir = output.uri
+    report = output.local / contract.STATE_DIR / contract.SANITY_DIR / "report.json"
     started = time.time()
     try:
         yield

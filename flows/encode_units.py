@@ -7,6 +7,7 @@ from prefect import flow, get_run_logger
 from diffprep.config import Settings
 from diffprep.existing import clear_dead_temp_files
 from flows.runners import RUNNERS, Progress, runner_for
+from tasks.common import output_from
 
 
 @flow(name="encode-units", log_prints=True)
@@ -18,7 +19,9 @@ def encode_units(out_dir: str, settings: dict, units: list[int]) -> dict:
     s = Settings(**settings)
     if s.workers.deployment:
         raise ValueError("encode-units runs its units here: workers.deployment must be unset")
-    clear_dead_temp_files(out_dir)
+    output = output_from(s, out_dir)
+    output.pull_state()  # a bucket output: this machine's staging folder gets the run's plan
+    clear_dead_temp_files(output.local)
     runner = runner_for(s)
     get_run_logger().info("encoding %d units with the %s runner", len(units), runner)
     RUNNERS[runner](s, settings, out_dir, list(units), Progress(len(units), key=None))

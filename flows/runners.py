@@ -20,10 +20,13 @@ from typing import Callable
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from diffprep import contract
 from diffprep.config import Settings
+from diffprep.outputs import Output
 from diffprep.errors import DiffprepError
 from diffprep.shards import read_manifests
 from diffprep.workers import claim_device, claim_dir, parse_devices, split_chunks
+from tasks.common import output_from
 from tasks.encode import encode_unit_task
 
 FAN_OUT_POLL_SECONDS = 5
@@ -98,10 +101,11 @@ def fan_out(settings: Settings, params: dict, out_dir: str, units: list[int], pr
         logger.info("sent %d units to %s (flow run %s)", len(chunk), settings.workers.deployment, run.id)
         runs.append(run)
     wanted = set(units)
+    output = output_from(settings, out_dir)
     with get_client(sync_client=True) as client:
         while True:
             states = [client.read_flow_run(run.id).state for run in runs]
-            committed = wanted & set(read_manifests(out_dir))
+            committed = wanted & committed_units(output)
             if len(committed) != progress.done:
                 progress.done = len(committed)
                 progress.update()
@@ -114,6 +118,15 @@ def fan_out(settings: Settings, params: dict, out_dir: str, units: list[int], pr
             "encode-units runs did not complete: " + "; ".join(failed)
             + ". Finished units are kept; re-run to encode the rest."
         )
+
+
+def committed_units(output: Output) -> set[int]:
+    """Units with a manifest (in the bucket, for a bucket output)."""
+    if not output.remote:
+        return set(read_manifests(output.local))
+    folder = f"{contract.STATE_DIR}/{contract.UNITS_DIR}/"
+    names = [name[len(folder):] for name in output.objects(refresh=True) if name.startswith(folder)]
+    return {int(name.removesuffix(".json")) for name in names if name.removesuffix(".json").isdigit()}
 
 
 RUNNERS: dict[str, Callable[[Settings, dict, str, list[int], Progress], None]] = {

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from diffprep.config import Settings
+from diffprep.outputs import Output, open_output
 
 
 def settings_from(params: dict[str, Any]) -> Settings:
@@ -23,6 +24,24 @@ def run_token(settings: Settings) -> str | None:
 
         return HuggingFaceCredentials.load(settings.auth.hf_credentials_block).token.get_secret_value()
     return resolve_token(settings.auth.hf_token_file)
+
+
+def apply_aws_credentials(settings: Settings) -> None:
+    """The S3 credentials block named in the settings, if any, as this process's ``AWS_*`` variables."""
+    if settings.auth.aws_credentials_block:
+        import os
+
+        from blocks.aws_credentials import AwsS3Credentials
+
+        block = AwsS3Credentials.load(settings.auth.aws_credentials_block)
+        os.environ.update(block.environment())
+
+
+def output_from(settings: Settings, out_dir: str | None = None) -> Output:
+    """The run's output (``out_dir``, default the settings'): a local folder or an s3:// prefix."""
+    apply_aws_credentials(settings)
+    return open_output(out_dir or settings.output.output_dir, endpoint_url=settings.output.s3_endpoint_url,
+                       profile=settings.output.s3_profile)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -45,8 +64,8 @@ def retry_transient(task, task_run, state) -> bool:
 
 
 def slug(path: str) -> str:
-    """An artifact key from an output path: lowercase letters, digits and dashes."""
-    name = "".join(c if c.isalnum() else "-" for c in Path(path).name.lower()).strip("-")
+    """An artifact key from an output path or URL: lowercase letters, digits and dashes."""
+    name = "".join(c if c.isalnum() else "-" for c in Path(path.rstrip("/")).name.lower()).strip("-")
     return (name or "output")[:40]
 
 

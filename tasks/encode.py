@@ -30,7 +30,7 @@ from diffprep.images import ImageSpec
 from diffprep.plan import read_plan
 from diffprep.sources import Source, open_source
 from diffprep.workers import claimed_device
-from tasks.common import retry_transient, run_token, settings_from
+from tasks.common import output_from, retry_transient, run_token, settings_from
 
 T = TypeVar("T")
 
@@ -106,13 +106,19 @@ def with_smaller_batches_on_oom(attempt: Callable[[int], T], batch_size: int, *,
       retry_jitter_factor=0.5, retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def encode_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
     s = settings_from(settings)
-    plan = read_plan(out_dir)
+    output = output_from(s, out_dir)
+    plan = read_plan(output.local)
+    done = output.committed_unit(unit, plan.fingerprint)
+    if done is not None:  # already in the bucket (a retried task, a re-sent chunk)
+        return {"unit": unit, "count": done.count, "rejected": len(done.rejects), "seconds": 0.0, "skipped": True,
+                "worker": worker_name()}
     encoders = load_encoders(s)
     spec = ImageSpec.from_config(s.image)
     result = with_smaller_batches_on_oom(
-        lambda batch_size: encode_unit(out_dir, plan, unit, encoders, open_run_source(s), spec,
+        lambda batch_size: encode_unit(output.local, plan, unit, encoders, open_run_source(s), spec,
                                        batch_size=batch_size, decode_workers=s.image.decode_workers),
         s.model.batch_size, what=f"unit {unit}", advice=oom_advice(s, encoders),
     )
+    output.publish_unit(unit)
     return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
             "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}

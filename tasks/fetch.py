@@ -6,15 +6,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from diffprep.fetch import fetch, stage_plan
-from tasks.common import retry_transient, run_token, settings_from
+from tasks.common import output_from, retry_transient, run_token, settings_from
 
 
 @task(name="fetch", retries=3, retry_delay_seconds=[5, 30, 120], retry_jitter_factor=0.5,
       retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def fetch_task(settings: dict, out_dir: str) -> dict:
     s = settings_from(settings)
-    plan, _source = fetch(s, out_dir, token=run_token(s))
-    path = stage_plan(plan, out_dir)
+    output = output_from(s, out_dir)
+    output.pull_state()  # an append keeps the units of the plan already there
+    plan, _source = fetch(s, output.local, token=run_token(s))
+    path = stage_plan(plan, output.local)
     return {
         "plan_path": str(path),
         "fingerprint": plan.fingerprint,

@@ -15,8 +15,9 @@ from diffprep.fetch import fetch, stage_plan
 from diffprep.images import ImageSpec
 from diffprep.plan import read_plan
 from diffprep.raw import BATCH_SIZE, RawImageWriter, raw_sanity_check
-from tasks.common import retry_transient, run_token, settings_from, small
+from tasks.common import output_from, retry_transient, run_token, settings_from, small
 from tasks.encode import open_run_source, worker_name
+from tasks.sanity import staged_samples
 
 
 def image_writer(settings: Settings) -> RawImageWriter:
@@ -27,9 +28,11 @@ def image_writer(settings: Settings) -> RawImageWriter:
       retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def fetch_raw_task(settings: dict, out_dir: str) -> dict:
     s = settings_from(settings)
-    plan, _source = fetch(s, out_dir, token=run_token(s), encoding=contract.ENCODING_RAW)
+    output = output_from(s, out_dir)
+    output.pull_state()  # an append keeps the units of the plan already there
+    plan, _source = fetch(s, output.local, token=run_token(s), encoding=contract.ENCODING_RAW)
     return {
-        "plan_path": str(stage_plan(plan, out_dir)),
+        "plan_path": str(stage_plan(plan, output.local)),
         "fingerprint": plan.fingerprint,
         "units": len(plan.units),
         "samples": plan.total_samples,
@@ -40,8 +43,13 @@ def fetch_raw_task(settings: dict, out_dir: str) -> dict:
 @task(name="sanity-raw", cache_policy=NO_CACHE, persist_result=False)
 def raw_sanity_task(settings: dict, out_dir: str, units_left: list[int]) -> dict:
     s = settings_from(settings)
-    report = raw_sanity_check(out_dir, read_plan(out_dir), image_writer(s), open_run_source(s),
-                              ImageSpec.from_config(s.image), units_left=units_left)
+    output = output_from(s, out_dir)
+    try:
+        report = raw_sanity_check(output.local, read_plan(output.local), image_writer(s), open_run_source(s),
+                                  ImageSpec.from_config(s.image), units_left=units_left,
+                                  staged_samples=staged_samples(s, output))
+    finally:
+        output.push(f"{contract.STATE_DIR}/{contract.SANITY_DIR}")
     return small(report.to_json())
 
 
@@ -49,8 +57,15 @@ def raw_sanity_task(settings: dict, out_dir: str, units_left: list[int]) -> dict
       retry_jitter_factor=0.5, retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def raw_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
     s = settings_from(settings)
-    result = encode_unit(out_dir, read_plan(out_dir), unit, None, open_run_source(s), ImageSpec.from_config(s.image),
-                         batch_size=BATCH_SIZE, decode_workers=s.image.decode_workers,
+    output = output_from(s, out_dir)
+    plan = read_plan(output.local)
+    done = output.committed_unit(unit, plan.fingerprint)
+    if done is not None:  # already in the bucket (a retried task, a re-sent chunk)
+        return {"unit": unit, "count": done.count, "rejected": len(done.rejects), "seconds": 0.0, "skipped": True,
+                "worker": worker_name()}
+    result = encode_unit(output.local, plan, unit, None, open_run_source(s),
+                         ImageSpec.from_config(s.image), batch_size=BATCH_SIZE, decode_workers=s.image.decode_workers,
                          sample_fields=image_writer(s).sample_fields)
+    output.publish_unit(unit)
     return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
             "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}

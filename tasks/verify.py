@@ -9,9 +9,10 @@ from prefect.cache_policies import NO_CACHE
 
 from diffprep.existing import inspect_output
 from diffprep.plan import read_plan
-from tasks.common import small
+from tasks.common import output_from, settings_from, small
 
 
 @task(name="verify-existing", cache_policy=NO_CACHE, persist_result=False)
-def verify_existing_task(plan_path: str, out_dir: str) -> dict:
-    return small(asdict(inspect_output(out_dir, read_plan(plan_path))))
+def verify_existing_task(plan_path: str, out_dir: str, settings: dict) -> dict:
+    output = output_from(settings_from(settings), out_dir)
+    return small(asdict(inspect_output(output, read_plan(plan_path))))

@@ -172,3 +172,52 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+# --- a real S3 endpoint on loopback (tests/s3_store.py) ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def moto_port() -> int:
+    """moto's S3 server on 127.0.0.1, one per session (buckets and prefixes keep tests apart)."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    yield server.get_host_and_port()[1]
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy_server(moto_port: int):
+    from s3_store import FaultProxy
+
+    proxy = FaultProxy(moto_port)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def proxy(proxy_server):
+    """The fault-injecting proxy in front of moto, its log and queued faults cleared."""
+    proxy_server.reset()
+    return proxy_server
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Dummy credentials from the environment, nothing from the machine's own AWS setup; a fresh staging folder."""
+    from s3_store import ACCESS_KEY, REGION, SECRET_KEY
+
+    for name in [n for n in os.environ if n.startswith(("AWS_", "MSC_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("DIFFPREP_STAGING_DIR", str(tmp_path / "staging"))

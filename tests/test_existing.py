@@ -217,7 +217,7 @@ def test_describe_says_what_exists(tmp_path: Path, make_plan, write_unit) -> Non
     assert f"**Output:** `{out}`" in text
     assert "1 file(s) diffprep did not write: `README.md`" in text
     assert "(files diffprep did not write stay)" in text
-    assert "KiB on disk" in text
+    assert "KiB in all" in text
 
 
 # next_free_dir
@@ -225,12 +225,12 @@ def test_describe_says_what_exists(tmp_path: Path, make_plan, write_unit) -> Non
 
 def test_next_free_dir_skips_used_versions(tmp_path: Path) -> None:
     out = tmp_path / "data"
-    assert next_free_dir(out) == tmp_path / "data-v2"
+    assert next_free_dir(out) == str(tmp_path / "data-v2")
     (tmp_path / "data-v2").mkdir()
     (tmp_path / "data-v2" / "000000.tar").write_bytes(b"x")
     (tmp_path / "data-v3").write_text("a file")
     (tmp_path / "data-v4").mkdir()  # empty: usable
-    assert next_free_dir(out) == tmp_path / "data-v4"
+    assert next_free_dir(out) == str(tmp_path / "data-v4")
 
 
 # clear_output

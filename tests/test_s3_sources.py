@@ -1,29 +1,19 @@
 """Sources in S3-compatible storage, against a real S3 endpoint on loopback (moto's server, over HTTP).
 
-Every request of the code under test goes through a small fault-injecting
-proxy in front of moto: it logs each request and can answer chosen ones with
-an error (503 SlowDown, 403 AccessDenied) or cut a response body short, the
-faults a real store produces and moto does not. Each bucket-backed source is
-compared with the local source reading the same files.
+Every request of the code under test goes through the fault-injecting proxy
+of tests/s3_store.py. Each bucket-backed source is compared with the local
+source reading the same files.
 """
 
 from __future__ import annotations
 
-import http.client
 import io
 import json
-import logging
-import os
 import tarfile
-import threading
 import uuid
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 from PIL import Image
 
 from diffprep.audit import audit
@@ -36,6 +26,7 @@ from diffprep.images import ImageSpec
 from diffprep.plan import write_plan
 from diffprep.shards import read_manifests
 from diffprep.sources import Source, SourceSample, open_source
+from s3_store import ACCESS_KEY, SECRET_KEY, FaultProxy, admin_client
 from diffprep.storage import (
     S3Url,
     StorageUnavailableError,
@@ -46,154 +37,16 @@ from diffprep.storage import (
 )
 
 BUCKET = "diffprep-src"
-ACCESS_KEY = "AKIATESTDIFFPREP0001"
-SECRET_KEY = "secret-diffprep-never-shown-0123456789"
-REGION = "us-east-1"
 
-
-# --- the endpoint: moto's server behind a fault-injecting proxy --------------------------------------
-
-
-@dataclass
-class Logged:
-    method: str
-    path: str
-    query: str
-    headers: dict[str, str]
-    status: int
-
-
-class FaultProxy:
-    """Forwards HTTP requests to ``upstream``; answers queued faults for a ``(method, path)`` first."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.log: list[Logged] = []
-        self._faults: dict[tuple[str, str], list[tuple]] = {}
-        self._lock = threading.Lock()
-        handler = type("Handler", (_ProxyHandler,), {"proxy": self})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def inject(self, method: str, path: str, *faults: tuple) -> None:
-        """Queue faults: ``("status", 503, "SlowDown")`` or ``("truncate", nbytes)``, one per request."""
-        with self._lock:
-            self._faults.setdefault((method, path), []).extend(faults)
-
-    def take(self, method: str, path: str) -> tuple | None:
-        with self._lock:
-            queue = self._faults.get((method, path))
-            return queue.pop(0) if queue else None
-
-    def requests(self, method: str, path: str) -> list[Logged]:
-        return [r for r in self.log if (r.method, r.path) == (method, path)]
-
-    def reset(self) -> None:
-        with self._lock:
-            self._faults.clear()
-            self.log.clear()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
-
-
-class _ProxyHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    proxy: FaultProxy
-
-    def log_message(self, format: str, *args) -> None:
-        pass
-
-    def _forward(self) -> None:
-        path, _, query = self.path.partition("?")
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
-        fault = self.proxy.take(self.command, path)
-        headers = dict(self.headers.items())
-        if fault is not None and fault[0] == "status":
-            _, status, code = fault
-            self.proxy.log.append(Logged(self.command, path, query, headers, status))
-            xml = f"<Error><Code>{code}</Code><Message>injected {code}</Message></Error>".encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(xml)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(xml)
-            return
-        upstream = http.client.HTTPConnection("127.0.0.1", self.proxy.upstream_port, timeout=30)
-        try:
-            upstream.request(self.command, self.path, body=body or None, headers=headers)
-            response = upstream.getresponse()
-            data = response.read()
-            self.proxy.log.append(Logged(self.command, path, query, headers, response.status))
-            self.send_response(response.status)
-            for name, value in response.getheaders():
-                if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
-                    self.send_header(name, value)
-            self.send_header("Content-Length", response.getheader("Content-Length", "0")
-                             if self.command == "HEAD" else str(len(data)))
-            self.end_headers()
-            if self.command == "HEAD":
-                return
-            if fault is not None and fault[0] == "truncate":
-                self.wfile.write(data[: fault[1]])  # then hang up, as a dropped connection does
-                self.wfile.flush()
-                self.close_connection = True
-                return
-            self.wfile.write(data)
-        finally:
-            upstream.close()
-
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
-
-
-@pytest.fixture(scope="module")
-def moto_port() -> int:
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    yield server.get_host_and_port()[1]
-    server.stop()
+pytestmark = pytest.mark.usefixtures("aws_env")
 
 
 @pytest.fixture(scope="module")
 def admin(moto_port: int):
     """The test's own client, straight to moto (not through the proxy): creates the data."""
-    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{moto_port}", region_name=REGION,
-                          aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
+    client = admin_client(moto_port)
     client.create_bucket(Bucket=BUCKET)
     return client
-
-
-@pytest.fixture(scope="module")
-def proxy_server(moto_port: int) -> FaultProxy:
-    proxy = FaultProxy(moto_port)
-    yield proxy
-    proxy.stop()
-
-
-@pytest.fixture
-def proxy(proxy_server: FaultProxy) -> FaultProxy:
-    proxy_server.reset()
-    return proxy_server
-
-
-@pytest.fixture(autouse=True)
-def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Dummy credentials from the environment; nothing from the machine's own AWS setup."""
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def upload(admin, local: Path, prefix: str) -> None:

@@ -1,0 +1,384 @@
+"""Datasets written to S3-compatible storage, against a real S3 endpoint on loopback (moto's server, over HTTP).
+
+The code under test talks to the fault-injecting proxy of tests/s3_store.py;
+the tests read and change the bucket straight through moto (``admin``). A
+bucket output must hold the same bytes a local output does, resume only from
+units whose manifest object vouches for their shard, ask before it changes a
+prefix, and load in Energon from the bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.client.schemas.objects import StateType
+
+from diffprep.errors import LockedError, SourceError
+from diffprep.existing import inspect_output
+from diffprep.outputs import S3Lock, S3Output, open_output
+from diffprep.shards import UnitManifest
+from diffprep.storage import S3Url
+from diffprep.validate import validate_dataset
+from flow_runs import BackgroundRun, answer, parameters
+from flows.encode import encode_dataset
+from s3_store import ACCESS_KEY, SECRET_KEY, admin_client
+
+BUCKET = "diffprep-out"
+
+pytestmark = pytest.mark.usefixtures("aws_env")
+
+
+@pytest.fixture(scope="module")
+def admin(moto_port: int):
+    client = admin_client(moto_port)
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def prefix_url() -> str:
+    return f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}"
+
+
+def objects(admin, url: str) -> dict[str, bytes]:
+    """Every object under the URL's prefix: path relative to it -> bytes."""
+    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
+    keys = [o["Key"] for page in admin.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+            for o in page.get("Contents", ())]
+    return {key[len(prefix):]: admin.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys}
+
+
+def key_of(url: str, relative: str) -> str:
+    return url.removeprefix(f"s3://{BUCKET}/") + "/" + relative
+
+
+def path_of(url: str, relative: str) -> str:
+    """The request path of an object, as the proxy logs it (path-style addressing on 127.0.0.1)."""
+    return f"/{BUCKET}/{key_of(url, relative)}"
+
+
+def s3_parameters(data: Path, model: Path, url: str, proxy, **sections):
+    """encode-dataset parameters writing to ``url`` through the proxy; 12 demo samples in 3 shards of 4."""
+    output = {"s3_endpoint_url": proxy.url} | sections.pop("output", {})
+    return parameters(data, model, url, output=output, **sections)
+
+
+def no_secrets(*texts: str | bytes) -> None:
+    for text in texts:
+        data = text if isinstance(text, bytes) else text.encode()
+        assert SECRET_KEY.encode() not in data and ACCESS_KEY.encode() not in data
+
+
+# --- the whole flow into a bucket ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_flow_to_bucket_equals_local_and_loads_from_the_bucket(prefect_server, tiny_model, demo_data, admin, proxy,
+                                                                tmp_path, monkeypatch) -> None:
+    url = prefix_url()
+    result = encode_dataset(s3_parameters(demo_data, tiny_model, url, proxy, finalize={"train_split": 0.5}))
+    assert result["out_dir"] == url and result["action"] == "fresh"
+    assert result["samples"] == 12 and result["validation"]["ok"]
+    local = tmp_path / "local"
+    encode_dataset(parameters(demo_data, tiny_model, local, finalize={"train_split": 0.5}))
+
+    stored = objects(admin, url)
+    shards = [f"{u:06d}.tar" for u in range(3)]
+    # The same settings give the same bytes, in a bucket or on disk: shards, manifests, indexes, splits.
+    for name in shards + [f"{s}.idx" for s in shards] + [
+            f".diffprep/units/{u:06d}.json" for u in range(3)] + [".nv-meta/split.yaml", ".diffprep/plan.json"]:
+        assert stored[name] == (local / name).read_bytes(), name
+    for name in shards:  # each manifest object vouches for its shard: size, sha256, also in the object metadata
+        manifest = UnitManifest.from_json(json.loads(stored[f".diffprep/units/{name[:6]}.json"]))
+        assert (manifest.bytes, manifest.sha256) == (len(stored[name]), hashlib.sha256(stored[name]).hexdigest())
+        head = admin.head_object(Bucket=BUCKET, Key=key_of(url, name))
+        assert head["Metadata"]["sha256"] == manifest.sha256
+    assert {".nv-meta/dataset.yaml", ".nv-meta/.info.json", ".nv-meta/index.sqlite", ".diffprep/audit.json",
+            ".diffprep/validation.json", ".diffprep/latent_stats.pt", ".diffprep/msc_config.yaml"} <= set(stored)
+    assert ".diffprep/lock.json" not in stored  # released
+    staging = Path(os.environ["DIFFPREP_STAGING_DIR"])
+    assert not list(staging.rglob("*.tar")), "shards leave the staging folder once uploaded"
+    no_secrets(*stored.values(), json.dumps(result))
+
+    # A training job on another machine: the profile from the bucket, the dataset read through Energon's MSC.
+    profile = yaml.safe_load(stored[".diffprep/msc_config.yaml"])
+    assert profile["profiles"][f"diffprep-{BUCKET}"]["storage_provider"]["options"]["endpoint_url"] == proxy.url
+    config = tmp_path / "msc_config.yaml"
+    config.write_bytes(stored[".diffprep/msc_config.yaml"])
+    proxy.log.clear()
+    code = (
+        "import sys\n"
+        "from megatron.energon import WorkerConfig, get_loader, get_val_dataset\n"
+        "from diffprep.cooker import FluxPreencodedTaskEncoder\n"
+        "n = 0\n"
+        "for split in ('train', 'val', 'test'):\n"
+        "    ds = get_val_dataset(sys.argv[1], split_part=split, batch_size=None, worker_config=WorkerConfig("
+        "rank=0, world_size=1, num_workers=0), task_encoder=FluxPreencodedTaskEncoder())\n"
+        "    n += sum(1 for _ in get_loader(ds, watchdog_timeout_seconds=None))\n"
+        "print('loaded', n)\n"
+    )
+    path = f"msc://diffprep-{BUCKET}/{url.removeprefix(f's3://{BUCKET}/')}"
+    loaded = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300,
+                            env=os.environ | {"MSC_CONFIG": str(config)})
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "loaded 12" in loaded.stdout
+    assert proxy.requests("GET", path_of(url, "000001.tar")), "samples come from the bucket"
+
+    # `diffprep validate s3://...` on a machine that never saw the run: everything read back from the bucket.
+    monkeypatch.setenv("DIFFPREP_STAGING_DIR", str(tmp_path / "other-machine"))
+    proxy.log.clear()
+    cli = subprocess.run([sys.executable, "-m", "diffprep.cli", "validate", url, "--s3-endpoint-url", proxy.url],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert cli.returncode == 0, cli.stdout[-3000:] + cli.stderr[-3000:]
+    assert f"Validation passed: `{url}`" in cli.stdout
+    assert "keys, size and sha256 match the unit manifests" in cli.stdout
+    for name in shards:
+        assert proxy.requests("GET", path_of(url, name)), f"{name} was not read back"
+    no_secrets(cli.stdout, cli.stderr)
+
+
+@pytest.mark.slow
+def test_interrupted_upload_is_redone_not_trusted(prefect_server, tiny_model, admin, proxy, tmp_path) -> None:
+    """A webdataset source in the bucket, the output in the bucket; uploads cut off at two points, then resumed."""
+    import tarfile
+
+    from diffprep.demo import write_demo_dataset
+
+    demo = write_demo_dataset(tmp_path / "demo", samples=12)
+    shards = tmp_path / "wds"
+    shards.mkdir()
+    with tarfile.open(shards / "data-000.tar", "w") as tar:
+        for image in sorted((demo / "images").iterdir()):
+            tar.add(image, arcname=image.name)
+            tar.add(demo / "captions" / f"{image.stem}.txt", arcname=f"{image.stem}.txt")
+    source_prefix = f"sources/{uuid.uuid4().hex[:8]}"
+    admin.put_object(Bucket=BUCKET, Key=f"{source_prefix}/data-000.tar", Body=(shards / "data-000.tar").read_bytes())
+    source = {"type": "webdataset", "input_path": f"s3://{BUCKET}/{source_prefix}/*.tar",
+              "s3_endpoint_url": proxy.url, "input_dir": None}
+
+    reference = prefix_url()
+    encode_dataset(s3_parameters(demo, tiny_model, reference, proxy, source=source))
+    expected = objects(admin, reference)
+
+    url = prefix_url()
+    # The manifest of unit 1 is refused (a permission error is not retried): the run stops after its shard.
+    proxy.inject("PUT", path_of(url, ".diffprep/units/000001.json"), ("status", 403, "AccessDenied"))
+    with pytest.raises(SourceError, match="PutObject refused"):
+        encode_dataset(s3_parameters(demo, tiny_model, url, proxy, source=source))
+    stored = objects(admin, url)
+    assert "000001.tar" in stored and ".diffprep/units/000001.json" not in stored
+    # ...and a shard object whose upload was replaced by garbage, its manifest gone: not done, whatever it holds.
+    admin.put_object(Bucket=BUCKET, Key=key_of(url, "000000.tar"), Body=b"half an upload")
+    admin.delete_object(Bucket=BUCKET, Key=key_of(url, ".diffprep/units/000000.json"))
+
+    result = encode_dataset(s3_parameters(demo, tiny_model, url, proxy, source=source))
+    assert result["action"] == "resume" and result["encoded_units"] == 3  # units 0 and 1 redone, 2 never written
+    assert result["validation"]["ok"]
+    resumed = objects(admin, url)
+    for name in ("000000.tar", "000001.tar", "000002.tar", ".diffprep/units/000000.json",
+                 ".diffprep/units/000001.json", ".nv-meta/split.yaml"):
+        assert resumed[name] == expected[name], name
+
+    # `diffprep finalize` on the bucket again: same splits, validated in place.
+    cli = subprocess.run([sys.executable, "-m", "diffprep.cli", "finalize", url, "--s3-endpoint-url", proxy.url],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert cli.returncode == 0, cli.stdout[-3000:] + cli.stderr[-3000:]
+    assert objects(admin, url)[".nv-meta/split.yaml"] == expected[".nv-meta/split.yaml"]
+
+
+@pytest.mark.slow
+def test_existing_prefix_is_changed_only_after_approval(prefect_server, tiny_model, demo_data, admin, proxy) -> None:
+    url = prefix_url()
+    encode_dataset(s3_parameters(demo_data, tiny_model, url, proxy, finalize={"enabled": False}))
+    admin.put_object(Bucket=BUCKET, Key=key_of(url, "notes.txt"), Body=b"mine")
+    before = objects(admin, url)
+    other = {"image": {"image_size": 16}, "finalize": {"enabled": False}}
+
+    run = BackgroundRun(s3_parameters(demo_data, tiny_model, url, proxy, **other))
+    paused, question = run.wait_for_question("existing-output")
+    assert f"`{url}`" in question and "`notes.txt`" in question and "written with other settings" in question
+    answer(paused, "abort")
+    assert run.join() == StateType.FAILED
+    assert objects(admin, url) == before, "a refusal changes nothing in the bucket"
+
+    # Decided ahead of time: new-dir writes next to it, the prefix stays as it is.
+    result = encode_dataset(s3_parameters(demo_data, tiny_model, url, proxy, output={"on_existing": "new-dir"},
+                                          **other))
+    assert result["out_dir"] == url + "-v2" and result["action"] == "new-dir"
+    assert objects(admin, url) == before and len(objects(admin, url + "-v2")) > 3
+
+    run = BackgroundRun(s3_parameters(demo_data, tiny_model, url, proxy, **other))
+    paused, _question = run.wait_for_question("existing-output")
+    answer(paused, "overwrite")
+    assert run.join() == StateType.COMPLETED, run.error
+    after = objects(admin, url)
+    assert after["notes.txt"] == b"mine"  # objects diffprep did not write stay
+    assert after["000000.tar"] != before["000000.tar"]
+    assert json.loads(after[".diffprep/plan.json"])["fingerprint"] == run.result["fingerprint"]
+
+
+@pytest.mark.slow
+def test_credentials_block_by_name_and_never_shown(prefect_server, tiny_model, demo_data, admin, proxy,
+                                                   monkeypatch) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from blocks.aws_credentials import AwsS3Credentials
+
+    AwsS3Credentials(aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                     region_name="us-east-1").save("test-bucket-keys", overwrite=True)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    url = prefix_url()
+    with pytest.raises(SourceError, match=rf"s3://{BUCKET}: ListObjectsV2: no AWS credentials found"):
+        encode_dataset(s3_parameters(demo_data, tiny_model, url, proxy))
+
+    run = BackgroundRun(s3_parameters(demo_data, tiny_model, url, proxy,
+                                      auth={"aws_credentials_block": "test-bucket-keys"}))
+    assert run.join() == StateType.COMPLETED, run.error
+    assert run.result["validation"]["ok"]
+    with get_client(sync_client=True) as client:
+        flow_run = run.flow_run()
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
+    assert logs
+    no_secrets(json.dumps(flow_run.parameters), json.dumps(run.result), *(entry.message for entry in logs),
+               *objects(admin, url).values())
+    staging = Path(os.environ["DIFFPREP_STAGING_DIR"])
+    no_secrets(*(p.read_bytes() for p in staging.rglob("*") if p.is_file()))
+
+
+@pytest.mark.slow
+def test_raw_pipeline_to_bucket(prefect_server, admin, proxy, tmp_path, capsys) -> None:
+    from diffprep.cli import main
+    from diffprep.demo import write_demo_dataset
+
+    data = write_demo_dataset(tmp_path / "data", samples=6)
+    url = prefix_url()
+    assert main(["raw", "--source-type", "directory", "--input-dir", str(data), "--output-dir", url,
+                 "--output-s3-endpoint-url", proxy.url, "--shard-size", "4", "--image-size", "32"]) == 0
+    assert "validation: passed" in capsys.readouterr().out
+    stored = objects(admin, url)
+    assert {"000000.tar", "000001.tar", "000001.tar.idx", ".diffprep/units/000001.json"} <= set(stored)
+    assert yaml.safe_load(stored[".nv-meta/dataset.yaml"])["subflavors"] == {"encoding": "raw"}
+    assert main(["validate", url, "--s3-endpoint-url", proxy.url, "--encoding", "raw"]) == 0
+
+
+# --- the parts, without Prefect --------------------------------------------------------------------
+
+
+def test_missing_bucket_fails_at_once_naming_it(proxy, make_plan) -> None:
+    output = open_output("s3://no-such-bucket/data", endpoint_url=proxy.url)
+    with pytest.raises(SourceError, match=r"s3://no-such-bucket: ListObjectsV2 failed: the bucket does not exist"):
+        inspect_output(output, make_plan())
+    assert len(proxy.log) == 1, "no retry can create a bucket"
+    with pytest.raises(SourceError, match="has no prefix"):
+        open_output(f"s3://{BUCKET}", endpoint_url=proxy.url)
+    with pytest.raises(SourceError, match="a prefix of plain names"):
+        open_output(f"s3://{BUCKET}/a/../../etc", endpoint_url=proxy.url)
+
+
+def test_upload_retries_5xx_and_goes_multipart(admin, proxy, make_plan, write_unit, monkeypatch) -> None:
+    import diffprep.outputs
+
+    url = prefix_url()
+    output = open_output(url, endpoint_url=proxy.url)
+    plan = make_plan(sizes=(4,), expected={"latents": [16, 256, 256], "prompt_embeds": [16, 32],
+                                           "pooled_prompt_embeds": [32], "dtype": "float32"})
+    manifest = write_unit(output.local, plan, 0)
+    assert manifest.bytes > 12 << 20
+    monkeypatch.setattr(diffprep.outputs, "MULTIPART_CHUNK", 5 << 20)  # S3's smallest part
+    shard = path_of(url, "000000.tar")
+    proxy.inject("POST", shard, ("status", 503, "SlowDown"))  # CreateMultipartUpload
+    proxy.inject("PUT", shard, ("status", 500, "InternalError"), ("status", 503, "SlowDown"))  # parts
+    proxy.inject("PUT", path_of(url, ".diffprep/units/000000.json"), ("status", 503, "SlowDown"))
+    output.publish_unit(0)
+
+    stored = objects(admin, url)
+    assert hashlib.sha256(stored["000000.tar"]).hexdigest() == manifest.sha256
+    assert json.loads(stored[".diffprep/units/000000.json"]) == manifest.to_json()
+    parts = [r for r in proxy.requests("PUT", shard) if "partNumber=" in r.query and r.status == 200]
+    assert len(parts) == -(-manifest.bytes // (5 << 20)), "the shard goes up in 5 MiB parts"
+    assert [r.status for r in proxy.requests("POST", shard)][:2] == [503, 200]
+    assert not (output.local / "000000.tar").exists()
+    assert output.committed_unit(0, plan.fingerprint) == manifest
+
+
+def test_validate_of_an_empty_prefix_fails(admin, proxy) -> None:
+    url = prefix_url()
+    report = validate_dataset(open_output(url, endpoint_url=proxy.url))
+    assert not report.ok and "holds no objects" in report.to_markdown()
+
+
+def test_one_run_at_a_time_per_prefix(admin, proxy, monkeypatch) -> None:
+    url = S3Url(BUCKET, prefix_url().removeprefix(f"s3://{BUCKET}/"))
+    monkeypatch.setenv("DIFFPREP_S3_LOCK_LEASE", "2")
+    first = S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-one")
+    first.acquire()
+    # Another machine (its own staging folder): refused while the holder's heartbeat keeps the lease fresh.
+    monkeypatch.setenv("DIFFPREP_STAGING_DIR", os.environ["DIFFPREP_STAGING_DIR"] + "-other")
+    time.sleep(2.5)
+    with pytest.raises(LockedError, match=r"being written by another run \(host .*, pid \d+, user .*, flow run run-one\)"):
+        S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-two").acquire()
+    with pytest.raises(LockedError, match="a plain run"):
+        S3Lock(S3Output(url, endpoint_url=proxy.url), run="shard", shard=1).acquire()
+
+    # The holder dies without releasing: its lease runs out and the next run takes the lock over.
+    first._stop.set()
+    first._thread.join()
+    time.sleep(2.5)
+    second = S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-two")
+    second.acquire()
+    holder = json.loads(admin.get_object(Bucket=BUCKET, Key=key_of(str(url).rstrip("/"), ".diffprep/lock.json"))
+                        ["Body"].read())
+    assert holder["run"] == "run-two"
+    second.release()
+    assert ".diffprep/lock.json" not in objects(admin, str(url))
+    first._local.release()
+
+
+def test_a_dead_holder_on_this_machine_does_not_wait_out_the_lease(admin, proxy) -> None:
+    import socket
+
+    url = prefix_url()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = {"host": socket.gethostname(), "pid": int(dead.stdout), "user": "someone", "run": "killed-run",
+              "lease_s": 300}
+    admin.put_object(Bucket=BUCKET, Key=key_of(url, ".diffprep/lock.json"), Body=json.dumps(record).encode())
+    output = open_output(url, endpoint_url=proxy.url)
+    with output.lock(run="next-run"):
+        held = json.loads(admin.get_object(Bucket=BUCKET, Key=key_of(url, ".diffprep/lock.json"))["Body"].read())
+        assert held["run"] == "next-run"
+    record["host"] = "another-machine"  # elsewhere, its pid tells nothing: the lease must run out
+    admin.put_object(Bucket=BUCKET, Key=key_of(url, ".diffprep/lock.json"), Body=json.dumps(record).encode())
+    with pytest.raises(LockedError, match="host another-machine"):
+        output.lock(run="next-run").__enter__()
+
+
+def test_concurrent_runs_have_one_winner(admin, proxy) -> None:
+    url = S3Url(BUCKET, prefix_url().removeprefix(f"s3://{BUCKET}/"))
+    winners, errors = [], []
+
+    def contend(index: int) -> None:
+        lock = S3Lock(S3Output(url, endpoint_url=proxy.url), run=f"run-{index}")
+        try:
+            lock._acquire_remote()
+            winners.append(lock)
+        except LockedError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(winners) == 1 and len(errors) == 3
+    winners[0]._release_remote()
