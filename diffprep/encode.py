@@ -35,6 +35,7 @@ from diffprep.plan import Plan, UnitPlan
 from diffprep.shards import (
     BackgroundShardWriter,
     Reject,
+    ShardSink,
     ShardWriter,
     UnitManifest,
     atomic_write_bytes,
@@ -233,8 +234,11 @@ def encode_unit(
     decode_workers: int = 2,
     progress: Progress | None = None,
     sample_fields: SampleFields | None = None,
+    sink: ShardSink | None = None,
 ) -> UnitResult:
     """Encode one unit into its shard and manifest. Idempotent: a committed unit is left as it is.
+
+    ``sink`` also gets the shard's bytes as they are written (a bucket output uploads them meanwhile).
 
     ``sample_fields`` turns a batch into its samples' fields; by default
     ``preencoded_fields(encoders)`` (the raw pipeline passes its image writer
@@ -252,7 +256,7 @@ def encode_unit(
     batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
     # closing(): an encoder error must also stop the reader thread and its decode pool at once.
     try:
-        with contextlib.closing(batches), UnitWriter(out_dir, unit_index) as writer:
+        with contextlib.closing(batches), UnitWriter(out_dir, unit_index, sink) as writer:
             info = _write_unit(writer, batches, sample_fields or preencoded_fields(encoders), unit, rejects, notes,
                                keys, source_ids, progress)
     except OSError as exc:

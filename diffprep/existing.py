@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from diffprep.plan import Plan, read_plan
 from diffprep.shards import load_tensor, read_manifests, temp_pid
 
 CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
+CHECK_THREADS = 16  # concurrent shard checks against a bucket
 
 
 @dataclass
@@ -174,15 +176,13 @@ def inspect_output(out_dir: str | os.PathLike | Output, plan: Plan) -> Inspectio
     old = read_plan(out)
     manifests = read_manifests(out)
     same = old is not None and old.fingerprint == plan.fingerprint
-    done, damaged = [], []
-    for unit in plan.units:
-        manifest = manifests.get(unit.unit)
-        if manifest is None or manifest.fingerprint != plan.fingerprint:
-            continue
-        if output.committed(manifest.shard, manifest.bytes, manifest.sha256):
-            done.append(unit.unit)
-        else:
-            damaged.append(unit.unit)
+    candidates = [manifests[u.unit] for u in plan.units
+                  if u.unit in manifests and manifests[u.unit].fingerprint == plan.fingerprint]
+    # A bucket answers each check in a round trip or two: many at once.
+    with ThreadPoolExecutor(CHECK_THREADS if output.remote else 1) as pool:
+        committed = list(pool.map(output.committed, candidates))
+    done = [m.unit for m, ok in zip(candidates, committed) if ok]
+    damaged = [m.unit for m, ok in zip(candidates, committed) if not ok]
     left = [u.unit for u in plan.units if u.unit not in done and u.unit not in damaged]
     inspection = Inspection(
         output.uri,

@@ -6,10 +6,12 @@ default ``~/.cache/diffprep/staging``, then ``<bucket>/<prefix>``) that mirrors
 the prefix's state (``.diffprep/`` and ``.nv-meta/``) and holds a shard only
 from its writing until its upload. The bucket stays the truth:
 
-- a unit is committed by uploading its shard (multipart above
-  ``MULTIPART_CHUNK``, its sha256 in the object's metadata), checking the
-  stored size and hash, then writing its manifest object; a shard object
-  without its manifest object is not done, whatever it holds;
+- a shard goes up while it is written (``ObjectUpload``: a multipart upload,
+  a part per ``MULTIPART_CHUNK``), so the upload overlaps the encoding;
+- a unit is committed when its shard object is complete and checked (size,
+  ETag) and then its manifest object is written, carrying the shard's ETag in
+  its metadata; a shard object without a manifest object that vouches for
+  exactly that object is not done, whatever it holds;
 - ``pull_state`` makes the staged state equal to the bucket's before a phase
   reads it; ``push`` uploads what a phase wrote there;
 - one run at a time per prefix: ``S3Lock``, a lock object created with a
@@ -66,7 +68,7 @@ log = logging.getLogger(__name__)
 STAGING_ENV = "DIFFPREP_STAGING_DIR"
 MULTIPART_CHUNK = 64 << 20  # part size, and the size from which uploads are multipart
 UPLOAD_CONCURRENCY = 4
-SHA256_METADATA = "sha256"  # user metadata of a shard object: x-amz-meta-sha256
+SHARD_ETAG_METADATA = "shard-etag"  # metadata of a manifest object: the ETag its shard object got
 MSC_CONFIG_FILE = "msc_config.yaml"
 LOCK_LEASE_S = 300.0  # a lock not refreshed for this long belongs to a dead run and may be taken over
 _PULLED_STATE = (contract.PLAN_JSON, contract.SPLITS_JSON, contract.AUDIT_JSON, contract.VALIDATION_JSON)
@@ -118,9 +120,9 @@ class Output:
         """A forward-only binary stream of the file ``name`` (a shard, an index)."""
         return open(self.local / name, "rb")
 
-    def committed(self, shard: str, size: int, sha256: str) -> bool:
+    def committed(self, manifest: UnitManifest) -> bool:
         """Whether the shard a manifest records is there as written (size; the hash is checked by validate)."""
-        return self.size(shard) == size
+        return self.size(manifest.shard) == manifest.bytes
 
     def shard_keys(self, name: str) -> dict[str, list[str]]:
         """Sample keys of the shard ``name`` and the fields of each (tar headers)."""
@@ -153,8 +155,16 @@ class Output:
     def push(self, *relative: str) -> None:
         """Upload the staged files (or folders) ``relative`` to the output."""
 
-    def publish_unit(self, unit: int) -> None:
+    def shard_upload(self, unit: int) -> None:
+        """A sink that uploads the shard as it is written; None: a folder needs none."""
+        return None
+
+    def publish_unit(self, unit: int, upload: Any = None) -> None:
         """Upload a unit committed in staging: shard, check, then manifest (the commit point)."""
+
+    def abort_stale_uploads(self) -> list[str]:
+        """Uploads left unfinished by runs that died; a folder has none."""
+        return []
 
     def committed_unit(self, unit: int, fingerprint: str) -> UnitManifest | None:
         """A bucket's committed unit (a local unit is checked by ``encode_unit`` itself): None here."""
@@ -212,13 +222,7 @@ class S3Output(Output):
         return S3Url(self.url.bucket, f"{self.url.key}/{relative}")
 
     def _call(self, operation: str, relative: str, **request: Any) -> Any:
-        """One request on the object ``relative``; failures sorted as in diffprep.storage."""
-        url = self._url(relative)
-        method = getattr(self.client, re.sub(r"(?<!^)(?=[A-Z])", "_", operation).lower())
-        try:
-            return method(Bucket=url.bucket, Key=url.key, **request)
-        except Exception as exc:  # noqa: BLE001 - sorted into the error to raise
-            raise storage_error(exc, url, operation, self.client) from None
+        return _request(self.client, self._url(relative), operation, **request)
 
     def objects(self, refresh: bool = False) -> dict[str, ObjectInfo]:
         """Every object under the prefix, by path relative to it (one listing, kept until ``refresh``)."""
@@ -248,27 +252,33 @@ class S3Output(Output):
         with self.open(name) as stream:
             return tar_keys(stream)
 
-    def stored(self, name: str) -> tuple[int, str | None] | None:
-        """(size, the sha256 recorded at upload) of the object ``name`` by a HEAD request; None when missing."""
+    def _head(self, relative: str) -> dict | None:
         try:
-            head = self._call("HeadObject", name)
+            return self._call("HeadObject", relative)
         except FileNotFoundError:
             return None
-        return int(head.get("ContentLength", -1)), head.get("Metadata", {}).get(SHA256_METADATA)
 
-    def committed(self, shard: str, size: int, sha256: str) -> bool:
-        return self.stored(shard) == (size, sha256)
+    def committed(self, manifest: UnitManifest, recorded_etag: str | None = None) -> bool:
+        """Whether the shard object is the one the manifest object vouches for: its size, and the ETag the
+        upload got, recorded in the manifest object's metadata (``recorded_etag`` when already read)."""
+        if recorded_etag is None:
+            head = self._head(self._manifest_rel(manifest.unit))
+            recorded_etag = (head or {}).get("Metadata", {}).get(SHARD_ETAG_METADATA)
+        shard = self._head(manifest.shard)
+        return (shard is not None and recorded_etag is not None and int(shard.get("ContentLength", -1)) == manifest.bytes
+                and _etag(shard) == recorded_etag)
 
     def committed_unit(self, unit: int, fingerprint: str) -> UnitManifest | None:
         """The unit's manifest object when the unit is committed in the bucket for this fingerprint."""
         from diffprep.shards import UnitManifest
 
         try:
-            data = read_object(self.client, self._url(self._manifest_rel(unit)))
+            response = self._call("GetObject", self._manifest_rel(unit))
         except FileNotFoundError:
             return None
-        manifest = UnitManifest.from_json(json.loads(data))
-        if manifest.fingerprint != fingerprint or not self.committed(manifest.shard, manifest.bytes, manifest.sha256):
+        manifest = UnitManifest.from_json(json.loads(response["Body"].read()))
+        recorded = response.get("Metadata", {}).get(SHARD_ETAG_METADATA)
+        if manifest.fingerprint != fingerprint or not self.committed(manifest, recorded or ""):
             return None
         return manifest
 
@@ -301,7 +311,7 @@ class S3Output(Output):
         for name in wanted:
             target = self.local / name
             # A single-part object's ETag is its MD5: a staged copy with the same one is already up to date.
-            if target.is_file() and hashlib.md5(target.read_bytes()).hexdigest() == objects[name].etag:
+            if target.is_file() and hashlib.md5(target.read_bytes(), usedforsecurity=False).hexdigest() == objects[name].etag:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             data = read_object(self.client, self._url(name))
@@ -314,23 +324,28 @@ class S3Output(Output):
             path = self.local / rel
             files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
             for file in files:
-                self._upload(file, str(file.relative_to(self.local)))
+                self._put_file(file, str(file.relative_to(self.local)))
         self._objects = None
 
-    def _upload(self, path: Path, relative: str, metadata: dict[str, str] | None = None) -> None:
-        from boto3.s3.transfer import TransferConfig
+    def _put_file(self, path: Path, relative: str, metadata: dict[str, str] | None = None) -> str:
+        """Upload a staged file (multipart when large); its ETag."""
+        upload = ObjectUpload(self, relative, metadata)
+        with open(path, "rb") as handle:
+            while chunk := handle.read(MULTIPART_CHUNK):
+                upload.write(chunk)
+        return upload.finish()
 
-        config = TransferConfig(multipart_threshold=MULTIPART_CHUNK, multipart_chunksize=MULTIPART_CHUNK,
-                                max_concurrency=UPLOAD_CONCURRENCY)
-        url = self._url(relative)
-        try:
-            self.client.upload_file(str(path), url.bucket, url.key, Config=config,
-                                    ExtraArgs={"Metadata": metadata} if metadata else None)
-        except Exception as exc:  # noqa: BLE001 - boto3 wraps the request's error (S3UploadFailedError): sort that
-            cause = exc.__cause__ or exc.__context__ or exc
-            raise storage_error(cause, url, "PutObject", self.client) from None
+    def shard_upload(self, unit: int) -> ObjectUpload:
+        """A sink for ``ShardWriter``: the shard goes up part by part while it is written."""
+        return ObjectUpload(self, contract.shard_name(unit))
 
-    def publish_unit(self, unit: int) -> None:
+    def publish_unit(self, unit: int, upload: ObjectUpload | None = None) -> None:
+        """Commit a unit committed in staging to the bucket: the shard object, checked, then its manifest object.
+
+        ``upload`` is the sink the shard was written through; when it did not
+        see this shard whole (the unit was committed by an earlier try), the
+        staged file is sent instead.
+        """
         from diffprep.shards import read_manifest
 
         manifest = read_manifest(self.local, unit)
@@ -340,20 +355,40 @@ class S3Output(Output):
         shard = self.local / manifest.shard
         # An older manifest object would vouch for the shard being replaced: remove it before the shard changes.
         self._call("DeleteObject", manifest_rel)
-        self._upload(shard, manifest.shard, {SHA256_METADATA: manifest.sha256})
-        stored = self.stored(manifest.shard)
-        if stored != (manifest.bytes, manifest.sha256):
-            raise OSError(f"{self._url(manifest.shard)} reads back as {stored}, the shard written was "
-                          f"{manifest.bytes} bytes with sha256 {manifest.sha256}: the upload did not land whole")
-        self._upload(self.local / manifest_rel, manifest_rel)
+        if upload is not None and (upload.size, upload.sha256) == (manifest.bytes, manifest.sha256):
+            etag = upload.finish()
+        else:
+            if upload is not None:
+                upload.abort()
+            etag = self._put_file(shard, manifest.shard)
+        head = self._head(manifest.shard) or {}
+        stored = (int(head.get("ContentLength", -1)), _etag(head))
+        if stored != (manifest.bytes, etag):
+            raise OSError(f"{self._url(manifest.shard)} reads back as {stored[0]} bytes, ETag {stored[1]}; the "
+                          f"upload sent {manifest.bytes} bytes, ETag {etag}: it did not land whole")
+        self._put_file(self.local / manifest_rel, manifest_rel, {SHARD_ETAG_METADATA: etag})
         shard.unlink()
         self._objects = None
 
+    def abort_stale_uploads(self) -> list[str]:
+        """Abort multipart uploads under the prefix left by runs that died (call with the run's lock held)."""
+        aborted = []
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.url.bucket, Prefix=self.url.key + "/")
+            for page in pages:
+                for upload in page.get("Uploads", ()):
+                    self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=upload["Key"],
+                                                       UploadId=upload["UploadId"])
+                    aborted.append(upload["Key"][len(self.url.key) + 1:])
+        except Exception as exc:  # noqa: BLE001
+            raise storage_error(exc, self.url, "ListMultipartUploads", self.client) from None
+        return sorted(aborted)
+
     def delete_ours(self) -> list[str]:
-        lock_rel = f"{contract.STATE_DIR}/{contract.LOCK_FILE}"
+        locks = re.compile(rf"{re.escape(contract.STATE_DIR)}/lock(-shard-\d+)?\.json")  # the runs' own: kept
         doomed = sorted(name for name in self.objects(refresh=True)
-                        if is_ours(name.split("/", 1)[0]) and name != lock_rel
-                        and not re.fullmatch(rf"{re.escape(contract.STATE_DIR)}/lock(-shard-\d+)?\.json", name))
+                        if is_ours(name.split("/", 1)[0]) and not locks.fullmatch(name))
         for start in range(0, len(doomed), 1000):
             batch = doomed[start:start + 1000]
             try:
@@ -436,6 +471,117 @@ class S3Output(Output):
 
     def lock(self, run: str | None, shard: int | None = None) -> contextlib.AbstractContextManager:
         return S3Lock(self, run, shard=shard)
+
+
+def _request(client: Any, url: S3Url, operation: str, **request: Any) -> Any:
+    """One request on the object ``url`` (``operation`` as S3 names it); failures sorted as in diffprep.storage."""
+    method = getattr(client, re.sub(r"(?<!^)(?=[A-Z])", "_", operation).lower())
+    try:
+        return method(Bucket=url.bucket, Key=url.key, **request)
+    except Exception as exc:  # noqa: BLE001 - sorted into the error to raise
+        raise storage_error(exc, url, operation, client) from None
+
+
+def _etag(response: dict) -> str | None:
+    etag = response.get("ETag")
+    return etag.strip('"') if etag else None
+
+
+class ObjectUpload:
+    """One object sent as its bytes come: a multipart upload with a part per ``MULTIPART_CHUNK``, sent in
+    ``UPLOAD_CONCURRENCY`` threads while the writer goes on, or one PUT when the object stays smaller.
+
+    Used as a ``ShardWriter`` sink, a shard is in the bucket moments after
+    its last sample; nothing is visible there before ``finish()`` completes
+    the upload, and ``abort()`` (the writer's, on any failure) discards the
+    parts. A retried part is re-sent from memory, so at most
+    ``UPLOAD_CONCURRENCY + 1`` chunks are held.
+    """
+
+    def __init__(self, output: S3Output, relative: str, metadata: dict[str, str] | None = None) -> None:
+        self.output = output
+        self.relative = relative
+        self.metadata = metadata or {}
+        self._url = output._url(relative)
+        self._slots = threading.Semaphore(UPLOAD_CONCURRENCY)
+        self._pool: Any = None
+        self._reset()
+
+    def _reset(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self._pool = None
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Any] = []  # futures of (part number, ETag)
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+    def _request(self, operation: str, **request: Any) -> Any:
+        return _request(self.output.client, self._url, operation, **request)
+
+    def write(self, data: bytes) -> None:
+        self._buffer += data
+        self._digest.update(data)
+        self.size += len(data)
+        while len(self._buffer) >= MULTIPART_CHUNK:
+            part = bytes(self._buffer[:MULTIPART_CHUNK])
+            del self._buffer[:MULTIPART_CHUNK]
+            self._send(part)
+
+    def _send(self, body: bytes) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._upload_id is None:
+            self._upload_id = self._request("CreateMultipartUpload", Metadata=self.metadata)["UploadId"]
+            self._pool = ThreadPoolExecutor(UPLOAD_CONCURRENCY, thread_name_prefix="diffprep-upload")
+        number = len(self._parts) + 1
+        for done in [f for f in self._parts if f.done()]:
+            done.result()  # a failed part stops the writer at once
+        self._slots.acquire()  # at most UPLOAD_CONCURRENCY parts in flight
+
+        def send() -> tuple[int, str]:
+            try:
+                response = self._request("UploadPart", UploadId=self._upload_id, PartNumber=number, Body=body)
+                return number, response["ETag"]
+            finally:
+                self._slots.release()
+
+        self._parts.append(self._pool.submit(send))
+
+    def finish(self) -> str:
+        """Send what is left and make the object visible; its ETag."""
+        try:
+            if self._upload_id is None:
+                response = self._request("PutObject", Body=bytes(self._buffer), Metadata=self.metadata)
+            else:
+                if self._buffer or not self._parts:
+                    self._send(bytes(self._buffer))
+                parts = [future.result() for future in self._parts]
+                response = self._request("CompleteMultipartUpload", UploadId=self._upload_id, MultipartUpload={
+                    "Parts": [{"PartNumber": number, "ETag": etag} for number, etag in parts]})
+        except BaseException:
+            self.abort()
+            raise
+        etag = _etag(response) or ""
+        self._reset()
+        return etag
+
+    def abort(self) -> None:
+        """Discard what was sent (no object appears); the upload can start again from its first byte."""
+        for future in self._parts:
+            future.cancel()
+        for future in self._parts:
+            with contextlib.suppress(BaseException):
+                future.result()
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):
+                self._request("AbortMultipartUpload", UploadId=self._upload_id)
+        self._reset()
 
 
 def _forget_msc_client(profile: str) -> None:

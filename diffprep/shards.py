@@ -21,7 +21,7 @@ import tarfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, Any, Mapping, Protocol
 
 import torch
 
@@ -103,11 +103,20 @@ def atomic_write_json(path: Path, value: Any) -> None:
     atomic_write_bytes(path, (json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
-class _HashingFile(io.RawIOBase):
-    """A write-only file that counts and hashes what passes through it."""
+class ShardSink(Protocol):
+    """Where a shard's bytes also go as they are written (a bucket output's upload: diffprep.outputs)."""
 
-    def __init__(self, handle) -> None:
+    def write(self, data: bytes) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class _HashingFile(io.RawIOBase):
+    """A write-only file that counts and hashes what passes through it, and hands it to a sink."""
+
+    def __init__(self, handle, sink: ShardSink | None = None) -> None:
         self._handle = handle
+        self._sink = sink
         self.sha256 = hashlib.sha256()
         self.size = 0
 
@@ -116,6 +125,8 @@ class _HashingFile(io.RawIOBase):
 
     def write(self, data) -> int:
         self._handle.write(data)
+        if self._sink is not None:
+            self._sink.write(bytes(data))
         self.sha256.update(data)
         self.size += len(data)
         return len(data)
@@ -133,18 +144,20 @@ class ShardWriter:
     """Writes one unit's shard; ``commit()`` makes it visible, anything else leaves no trace.
 
     Use as a context manager: leaving the block without ``commit()`` (an
-    exception, a KeyboardInterrupt) removes the temporary file.
+    exception, a KeyboardInterrupt) removes the temporary file. A ``sink``
+    gets every byte as it is written too (and its ``abort()`` on an abort).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, unit: int) -> None:
+    def __init__(self, out_dir: str | os.PathLike, unit: int, sink: ShardSink | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.unit = unit
+        self._sink = sink
         self.name = contract.shard_name(unit)
         tmp_dir = self.out_dir / contract.STATE_DIR / contract.TMP_DIR
         tmp_dir.mkdir(parents=True, exist_ok=True)
         self._tmp = tmp_dir / temp_name(self.name)
         self._handle = open(self._tmp, "wb")
-        self._hashing = _HashingFile(self._handle)
+        self._hashing = _HashingFile(self._handle, sink)
         # Plain USTAR-compatible headers; GNU format keeps long names if a caller ever needs them.
         self._tar = tarfile.open(fileobj=self._hashing, mode="w|", format=tarfile.GNU_FORMAT)
         self._keys: list[str] = []
@@ -194,6 +207,8 @@ class ShardWriter:
             self._handle.close()
         finally:
             self._tmp.unlink(missing_ok=True)
+            if self._sink is not None:
+                self._sink.abort()
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -213,8 +228,9 @@ class BackgroundShardWriter(ShardWriter):
     thread is raised by the next ``write`` or by ``commit``.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, unit: int, depth: int = 64) -> None:
-        super().__init__(out_dir, unit)
+    def __init__(self, out_dir: str | os.PathLike, unit: int, sink: ShardSink | None = None,
+                 depth: int = 64) -> None:
+        super().__init__(out_dir, unit, sink)
         self._pending: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, name=f"diffprep-writer-{unit}", daemon=True)

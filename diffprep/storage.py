@@ -51,6 +51,7 @@ MAX_ATTEMPTS = 10  # attempts per request, the first included; backoff sleeps ra
 MAX_RESUMES = 5  # ranged re-GETs of one object body whose connection broke off
 READ_BUFFER = 1 << 20
 CONNECT_TIMEOUT_S = 10
+MAX_CONNECTIONS = 32  # per client: concurrent checks and upload parts
 READ_TIMEOUT_S = 60
 
 # What botocore itself accepts as a bucket name: AWS's own rules are stricter,
@@ -138,6 +139,7 @@ def s3_client(endpoint_url: str | None = None, profile: str | None = None, *,
             f"~/.aws/credentials, or AWS_CONFIG_FILE): add it, or unset s3_profile to use the default chain"
         ) from None
     config = Config(
+        max_pool_connections=MAX_CONNECTIONS,
         retries={"total_max_attempts": max_attempts, "mode": "standard"},
         connect_timeout=CONNECT_TIMEOUT_S,
         read_timeout=READ_TIMEOUT_S,

@@ -39,7 +39,6 @@ import json
 import os
 import sqlite3
 import sys
-import tarfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path

@@ -125,6 +125,10 @@ def run_pipeline(settings: Settings, pipeline: Pipeline) -> dict:
         removed_temp = clear_dead_temp_files(output.local)
         if removed_temp:
             logger.info("removed temporary files of interrupted writers: %s", ", ".join(removed_temp))
+        if workers.shard_index is None:  # holding the prefix alone: any unfinished upload is a dead run's
+            aborted = output.abort_stale_uploads()
+            if aborted:
+                logger.info("aborted unfinished uploads of interrupted runs: %s", ", ".join(aborted))
         if decision.action == "overwrite":
             removed = clear_output(output)
             logger.warning("overwrite (approved): removed %s", ", ".join(removed) or "nothing")

@@ -114,11 +114,12 @@ def encode_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
                 "worker": worker_name()}
     encoders = load_encoders(s)
     spec = ImageSpec.from_config(s.image)
+    upload = output.shard_upload(unit)  # a bucket output: the shard goes up while it is written
     result = with_smaller_batches_on_oom(
         lambda batch_size: encode_unit(output.local, plan, unit, encoders, open_run_source(s), spec,
-                                       batch_size=batch_size, decode_workers=s.image.decode_workers),
+                                       batch_size=batch_size, decode_workers=s.image.decode_workers, sink=upload),
         s.model.batch_size, what=f"unit {unit}", advice=oom_advice(s, encoders),
     )
-    output.publish_unit(unit)
+    output.publish_unit(unit, upload)
     return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
             "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}

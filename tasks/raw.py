@@ -63,9 +63,10 @@ def raw_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
     if done is not None:  # already in the bucket (a retried task, a re-sent chunk)
         return {"unit": unit, "count": done.count, "rejected": len(done.rejects), "seconds": 0.0, "skipped": True,
                 "worker": worker_name()}
+    upload = output.shard_upload(unit)  # a bucket output: the shard goes up while it is written
     result = encode_unit(output.local, plan, unit, None, open_run_source(s),
                          ImageSpec.from_config(s.image), batch_size=BATCH_SIZE, decode_workers=s.image.decode_workers,
-                         sample_fields=image_writer(s).sample_fields)
-    output.publish_unit(unit)
+                         sample_fields=image_writer(s).sample_fields, sink=upload)
+    output.publish_unit(unit, upload)
     return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
             "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}

@@ -100,8 +100,10 @@ def test_flow_to_bucket_equals_local_and_loads_from_the_bucket(prefect_server, t
     for name in shards:  # each manifest object vouches for its shard: size, sha256, also in the object metadata
         manifest = UnitManifest.from_json(json.loads(stored[f".diffprep/units/{name[:6]}.json"]))
         assert (manifest.bytes, manifest.sha256) == (len(stored[name]), hashlib.sha256(stored[name]).hexdigest())
-        head = admin.head_object(Bucket=BUCKET, Key=key_of(url, name))
-        assert head["Metadata"]["sha256"] == manifest.sha256
+        # ...and the manifest object records the ETag of exactly that shard object.
+        recorded = admin.head_object(Bucket=BUCKET, Key=key_of(url, f".diffprep/units/{name[:6]}.json"))
+        shard_etag = admin.head_object(Bucket=BUCKET, Key=key_of(url, name))["ETag"].strip('"')
+        assert recorded["Metadata"]["shard-etag"] == shard_etag
     assert {".nv-meta/dataset.yaml", ".nv-meta/.info.json", ".nv-meta/index.sqlite", ".diffprep/audit.json",
             ".diffprep/validation.json", ".diffprep/latent_stats.pt", ".diffprep/msc_config.yaml"} <= set(stored)
     assert ".diffprep/lock.json" not in stored  # released
@@ -310,6 +312,60 @@ def test_upload_retries_5xx_and_goes_multipart(admin, proxy, make_plan, write_un
     assert [r.status for r in proxy.requests("POST", shard)][:2] == [503, 200]
     assert not (output.local / "000000.tar").exists()
     assert output.committed_unit(0, plan.fingerprint) == manifest
+
+
+def test_shard_goes_up_while_it_is_written(admin, proxy, make_plan, monkeypatch) -> None:
+    import diffprep.outputs
+    from diffprep.shards import ShardWriter, write_manifest
+
+    monkeypatch.setattr(diffprep.outputs, "MULTIPART_CHUNK", 5 << 20)
+    url = prefix_url()
+    output = open_output(url, endpoint_url=proxy.url)
+    shard = path_of(url, "000000.tar")
+    blob = os.urandom(1 << 20)
+
+    upload = output.shard_upload(0)
+    with ShardWriter(output.local, 0, upload) as writer:  # a failure mid-shard: nothing appears in the bucket
+        for index in range(7):
+            writer.write(f"000000_{index:06d}", {"bin": blob})
+    assert [r for r in proxy.requests("PUT", shard) if "partNumber=" in r.query]
+    assert any("uploadId=" in r.query for r in proxy.requests("DELETE", shard)), "the parts are discarded"
+    assert "000000.tar" not in objects(admin, url)
+
+    proxy.log.clear()
+    with ShardWriter(output.local, 0, upload) as writer:  # the same sink, tried again
+        for index in range(12):
+            writer.write(f"000000_{index:06d}", {"bin": blob})
+            if index == 10:  # 11 MiB written, the shard not complete: two parts are on their way
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and len(
+                        [r for r in proxy.requests("PUT", shard) if "partNumber=" in r.query]) < 2:
+                    time.sleep(0.05)
+                sent_early = len([r for r in proxy.requests("PUT", shard) if "partNumber=" in r.query])
+        info = writer.commit()
+    assert sent_early == 2, "parts go up before the shard is complete"
+    plan = make_plan(sizes=(12,))
+    write_manifest(output.local, UnitManifest(unit=0, shard=info.name, fingerprint=plan.fingerprint,
+                                              keys=[f"000000_{i:06d}" for i in range(12)],
+                                              source_ids=[f"img{i:04d}.png" for i in range(12)], count=12,
+                                              bytes=info.bytes, sha256=info.sha256))
+    local_bytes = (output.local / "000000.tar").read_bytes()
+    output.publish_unit(0, upload)
+    assert objects(admin, url)["000000.tar"] == local_bytes
+    assert output.committed_unit(0, plan.fingerprint) is not None
+    # The shard object replaced behind the manifest's back: no longer committed.
+    admin.put_object(Bucket=BUCKET, Key=key_of(url, "000000.tar"), Body=local_bytes)
+    assert output.committed_unit(0, plan.fingerprint) is None
+
+
+def test_unfinished_uploads_of_dead_runs_are_aborted(admin, proxy) -> None:
+    url = prefix_url()
+    admin.create_multipart_upload(Bucket=BUCKET, Key=key_of(url, "000003.tar"))
+    admin.create_multipart_upload(Bucket=BUCKET, Key="elsewhere/000003.tar")
+    output = open_output(url, endpoint_url=proxy.url)
+    assert output.abort_stale_uploads() == ["000003.tar"]
+    left = [u["Key"] for u in admin.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])]
+    assert key_of(url, "000003.tar") not in left and "elsewhere/000003.tar" in left
 
 
 def test_validate_of_an_empty_prefix_fails(admin, proxy) -> None:
