@@ -222,6 +222,7 @@ def committed_shards(out_dir: str | os.PathLike | Output) -> tuple[dict[str, Uni
     manifest records is an error: the data changed after the commit.
     """
     output = open_output(out_dir)
+    entries = output.entries()  # a bucket: listed now, and the sizes below come from this listing
     shards: dict[str, UnitManifest] = {}
     empty: list[str] = []
     for unit, manifest in sorted(read_manifests(output.local).items()):
@@ -243,7 +244,7 @@ def committed_shards(out_dir: str | os.PathLike | Output) -> tuple[dict[str, Uni
             shards[manifest.shard] = manifest
     ours = set(shards) | set(empty)
     foreign = sorted(
-        name for name in output.entries()
+        name for name in entries
         if name.endswith((".tar", ".tgz")) and name not in ours and output.size(name) is not None
     )
     return shards, empty, foreign

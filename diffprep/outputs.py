@@ -430,9 +430,6 @@ class S3Output(Output):
             options["profile_name"] = self.profile
         return {"profiles": {self.msc_profile: {"storage_provider": {"type": "s3", "options": options}}}}
 
-    def msc_path(self) -> str:
-        return f"msc://{self.msc_profile}/{self.url.key}"
-
     @contextlib.contextmanager
     def energon_access(self) -> Iterator[Any]:
         """The dataset as an Energon ``EPath`` on a profile of its own (valid inside the block).

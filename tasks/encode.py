@@ -23,11 +23,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
 from diffprep.config import Settings
-from diffprep.encode import encode_unit
+from diffprep.encode import UnitResult, encode_unit
 from diffprep.encoders import FluxEncoders
 from diffprep.errors import DiffprepError
 from diffprep.images import ImageSpec
-from diffprep.plan import read_plan
+from diffprep.outputs import Output
+from diffprep.plan import Plan, read_plan
+from diffprep.shards import ShardSink
 from diffprep.sources import Source, open_source
 from diffprep.workers import claimed_device
 from tasks.common import output_from, retry_transient, run_token, settings_from
@@ -106,20 +108,35 @@ def with_smaller_batches_on_oom(attempt: Callable[[int], T], batch_size: int, *,
       retry_jitter_factor=0.5, retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def encode_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
     s = settings_from(settings)
-    output = output_from(s, out_dir)
+
+    def encode(output: Output, plan: Plan, sink: ShardSink | None) -> UnitResult:
+        encoders = load_encoders(s)
+        spec = ImageSpec.from_config(s.image)
+        return with_smaller_batches_on_oom(
+            lambda batch_size: encode_unit(output.local, plan, unit, encoders, open_run_source(s), spec,
+                                           batch_size=batch_size, decode_workers=s.image.decode_workers, sink=sink),
+            s.model.batch_size, what=f"unit {unit}", advice=oom_advice(s, encoders),
+        )
+
+    return write_unit(s, out_dir, unit, encode)
+
+
+def write_unit(settings: Settings, out_dir: str, unit: int,
+               encode: Callable[[Output, Plan, ShardSink | None], UnitResult]) -> dict:
+    """One unit of either pipeline into the output, by ``encode(output, plan, sink)``; the task's result.
+
+    A bucket output skips a unit it already holds (a retried task, a re-sent
+    chunk), takes the shard's bytes as they are written (the sink), and
+    commits the unit there once it is whole.
+    """
+    output = output_from(settings, out_dir)
     plan = read_plan(output.local)
     done = output.committed_unit(unit, plan.fingerprint)
-    if done is not None:  # already in the bucket (a retried task, a re-sent chunk)
+    if done is not None:
         return {"unit": unit, "count": done.count, "rejected": len(done.rejects), "seconds": 0.0, "skipped": True,
                 "worker": worker_name()}
-    encoders = load_encoders(s)
-    spec = ImageSpec.from_config(s.image)
-    upload = output.shard_upload(unit)  # a bucket output: the shard goes up while it is written
-    result = with_smaller_batches_on_oom(
-        lambda batch_size: encode_unit(output.local, plan, unit, encoders, open_run_source(s), spec,
-                                       batch_size=batch_size, decode_workers=s.image.decode_workers, sink=upload),
-        s.model.batch_size, what=f"unit {unit}", advice=oom_advice(s, encoders),
-    )
+    upload = output.shard_upload(unit)
+    result = encode(output, plan, upload)
     output.publish_unit(unit, upload)
     return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
             "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}

@@ -10,13 +10,15 @@ from prefect.cache_policies import NO_CACHE
 
 from diffprep import contract
 from diffprep.config import Settings
-from diffprep.encode import encode_unit
+from diffprep.encode import UnitResult, encode_unit
 from diffprep.fetch import fetch, stage_plan
 from diffprep.images import ImageSpec
-from diffprep.plan import read_plan
+from diffprep.outputs import Output
+from diffprep.plan import Plan, read_plan
 from diffprep.raw import BATCH_SIZE, RawImageWriter, raw_sanity_check
+from diffprep.shards import ShardSink
 from tasks.common import output_from, retry_transient, run_token, settings_from, small
-from tasks.encode import open_run_source, worker_name
+from tasks.encode import open_run_source, write_unit
 from tasks.sanity import staged_samples
 
 
@@ -57,16 +59,10 @@ def raw_sanity_task(settings: dict, out_dir: str, units_left: list[int]) -> dict
       retry_jitter_factor=0.5, retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def raw_unit_task(settings: dict, out_dir: str, unit: int) -> dict:
     s = settings_from(settings)
-    output = output_from(s, out_dir)
-    plan = read_plan(output.local)
-    done = output.committed_unit(unit, plan.fingerprint)
-    if done is not None:  # already in the bucket (a retried task, a re-sent chunk)
-        return {"unit": unit, "count": done.count, "rejected": len(done.rejects), "seconds": 0.0, "skipped": True,
-                "worker": worker_name()}
-    upload = output.shard_upload(unit)  # a bucket output: the shard goes up while it is written
-    result = encode_unit(output.local, plan, unit, None, open_run_source(s),
-                         ImageSpec.from_config(s.image), batch_size=BATCH_SIZE, decode_workers=s.image.decode_workers,
-                         sample_fields=image_writer(s).sample_fields, sink=upload)
-    output.publish_unit(unit, upload)
-    return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
-            "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": worker_name()}
+
+    def write(output: Output, plan: Plan, sink: ShardSink | None) -> UnitResult:
+        return encode_unit(output.local, plan, unit, None, open_run_source(s), ImageSpec.from_config(s.image),
+                           batch_size=BATCH_SIZE, decode_workers=s.image.decode_workers,
+                           sample_fields=image_writer(s).sample_fields, sink=sink)
+
+    return write_unit(s, out_dir, unit, write)
