@@ -178,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         speedup = after / streamed
         print(f"   after     {samples / after:7.1f} samples/s   (best of {args.rounds}: {after:.2f} s)")
         print(f"   streamed  {samples / streamed:7.1f} samples/s   (best of {args.rounds}: {streamed:.2f} s)")
-        print(f"   speedup {speedup:.2f}x (target >= {TARGET_SPEEDUP}x): {c.verdict(speedup, TARGET_SPEEDUP)}; "
-              f"{time.perf_counter() - start:.0f} s in all")
+        print(f"   speedup {speedup:.2f}x; {time.perf_counter() - start:.0f} s in all")
+        store = f"{args.link_mbps:g} MB/s link" if args.link_mbps else "loopback"
+        print(f"\nSUMMARY s3_upload: streamed upload {speedup:.2f}x the samples/s of upload after the shard "
+              f"({store}; target >= {TARGET_SPEEDUP}x: {c.verdict(speedup, TARGET_SPEEDUP)}) "
+              f"[{_env.malloc_description()}]")
         return 0 if speedup >= TARGET_SPEEDUP else 1
     finally:
         link.stop()
