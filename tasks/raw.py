@@ -11,14 +11,14 @@ from prefect.cache_policies import NO_CACHE
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.encode import UnitResult, encode_unit
-from diffprep.fetch import fetch, stage_plan
 from diffprep.images import ImageSpec
 from diffprep.outputs import Output
 from diffprep.plan import Plan, read_plan
 from diffprep.raw import BATCH_SIZE, RawImageWriter, raw_sanity_check
 from diffprep.shards import ShardSink
-from tasks.common import output_from, retry_transient, run_token, settings_from, small
+from tasks.common import output_from, retry_transient, settings_from, small
 from tasks.encode import open_run_source, write_unit
+from tasks.fetch import plan_output
 from tasks.sanity import staged_samples
 
 
@@ -29,17 +29,7 @@ def image_writer(settings: Settings) -> RawImageWriter:
 @task(name="fetch-raw", retries=3, retry_delay_seconds=[5, 30, 120], retry_jitter_factor=0.5,
       retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def fetch_raw_task(settings: dict, out_dir: str) -> dict:
-    s = settings_from(settings)
-    output = output_from(s, out_dir)
-    output.pull_state()  # an append keeps the units of the plan already there
-    plan, _source = fetch(s, output.local, token=run_token(s), encoding=contract.ENCODING_RAW)
-    return {
-        "plan_path": str(stage_plan(plan, output.local)),
-        "fingerprint": plan.fingerprint,
-        "units": len(plan.units),
-        "samples": plan.total_samples,
-        "missing_from_source": plan.missing_count,
-    }
+    return plan_output(settings, out_dir, contract.ENCODING_RAW)
 
 
 @task(name="sanity-raw", cache_policy=NO_CACHE, persist_result=False)

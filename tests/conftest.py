@@ -207,6 +207,16 @@ def proxy(proxy_server):
     return proxy_server
 
 
+@pytest.fixture(scope="module")
+def admin(moto_port: int, request: pytest.FixtureRequest):
+    """The test's own client, straight to moto (not through the proxy), with the module's ``BUCKET`` created."""
+    from s3_store import admin_client
+
+    client = admin_client(moto_port)
+    client.create_bucket(Bucket=request.module.BUCKET)
+    return client
+
+
 @pytest.fixture
 def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Dummy credentials from the environment, nothing from the machine's own AWS setup; a fresh staging folder."""

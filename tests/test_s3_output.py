@@ -31,18 +31,11 @@ from diffprep.storage import S3Url
 from diffprep.validate import validate_dataset
 from flow_runs import BackgroundRun, answer, parameters
 from flows.encode import encode_dataset
-from s3_store import ACCESS_KEY, SECRET_KEY, admin_client
+from s3_store import ACCESS_KEY, SECRET_KEY
 
-BUCKET = "diffprep-out"
+BUCKET = "diffprep-out"  # created by the admin fixture (conftest.py)
 
 pytestmark = pytest.mark.usefixtures("aws_env")
-
-
-@pytest.fixture(scope="module")
-def admin(moto_port: int):
-    client = admin_client(moto_port)
-    client.create_bucket(Bucket=BUCKET)
-    return client
 
 
 def prefix_url() -> str:

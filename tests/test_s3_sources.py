@@ -26,7 +26,7 @@ from diffprep.images import ImageSpec
 from diffprep.plan import write_plan
 from diffprep.shards import read_manifests
 from diffprep.sources import Source, SourceSample, open_source
-from s3_store import ACCESS_KEY, SECRET_KEY, FaultProxy, admin_client
+from s3_store import ACCESS_KEY, SECRET_KEY, FaultProxy
 from diffprep.storage import (
     S3Url,
     StorageUnavailableError,
@@ -36,17 +36,9 @@ from diffprep.storage import (
     s3_client,
 )
 
-BUCKET = "diffprep-src"
+BUCKET = "diffprep-src"  # created by the admin fixture (conftest.py)
 
 pytestmark = pytest.mark.usefixtures("aws_env")
-
-
-@pytest.fixture(scope="module")
-def admin(moto_port: int):
-    """The test's own client, straight to moto (not through the proxy): creates the data."""
-    client = admin_client(moto_port)
-    client.create_bucket(Bucket=BUCKET)
-    return client
 
 
 def upload(admin, local: Path, prefix: str) -> None:
