@@ -1,0 +1,111 @@
+"""Byte-identical outputs across refactors: every output file of two fixed runs, against recorded sha256s.
+
+The two scenarios are the demo dataset encoded into a folder, and the demo
+dataset encoded into a bucket prefix (moto's S3 server on loopback). The
+recorded values (``golden_outputs.json``) were taken before the pipeline was
+redesigned; a change that alters a byte of any listed file fails here.
+
+Some files hold the run's own paths, and the fingerprint computed from them,
+or the random id Energon gives an index (``index.uuid``): those are compared
+after replacing them with placeholders, ``index.sqlite`` by its SQL dump. Files that record the run itself (timings, free disk
+space) are left out and listed in ``VOLATILE``. To record new values after a
+deliberate format change: ``RECORD_GOLDEN_OUTPUTS=1 pytest tests/test_golden.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from diffprep.demo import write_demo_dataset
+from flow_runs import parameters
+from flows.encode import encode_dataset
+
+GOLDEN = Path(__file__).with_name("golden_outputs.json")
+BUCKET = "diffprep-golden"  # created by the admin fixture (conftest.py)
+# Record the run, not the data: seconds, free bytes, the lock of the run in progress.
+VOLATILE = {".diffprep/sanity/report.json", ".diffprep/lock.json"}
+TEXT_SUFFIXES = (".json", ".yaml", ".txt")
+
+
+def normalized_digests(files: dict[str, bytes], replace: dict[str, str]) -> dict[str, str]:
+    """relative path -> sha256, text files with the run's paths and fingerprint replaced by placeholders."""
+    replace = dict(replace)
+    if ".nv-meta/index.uuid" in files:
+        replace[files[".nv-meta/index.uuid"].decode().strip()] = "<index-uuid>"
+    digests = {}
+    for name, data in sorted(files.items()):
+        if name in VOLATILE:
+            continue
+        if name.endswith(".sqlite"):
+            data = sqlite_dump(data)
+        if name.endswith(TEXT_SUFFIXES + (".uuid", ".sqlite")):
+            text = data.decode("utf-8")
+            for old, new in sorted(replace.items(), key=lambda item: -len(item[0])):
+                text = text.replace(old, new)
+            data = text.encode("utf-8")
+        digests[name] = hashlib.sha256(data).hexdigest()
+    return digests
+
+
+def sqlite_dump(data: bytes) -> bytes:
+    """A database's content as SQL text (its file bytes vary with page reuse, its rows do not)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "index.sqlite"
+        path.write_bytes(data)
+        db = sqlite3.connect(path)
+        try:
+            return "\n".join(db.iterdump()).encode("utf-8")
+        finally:
+            db.close()
+
+
+def local_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def check(scenario: str, digests: dict[str, str]) -> None:
+    recorded = json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {}
+    if os.environ.get("RECORD_GOLDEN_OUTPUTS") == "1":
+        recorded[scenario] = digests
+        GOLDEN.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+        pytest.skip(f"recorded {len(digests)} digests for {scenario}")
+    want = recorded[scenario]
+    assert sorted(digests) == sorted(want), f"{scenario}: other files than recorded"
+    changed = [name for name in want if digests[name] != want[name]]
+    assert not changed, f"{scenario}: files whose bytes changed: {changed}"
+
+
+@pytest.mark.slow
+def test_demo_dataset_to_a_folder_is_byte_identical(prefect_server, tiny_model, tmp_path) -> None:
+    data = write_demo_dataset(tmp_path / "demo", samples=24)
+    out = tmp_path / "out"
+    result = encode_dataset(parameters(data, tiny_model, out, output={"shard_size": 8},
+                                       image={"image_size": 64}, finalize={"train_split": 0.8}))
+    assert result["validation"]["ok"]
+    replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", result["fingerprint"]: "<fingerprint>"}
+    check("demo-folder", normalized_digests(local_files(out), replace))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("aws_env")
+def test_demo_dataset_to_a_bucket_is_byte_identical(prefect_server, tiny_model, admin, proxy, tmp_path) -> None:
+    data = write_demo_dataset(tmp_path / "demo", samples=12)
+    url = f"s3://{BUCKET}/golden/{uuid.uuid4().hex[:8]}"
+    result = encode_dataset(parameters(data, tiny_model, url, output={"s3_endpoint_url": proxy.url},
+                                       finalize={"train_split": 0.5}))
+    assert result["validation"]["ok"]
+    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
+    keys = [o["Key"] for page in admin.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+            for o in page.get("Contents", ())]
+    files = {key[len(prefix):]: admin.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys}
+    replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", url: "<url>", proxy.url: "<endpoint>",
+               result["fingerprint"]: "<fingerprint>"}
+    check("demo-bucket", normalized_digests(files, replace))
