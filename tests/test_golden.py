@@ -56,13 +56,13 @@ def normalized_digests(files: dict[str, bytes], replace: dict[str, str]) -> dict
 
 
 def sqlite_dump(data: bytes) -> bytes:
-    """A database's content as SQL text (its file bytes vary with page reuse, its rows do not)."""
+    """A database's content as SQL text (its file bytes and row order vary with the prepare workers, its rows do not)."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "index.sqlite"
         path.write_bytes(data)
         db = sqlite3.connect(path)
         try:
-            return "\n".join(db.iterdump()).encode("utf-8")
+            return "\n".join(sorted(db.iterdump())).encode("utf-8")
         finally:
             db.close()
 
