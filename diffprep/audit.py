@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
+from diffprep.encodings import get_encoding
+from diffprep.output import Output, as_output
 from diffprep.plan import Plan
-from diffprep.outputs import Output, open_output
-from diffprep.shards import atomic_write_json, read_manifests
 
 REJECT_PREVIEW = 1000
 
@@ -94,15 +94,15 @@ def rejects_question(report: AuditReport, out_dir: str | os.PathLike) -> Questio
     )
 
 
-def audit(out_dir: str | os.PathLike | Output, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
+def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
     """Reconcile the plan, the manifests and the tars; write ``.diffprep/audit.json``.
 
     The tars are read where they are (a bucket prefix's from the bucket); the
-    manifests from the (staged) state.
+    manifests from the output's state.
     """
-    output = open_output(out_dir)
-    out = output.local
-    manifests = read_manifests(out)
+    output = as_output(output)
+    manifests = output.state.manifests()
+    fields = sorted(get_encoding(plan.encoding).required_fields(plan.expected))
     wanted = [u for u in plan.units if units is None or u.unit in units]
     problems: list[str] = []
     by_reason: Counter[str] = Counter()
@@ -141,7 +141,7 @@ def audit(out_dir: str | os.PathLike | Output, plan: Plan, *, units: list[int] |
                         f"unit {unit.unit:06d}: {manifest.shard} holds {len(in_tar)} samples, the manifest "
                         f"lists {len(manifest.keys)}"
                     )
-                incomplete = [k for k, exts in in_tar.items() if sorted(exts) != sorted(plan_fields(plan))]
+                incomplete = [k for k, exts in in_tar.items() if sorted(exts) != fields]
                 if incomplete:
                     problems.append(f"unit {unit.unit:06d}: samples with missing fields: {incomplete[:5]}")
         written += manifest.count
@@ -162,11 +162,5 @@ def audit(out_dir: str | os.PathLike | Output, plan: Plan, *, units: list[int] |
         problems=problems,
         missing_from_source=plan.missing_count,
     )
-    (out / contract.STATE_DIR).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / contract.STATE_DIR / contract.AUDIT_JSON, report.to_json())
-    output.push(f"{contract.STATE_DIR}/{contract.AUDIT_JSON}")
+    output.state.write_json(contract.AUDIT_JSON, report.to_json())
     return report
-
-
-def plan_fields(plan: Plan) -> tuple[str, ...]:
-    return contract.PREENCODED_FIELDS if plan.encoding == contract.ENCODING_PREENCODED else tuple(plan.expected["fields"])

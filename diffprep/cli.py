@@ -217,29 +217,21 @@ def _s3_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_finalize(args: argparse.Namespace) -> int:
-    from diffprep.approvals import ask_terminal
-    from diffprep.energon import finalize, split_question
-    from diffprep.outputs import open_output
-    from diffprep.plan import read_plan
-    from diffprep.validate import validate_dataset
+    from diffprep.config import FinalizeConfig
+    from diffprep.output import open_output
+    from diffprep.pipeline import finalize_output, validate_output
 
     output = open_output(args.out, endpoint_url=args.s3_endpoint_url, profile=args.s3_profile)
-    output.pull_state()
-    plan = read_plan(output.local)
+    output.state.sync()
+    plan = output.state.plan()
     encoding = args.encoding or (plan.encoding if plan else "preencoded")
-    replace = args.replace_split
-    question = None if replace else split_question(output, train_split=args.train_split, seed=args.seed)
-    if question is not None:
-        answer = ask_terminal(question)
-        if answer is None:
-            raise question.refused("no terminal to ask on")
-        replace = question.check(answer) == "replace"
+    config = FinalizeConfig(train_split=args.train_split, shuffle_seed=args.seed, workers=args.workers)
+    # The same phases as a run's finalize: the split question on this terminal, then validation.
     with output.lock(run=None):
-        result = finalize(output, encoding=encoding, train_split=args.train_split, seed=args.seed,
-                          workers=args.workers, replace_split=replace)
+        result = finalize_output(output, encoding, config, replace_split=args.replace_split)
     for split, shards in result.splits.items():
         print(f"{split}: {len(shards)} shards, {result.counts.get(split, 0)} samples")
-    report = validate_dataset(output, encoding=encoding)
+    report = validate_output(output, encoding)
     print(report.to_markdown())
     return 0 if report.ok else 1
 

@@ -48,6 +48,9 @@ SPLITS_JSON = "splits.json"
 LATENT_STATS = "latent_stats.pt"
 EMPTY_PROMPT = "empty_prompt.pth"
 SANITY_DIR = "sanity"
+SANITY_REPORT = "report.json"
+SANITY_SAMPLE = "sample.pth"
+MSC_CONFIG = "msc_config.yaml"
 LOCK_FILE = "lock.json"
 
 SHARD_SUFFIX = ".tar"
@@ -90,3 +93,17 @@ def field_stem(field: str) -> str:
 
 def unit_manifest_name(unit: int) -> str:
     return f"{unit:06d}.json"
+
+
+def unit_manifest_path(unit: int) -> str:
+    """A unit's manifest, relative to the output: ``.diffprep/units/000042.json``."""
+    return f"{STATE_DIR}/{UNITS_DIR}/{unit_manifest_name(unit)}"
+
+
+def lock_file_name(shard: int | None = None) -> str:
+    """``lock.json`` of a plain run, ``lock-shard-0003.json`` of a ``--shard-index`` run (in the state folder)."""
+    return LOCK_FILE if shard is None else f"lock-shard-{shard:04d}.json"
+
+
+def is_lock_file(name: str) -> bool:
+    return name == LOCK_FILE or re.fullmatch(r"lock-shard-\d+\.json", name) is not None

@@ -39,8 +39,8 @@ from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.failpoints import failpoint
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
-from diffprep.outputs import Output, open_output
-from diffprep.shards import UnitManifest, atomic_write_bytes, atomic_write_json, read_manifests
+from diffprep.output import Output, as_output
+from diffprep.shards import UnitManifest
 
 Progress = Callable[[str, int, int], None]
 
@@ -120,19 +120,17 @@ def assign_splits(shards: list[str], existing: dict[str, str], train_split: floa
     return {shard: assignment[shard] for shard in sorted(assignment)}
 
 
-def write_dataset_yaml(out_dir: str | os.PathLike, encoding: str) -> Path:
+def write_dataset_yaml(output: Output | str | os.PathLike, encoding: str) -> Path:
     """Write ``.nv-meta/dataset.yaml``: a CrudeWebdataset whose samples carry ``encoding`` as subflavor."""
     if encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
-    path = Path(out_dir) / contract.NV_META / contract.DATASET_YAML
-    path.parent.mkdir(parents=True, exist_ok=True)
     config = {
         "__module__": "megatron.energon",
         "__class__": "CrudeWebdataset",
         "subflavors": {"encoding": encoding},
     }
-    atomic_write_bytes(path, yaml.safe_dump(config, sort_keys=False).encode("utf-8"))
-    return path
+    return as_output(output).write_file(f"{contract.NV_META}/{contract.DATASET_YAML}",
+                                        yaml.safe_dump(config, sort_keys=False).encode("utf-8"))
 
 
 def read_dataset_encoding(out_dir: str | os.PathLike) -> str | None:
@@ -184,9 +182,9 @@ def read_split_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def split_question(out_dir: str | os.PathLike | Output, *, train_split: float, seed: int = 42) -> Question | None:
+def split_question(output: Output | str | os.PathLike, *, train_split: float, seed: int = 42) -> Question | None:
     """The question to ask before finalizing with another ``train_split`` than the recorded one, or None."""
-    output = open_output(out_dir)
+    output = as_output(output)
     record = read_split_record(output.local)
     if record is None or record["train_split"] == train_split:
         return None
@@ -215,17 +213,17 @@ def split_question(out_dir: str | os.PathLike | Output, *, train_split: float, s
     )
 
 
-def committed_shards(out_dir: str | os.PathLike | Output) -> tuple[dict[str, UnitManifest], list[str], list[str]]:
+def committed_shards(output: Output | str | os.PathLike) -> tuple[dict[str, UnitManifest], list[str], list[str]]:
     """(shard -> manifest for committed shards with samples, empty shards, foreign tar files).
 
     A committed shard whose tar is missing or has another size than its
     manifest records is an error: the data changed after the commit.
     """
-    output = open_output(out_dir)
+    output = as_output(output)
     entries = output.entries()  # a bucket: listed now, and the sizes below come from this listing
     shards: dict[str, UnitManifest] = {}
     empty: list[str] = []
-    for unit, manifest in sorted(read_manifests(output.local).items()):
+    for unit, manifest in sorted(output.state.manifests().items()):
         path = f"{output.uri}/{manifest.shard}"
         size = output.size(manifest.shard)
         if size is None:
@@ -251,13 +249,13 @@ def committed_shards(out_dir: str | os.PathLike | Output) -> tuple[dict[str, Uni
 
 
 def preview_replace_split(
-    out_dir: str | os.PathLike | Output, *, train_split: float, seed: int = 42
+    output: Output | str | os.PathLike, *, train_split: float, seed: int = 42
 ) -> dict[str, tuple[str, str]]:
     """Recorded shards that ``finalize(..., replace_split=True)`` would move: shard -> (old, new).
 
     Meant for the approval question before a full reassignment.
     """
-    output = open_output(out_dir)
+    output = as_output(output)
     shards, _, _ = committed_shards(output)
     previous = read_assignment(output.local)
     fresh = assign_splits(sorted(shards), {}, train_split, seed)
@@ -320,7 +318,7 @@ def _run_prepare(out: Any, splits: dict[str, list[str]], workers: int, progress:
 
 
 def finalize(
-    out_dir: str | os.PathLike | Output,
+    output: Output | str | os.PathLike,
     *,
     encoding: str,
     train_split: float,
@@ -340,8 +338,8 @@ def finalize(
     A bucket prefix is prepared in place, Energon reading it through a
     Multi-Storage Client profile; its metadata is then staged and checked here.
     """
-    output = open_output(out_dir)
-    output.pull_state()
+    output = as_output(output)
+    output.state.sync()
     out = output.local
     if encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
@@ -368,12 +366,10 @@ def finalize(
     splits = {split: sorted(s for s, p in assignment.items() if p == split) for split in contract.SPLITS}
     splits = {split: names for split, names in splits.items() if names}
 
-    write_dataset_yaml(out, encoding)
-    output.push(f"{contract.NV_META}/{contract.DATASET_YAML}")
+    write_dataset_yaml(output, encoding)
     failpoint("finalize")
-    with output.energon_access() as path:
+    with output.energon_access() as path:  # Energon writes .nv-meta there; the working copy follows
         parts = _run_prepare(path, splits, workers, progress)
-    output.pull_state()  # Energon wrote .nv-meta in the bucket: check the staged copy
 
     info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text(encoding="utf-8"))
     counted = info.get("shard_counts", {})
@@ -398,11 +394,10 @@ def finalize(
     if indexed != sum(counted.values()):
         raise DatasetValidationError(f"index.sqlite holds {indexed} samples, .info.json counts {sum(counted.values())}")
 
-    atomic_write_json(
-        out / contract.STATE_DIR / contract.SPLITS_JSON,
+    output.state.write_json(
+        contract.SPLITS_JSON,
         {"version": SPLITS_VERSION, "train_split": train_split, "seed": seed, "assignment": assignment},
     )
-    output.push(f"{contract.STATE_DIR}/{contract.SPLITS_JSON}")
     moved = {s: (old, assignment[s]) for s, old in sorted(previous.items()) if assignment.get(s, old) != old}
     return FinalizeResult(
         splits=splits,

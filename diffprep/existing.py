@@ -8,28 +8,20 @@ choice: ``resume`` (same settings only), ``new-dir``, ``overwrite`` or
 
 from __future__ import annotations
 
-import fcntl
-import getpass
-import json
 import os
-import shutil
-import socket
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
-from diffprep.errors import ExistingOutputError, LockedError
-from diffprep.outputs import Output, clear_staged_state, is_ours, open_output
-from diffprep.plan import Plan, read_plan
-from diffprep.shards import load_tensor, read_manifests, temp_pid
+from diffprep.errors import ExistingOutputError
+from diffprep.output import Output, as_output, is_ours
+from diffprep.plan import Plan, dtype_name, shape_matches
+from diffprep.shards import load_tensor
 
 CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
-CHECK_THREADS = 16  # concurrent shard checks against a bucket
 
 
 @dataclass
@@ -113,11 +105,6 @@ def _human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _state_is_empty(state: Path) -> bool:
-    """A state folder without a plan or any manifest (e.g. only a lock or temp files) holds no data."""
-    return not (state / contract.PLAN_JSON).exists() and not any((state / contract.UNITS_DIR).glob("*.json"))
-
-
 def _check_shapes(output: Output, plan: Plan, manifests) -> str | None:
     """Load the first sample of one finished shard (weights only) and compare its shapes with the plan."""
     for manifest in manifests.values():
@@ -147,43 +134,36 @@ def _compare_shape(field_name: str, tensor, expected: dict) -> str | None:
     if not isinstance(tensor, torch.Tensor):
         return f"{field_name} holds a {type(tensor).__name__}, not a tensor"
     want = expected.get(contract.field_stem(field_name))
-    if want is None:
-        return None
-    have = list(tensor.shape)
-    if len(have) != len(want) or any(w is not None and w != h for w, h in zip(want, have)):
-        return f"{field_name} has shape {have}, this run writes {want}"
+    if not shape_matches(tensor.shape, want):
+        return f"{field_name} has shape {list(tensor.shape)}, this run writes {want}"
     dtype = expected.get("dtype")
-    if dtype and str(tensor.dtype).removeprefix("torch.") != dtype:
+    if dtype and dtype_name(tensor.dtype) != dtype:
         return f"{field_name} has dtype {tensor.dtype}, this run writes {dtype}"
     return None
 
 
-def inspect_output(out_dir: str | os.PathLike | Output, plan: Plan) -> Inspection:
-    """What the output holds against ``plan``; a bucket prefix's state is pulled into its staging folder first."""
-    output = open_output(out_dir)
+def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection:
+    """What the output holds against ``plan`` (a bucket prefix's state is synced into its staging folder first)."""
+    output = as_output(output)
     if not output.remote:
         if not output.local.exists():
             return Inspection(output.uri, exists=False, empty=True, plan_fingerprint=None, same_settings=True,
                               units_left=[u.unit for u in plan.units])
         if not output.local.is_dir():
             raise ExistingOutputError(f"output {output.uri} exists and is not a directory")
-    output.pull_state()
-    out = output.local
+    output.state.sync()
     entries = output.entries()
-    if not entries or (entries == [contract.STATE_DIR] and _state_is_empty(out / contract.STATE_DIR)):
+    if not entries or (entries == [contract.STATE_DIR] and output.state.is_empty()):
         return Inspection(output.uri, exists=output.exists(), empty=True, plan_fingerprint=None, same_settings=True,
                           units_left=[u.unit for u in plan.units])
-    old = read_plan(out)
-    manifests = read_manifests(out)
+    old = output.state.plan()
+    manifests = output.state.manifests()
     same = old is not None and old.fingerprint == plan.fingerprint
-    candidates = [manifests[u.unit] for u in plan.units
-                  if u.unit in manifests and manifests[u.unit].fingerprint == plan.fingerprint]
-    # A bucket answers each check in a round trip or two: many at once.
-    with ThreadPoolExecutor(CHECK_THREADS if output.remote else 1) as pool:
-        committed = list(pool.map(output.committed, candidates))
-    done = [m.unit for m, ok in zip(candidates, committed) if ok]
-    damaged = [m.unit for m, ok in zip(candidates, committed) if not ok]
-    left = [u.unit for u in plan.units if u.unit not in done and u.unit not in damaged]
+    planned = {u.unit for u in plan.units}
+    committed, damaged = output.unit_status(plan.fingerprint)
+    done = sorted(u for u in committed if u in planned)
+    damaged = sorted(u for u in damaged if u in planned)
+    left = [u.unit for u in plan.units if u.unit not in committed and u.unit not in damaged]
     inspection = Inspection(
         output.uri,
         exists=True,
@@ -199,7 +179,7 @@ def inspect_output(out_dir: str | os.PathLike | Output, plan: Plan) -> Inspectio
         bytes_on_disk=output.total_bytes(),
     )
     if same:
-        inspection.shape_problem = _check_shapes(output, plan, {u: manifests[u] for u in done})
+        inspection.shape_problem = _check_shapes(output, plan, {u: committed[u] for u in done})
     return inspection
 
 
@@ -213,9 +193,9 @@ class Decision:
         return asdict(self)
 
 
-def next_free_dir(out_dir: str | os.PathLike | Output) -> str:
+def next_free_dir(output: Output | str | os.PathLike) -> str:
     """``<out>-v2``, ``-v3``...: the first that does not exist or is empty (a path, or an s3:// URL)."""
-    return open_output(out_dir).next_free().uri
+    return as_output(output).next_free().uri
 
 
 def decide(inspection: Inspection, on_existing: str | None, output: Output | None = None) -> Decision:
@@ -254,179 +234,4 @@ def decide(inspection: Inspection, on_existing: str | None, output: Output | Non
     return Decision("overwrite", inspection.out_dir, summary)
 
 
-def clear_output(out_dir: str | os.PathLike | Output) -> list[str]:
-    """Delete what diffprep wrote under ``out_dir`` (only after an approved overwrite).
-
-    Files diffprep did not write are left where they are. Returns what was removed.
-    """
-    output = open_output(out_dir)
-    if output.remote:
-        removed = output.delete_ours()
-        clear_staged_state(output)
-        return removed
-    out = output.local
-    removed = []
-    for name in sorted(os.listdir(out)):
-        if not is_ours(name):
-            continue
-        path = out / name
-        if name == contract.STATE_DIR:
-            # Keep the lock of the run doing the overwrite.
-            for child in sorted(path.iterdir()):
-                if child.name == contract.LOCK_FILE:
-                    continue
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
-        elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-        removed.append(name)
-    return removed
-
-
-def clear_dead_temp_files(out_dir: str | os.PathLike) -> list[str]:
-    """Remove temporary files that writers on this host left when they died: never committed, never data.
-
-    Looks under ``<out>/.diffprep`` (temporary shards and state files); files
-    of live processes and of other hosts are left alone.
-    """
-    state = Path(out_dir) / contract.STATE_DIR
-    host = socket.gethostname()
-    removed = []
-    for root, _dirs, files in os.walk(state):
-        for name in sorted(files):
-            pid = temp_pid(name, host)
-            if pid is None or _pid_alive(pid):
-                continue
-            path = Path(root) / name
-            path.unlink(missing_ok=True)
-            removed.append(str(path.relative_to(out_dir)))
-    return sorted(removed)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-# --- one run at a time per output -------------------------------------------------------------
-
-
-@dataclass
-class LockHolder:
-    host: str
-    pid: int
-    user: str
-    run: str | None = None
-
-
-def _held(path: Path) -> bool:
-    """Whether some process holds the flock on ``path`` (tried without waiting, released at once)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-class OutputLock:
-    """One run at a time per output: ``.diffprep/lock.json``, held with ``flock`` and naming its holder.
-
-    The kernel releases the lock when its process dies, so a crashed run never
-    leaves a lock behind that blocks the next one; the file's content only
-    tells the next run who holds it. Taking the lock checks that the locked
-    file is still the one at the path (another run may have just released and
-    removed it).
-    """
-
-    def __init__(self, out_dir: str | os.PathLike, run: str | None = None, *, shard: int | None = None) -> None:
-        """``shard``: the lock of one manual shard (``--shard-index``); shard runs exclude a plain run, not each other."""
-        name = contract.LOCK_FILE if shard is None else f"lock-shard-{shard:04d}.json"
-        self.path = Path(out_dir) / contract.STATE_DIR / name
-        self.me = LockHolder(socket.gethostname(), os.getpid(), getpass.getuser(), run)
-        self._fd: int | None = None
-        self._shard = shard
-
-    def acquire(self) -> None:
-        if self._fd is not None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                holder = self.holder()
-                who = (f"host {holder.host}, pid {holder.pid}, user {holder.user}"
-                       + (f", flow run {holder.run}" if holder.run else "")) if holder else "holder unknown"
-                raise LockedError(
-                    f"{self.path.parent.parent} is being written by another run ({who}). "
-                    "Wait for it to finish, or stop it; its lock goes away with its process."
-                ) from None
-            try:
-                same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same_file = False
-            if not same_file:  # released and removed between our open and our flock: try again
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps(asdict(self.me)).encode())
-            os.fsync(fd)
-            self._fd = fd
-            conflict = self._conflicting_holder()
-            if conflict is not None:
-                self.release()
-                raise LockedError(conflict)
-            return
-
-    def _conflicting_holder(self) -> str | None:
-        """A plain run excludes every shard run and the other way round; the message names the holder."""
-        state = self.path.parent
-        others = [state / contract.LOCK_FILE] if self._shard is not None else sorted(state.glob("lock-shard-*.json"))
-        for path in others:
-            if path.is_file() and _held(path):
-                try:
-                    holder = LockHolder(**json.loads(path.read_text()))
-                    who = f"host {holder.host}, pid {holder.pid}, user {holder.user}"
-                except (OSError, ValueError, TypeError):
-                    who = "holder unknown"
-                kind = "a plain run" if self._shard is not None else "a --shard-index run"
-                return f"{state.parent} is being written by {kind} ({who}, {path.name}); wait for it to finish."
-        return None
-
-    def holder(self) -> LockHolder | None:
-        try:
-            return LockHolder(**json.loads(self.path.read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        self.path.unlink(missing_ok=True)  # before unlocking: a waiting run then sees a fresh file
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
-
-    def __enter__(self) -> "OutputLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-__all__ = ["Inspection", "Decision", "inspect_output", "decide", "clear_output", "next_free_dir", "OutputLock"]
+__all__ = ["CHOICES", "Decision", "Inspection", "decide", "inspect_output", "next_free_dir"]

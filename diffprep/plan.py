@@ -65,6 +65,16 @@ class Plan:
         return cls(**data)
 
 
+def shape_matches(shape: list[int] | tuple[int, ...], want: list[int | None] | None) -> bool:
+    """Whether a tensor shape fits a planned one (``None``: any size in that dimension; no plan: anything)."""
+    return want is None or (len(shape) == len(want) and all(w is None or w == s for w, s in zip(want, shape)))
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``, as plan.json's ``expected["dtype"]`` names it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def fingerprint(settings: dict[str, Any]) -> str:
     """A short stable hash of the byte-affecting settings."""
     blob = json.dumps(settings, sort_keys=True, separators=(",", ":")).encode("utf-8")

@@ -99,12 +99,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def json_file_bytes(value: Any) -> bytes:
+    """A state file's JSON: indented, keys sorted, UTF-8, a final newline."""
+    return (json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def atomic_write_json(path: Path, value: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8"))
+    atomic_write_bytes(path, json_file_bytes(value))
 
 
 class ShardSink(Protocol):
-    """Where a shard's bytes also go as they are written (a bucket output's upload: diffprep.outputs)."""
+    """Where a shard's bytes also go as they are written (a bucket output's upload: diffprep.output.upload)."""
 
     def write(self, data: bytes) -> None: ...
 

@@ -1,7 +1,7 @@
 """The validate-dataset flow: strict validation of a finished output, as a run with a report.
 
 The same checks as the last phase of encode-dataset and ``diffprep validate``
-(diffprep.validate), for a dataset finalized earlier or copied elsewhere. The
+(diffprep.validation), for a dataset finalized earlier or copied elsewhere. The
 report is a Markdown artifact whether the checks pass or fail; a failure fails
 the run.
 """
@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 from prefect import flow, get_run_logger
 from pydantic import Field
 
-from diffprep.config import AuthConfig, OutputConfig, Settings
-from tasks.common import output_from
+from diffprep.output import OutputRef, ref_of
+from tasks.common import output_of
 from tasks.validate import validate_task
 
 
@@ -37,13 +37,10 @@ def validate_dataset_flow(
         s3_endpoint_url: for s3://: the endpoint of a non-AWS store; unset: AWS, or AWS_ENDPOINT_URL.
         aws_credentials_block: for s3://: a saved diffprep S3 credentials block; unset: the AWS chain.
     """
-    logger = get_run_logger()
-    settings = Settings(output=OutputConfig(output_dir=out_dir, s3_endpoint_url=s3_endpoint_url),
-                        auth=AuthConfig(aws_credentials_block=aws_credentials_block))
-    out_dir = output_from(settings).uri
-    # publishes the report, passed or failed
-    result = validate_task(out_dir, encoding, max_load, settings=settings.model_dump(mode="json"))
-    summary = result["summary"]
-    logger.info("validation of %s passed: %s samples in %s shards", out_dir, summary.get("samples"),
-                summary.get("shards"))
-    return {"out_dir": out_dir, "ok": result["ok"], "summary": summary}
+    output = output_of(OutputRef(location=out_dir, endpoint_url=s3_endpoint_url,
+                                 credentials_block=aws_credentials_block))
+    report = validate_task(ref_of(output), encoding, max_load)  # publishes the report, passed or failed
+    summary = report.summary
+    get_run_logger().info("validation of %s passed: %s samples in %s shards", output.uri, summary.get("samples"),
+                          summary.get("shards"))
+    return {"out_dir": output.uri, "ok": report.ok, "summary": summary}

@@ -1,4 +1,4 @@
-"""What every task shares: settings in and out of parameters, which errors a retry can help."""
+"""What every task shares: the output a reference names, the Hugging Face token, which errors a retry can help."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from diffprep.config import Settings
-from diffprep.outputs import Output, open_output
+from diffprep.output import Output, OutputRef
 
 
-def settings_from(params: dict[str, Any]) -> Settings:
-    """Rebuild the run's settings from the dict the flow passed (every field explicit: env and YAML do not apply)."""
-    return Settings(**params)
+def settings_from(params: dict[str, Any] | Settings) -> Settings:
+    """The run's settings from the dict a deployment passed (every field explicit: env and YAML do not apply)."""
+    return params if isinstance(params, Settings) else Settings(**params)
 
 
 def run_token(settings: Settings) -> str | None:
@@ -26,22 +26,14 @@ def run_token(settings: Settings) -> str | None:
     return resolve_token(settings.auth.hf_token_file)
 
 
-def apply_aws_credentials(settings: Settings) -> None:
-    """The S3 credentials block named in the settings, if any, as this process's ``AWS_*`` variables."""
-    if settings.auth.aws_credentials_block:
-        import os
-
+def output_of(ref: OutputRef) -> Output:
+    """The output ``ref`` names, opened once per process; a named S3 credentials block is loaded for it."""
+    credentials = None
+    if ref.credentials_block:
         from blocks.aws_credentials import AwsS3Credentials
 
-        block = AwsS3Credentials.load(settings.auth.aws_credentials_block)
-        os.environ.update(block.environment())
-
-
-def output_from(settings: Settings, out_dir: str | None = None) -> Output:
-    """The run's output (``out_dir``, default the settings'): a local folder or an s3:// prefix."""
-    apply_aws_credentials(settings)
-    return open_output(out_dir or settings.output.output_dir, endpoint_url=settings.output.s3_endpoint_url,
-                       profile=settings.output.s3_profile)
+        credentials = AwsS3Credentials.load(ref.credentials_block).environment()
+    return ref.open(credentials)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -1,18 +1,25 @@
-"""Task: inspect the output against the plan (diffprep.existing.inspect_output); the flow decides."""
+"""Tasks: inspect the output against the plan (the flow decides), then prepare it under the run's lock."""
 
 from __future__ import annotations
-
-from dataclasses import asdict
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from diffprep.existing import inspect_output
-from diffprep.plan import read_plan
-from tasks.common import output_from, settings_from, small
+from diffprep.config import WorkersConfig
+from diffprep.existing import Decision, Inspection
+from diffprep.output import OutputRef
+from diffprep.pipeline import prepare_output, verify_output
+from diffprep.plan import Plan
+from tasks.common import output_of
 
 
 @task(name="verify-existing", cache_policy=NO_CACHE, persist_result=False)
-def verify_existing_task(plan_path: str, out_dir: str, settings: dict) -> dict:
-    output = output_from(settings_from(settings), out_dir)
-    return small(asdict(inspect_output(output, read_plan(plan_path))))
+def verify_existing_task(output: OutputRef, plan: Plan) -> Inspection:
+    return verify_output(output_of(output), plan)
+
+
+@task(name="prepare-output", cache_policy=NO_CACHE, persist_result=False)
+def prepare_output_task(output: OutputRef, decision: Decision, inspection: Inspection, plan: Plan,
+                        workers: WorkersConfig) -> list[int]:
+    """Leftovers of dead runs removed, an approved overwrite carried out, the plan written; the units to encode."""
+    return prepare_output(output_of(output), decision, inspection, plan, workers)

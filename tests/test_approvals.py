@@ -118,7 +118,8 @@ def test_a_question_must_offer_abort() -> None:
 
 
 def test_the_existing_output_question_names_every_file_overwrite_would_delete(tmp_path, make_plan) -> None:
-    from diffprep.existing import clear_output, inspect_output
+    from diffprep.existing import inspect_output
+    from diffprep.output import Output
 
     out = tmp_path / "out"
     out.mkdir()
@@ -128,6 +129,6 @@ def test_the_existing_output_question_names_every_file_overwrite_would_delete(tm
     assert inspection.needs_choice
     description = inspection.question().description
     assert "`notes.txt`" in description
-    # Overwrite deletes 000000.tar (clear_output goes by the name): the question must say so.
-    assert "000000.tar" in clear_output(out)
+    # Overwrite deletes 000000.tar (clear_ours goes by the name): the question must say so.
+    assert "000000.tar" in Output(out).clear_ours()
     assert "`000000.tar`" in description

@@ -32,7 +32,8 @@ from conftest import SMALL_SETTINGS
 from diffprep import contract
 from diffprep.audit import AuditReport, audit
 from diffprep.config import ModelConfig, Settings, load_settings
-from diffprep.encode import encode_unit
+from diffprep.encodings.preencoded import preencoded_fields
+from diffprep.units import encode_unit
 from diffprep.encoders.flux import FluxEncoders
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
@@ -100,7 +101,7 @@ def run_pipeline(settings: Settings, encoders: FluxEncoders) -> Run:
     write_plan(out, plan)
     spec = ImageSpec.from_config(settings.image)
     for unit in plan.units:
-        encode_unit(out, plan, unit.unit, encoders, source, spec, batch_size=settings.model.batch_size,
+        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, spec, batch_size=settings.model.batch_size,
                     decode_workers=1)
     report = audit(out, plan)
 

@@ -20,7 +20,8 @@ import flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's 
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.demo import write_demo_dataset
-from diffprep.encode import DiskSpaceError, encode_unit
+from diffprep.encodings.preencoded import preencoded_fields
+from diffprep.units import DiskSpaceError, encode_unit
 from diffprep.encoders import FluxEncoders
 from diffprep.failpoints import ENV as FAILPOINT_ENV
 from diffprep.fetch import fetch
@@ -98,7 +99,7 @@ def test_killed_at_random_moments(prefect_server, data, tiny_model, reference, t
 def test_a_second_run_on_the_same_output_is_refused(prefect_server, data, tiny_model, tmp_path, capsys):
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom diffprep.existing import OutputLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom diffprep.output import OutputLock\n"
          "OutputLock(sys.argv[1], run='other-run').acquire()\nprint('locked', flush=True)\ntime.sleep(120)", str(out)],
         stdout=subprocess.PIPE, text=True,
     )
@@ -124,7 +125,7 @@ def test_disk_full_fails_the_unit_cleanly_and_a_rerun_completes(data, tiny_model
     spec = ImageSpec.from_config(settings.image)
 
     def encode(unit: int):
-        return encode_unit(out, plan, unit, encoders, source, spec, batch_size=2, decode_workers=1)
+        return encode_unit(out, plan, unit, preencoded_fields(encoders), source, spec, batch_size=2, decode_workers=1)
 
     encode(0)
     real_write = ShardWriter.write

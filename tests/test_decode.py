@@ -31,7 +31,8 @@ from diffprep.cli import main
 from diffprep.config import Settings, SourceConfig, load_settings
 from diffprep.decode import CONTACT_SHEET, VaeDecoder, decode_dataset, read_samples, source_config
 from diffprep.demo import write_demo_dataset
-from diffprep.encode import encode_unit, sanity_check
+from diffprep.encodings.preencoded import preencoded_fields, sanity_check
+from diffprep.units import encode_unit
 from diffprep.encoders.flux import FluxEncoders
 from diffprep.energon import finalize
 from diffprep.errors import ConfigError, DiffprepError, SourceError
@@ -77,7 +78,7 @@ def dataset(tmp_path_factory, tiny_model: Path) -> Dataset:
     write_plan(out, plan)
     encoders = FluxEncoders.load(settings.model)
     for unit in plan.units:
-        encode_unit(out, plan, unit.unit, encoders, source, ImageSpec.from_config(settings.image), batch_size=4)
+        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, ImageSpec.from_config(settings.image), batch_size=4)
     audit(out, plan)
     finalize(out, encoding=contract.ENCODING_PREENCODED, train_split=0.5)
     return Dataset(out, data, settings, plan, source, encoders)

@@ -18,7 +18,10 @@ from PIL import Image
 
 from diffprep import contract
 from diffprep.config import ModelConfig
-from diffprep.encode import DiskSpaceError, encode_unit, iter_batches, prefetch, sanity_check, unit_is_done
+from diffprep.encodings.preencoded import preencoded_fields, sanity_check
+from diffprep.output import Output
+from diffprep.reader import iter_batches, prefetch
+from diffprep.units import DiskSpaceError, encode_unit
 from diffprep.encoders.flux import FluxEncoders
 from diffprep.errors import DiffprepError
 from diffprep.fetch import fetch
@@ -49,7 +52,7 @@ def run(tmp_path: Path, tiny_model: Path, settings_for):
 
 
 def encode(out: Path, plan, unit: int, encoders, source, spec, batch_size: int = 4, **kwargs):
-    return encode_unit(out, plan, unit, encoders, source, spec, batch_size=batch_size, **kwargs)
+    return encode_unit(out, plan, unit, preencoded_fields(encoders), source, spec, batch_size=batch_size, **kwargs)
 
 
 def read_shard(path: Path) -> dict[str, dict[str, bytes]]:
@@ -154,7 +157,8 @@ def test_encoding_a_committed_unit_again_touches_nothing(run, demo_data: Path, e
     assert (again.count, again.rejected) == (first.count, first.rejected) == (4, 0)
     assert (shard.stat().st_mtime_ns, manifest.stat().st_mtime_ns) == stamps
     assert file_sha256(shard) == sha
-    assert unit_is_done(out, plan, 2, check_hash=True) is not None
+    committed = Output(out).committed_unit(2, plan.fingerprint)
+    assert committed is not None and file_sha256(shard)[1] == committed.sha256
 
 
 def test_damaged_shard_is_encoded_again(run, demo_data: Path, encoders) -> None:
@@ -163,7 +167,7 @@ def test_damaged_shard_is_encoded_again(run, demo_data: Path, encoders) -> None:
     good = file_sha256(out / "000000.tar")
     with open(out / "000000.tar", "ab") as handle:
         handle.write(b"\0" * 512)
-    assert unit_is_done(out, plan, 0) is None
+    assert Output(out).committed_unit(0, plan.fingerprint) is None
 
     result = encode(out, plan, 0, encoders, source, spec)
 
@@ -354,7 +358,7 @@ def test_sanity_check_writes_its_report_and_one_sample(run, demo_data: Path, enc
 def test_sanity_check_stops_when_the_disk_is_too_small(run, demo_data: Path, encoders, monkeypatch) -> None:
     out, _, plan, source, spec = run(demo_data)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("diffprep.encode.shutil.disk_usage", lambda path: usage(10_000, 9_000, 1_000))
+    monkeypatch.setattr("diffprep.sanity.shutil.disk_usage", lambda path: usage(10_000, 9_000, 1_000))
 
     with pytest.raises(DiskSpaceError) as info:
         sanity_check(out, plan, encoders, source, spec, batch_size=4)

@@ -14,7 +14,8 @@ import pytest
 
 from diffprep import contract
 from diffprep.errors import ExistingOutputError, LockedError
-from diffprep.existing import CHOICES, OutputLock, clear_output, decide, inspect_output, next_free_dir
+from diffprep.existing import CHOICES, decide, inspect_output, next_free_dir
+from diffprep.output import Output, OutputLock
 from diffprep.plan import write_plan
 
 
@@ -233,7 +234,7 @@ def test_next_free_dir_skips_used_versions(tmp_path: Path) -> None:
     assert next_free_dir(out) == str(tmp_path / "data-v4")
 
 
-# clear_output
+# clearing an approved overwrite
 
 
 def test_clear_output_removes_only_diffprep_files(tmp_path: Path, plan, write_unit) -> None:
@@ -255,7 +256,7 @@ def test_clear_output_removes_only_diffprep_files(tmp_path: Path, plan, write_un
         (out / name).write_bytes(data)
     lock_before = lock.read_bytes()
 
-    removed = clear_output(out)
+    removed = Output(out).clear_ours()
 
     assert removed == [contract.STATE_DIR, contract.NV_META, "000000.tar", "000000.tar.idx", "000001.tar"]
     for name, data in foreign.items():
@@ -271,7 +272,7 @@ def test_clear_output_removes_only_diffprep_files(tmp_path: Path, plan, write_un
 
 HOLD_LOCK = """
 import sys, time
-from diffprep.existing import OutputLock
+from diffprep.output import OutputLock
 lock = OutputLock(sys.argv[1], run="flow-run-abc")
 lock.acquire()
 print("locked", flush=True)

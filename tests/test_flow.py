@@ -32,21 +32,20 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.logging.handlers import APILogHandler
 
-import tasks.encode
-import tasks.sanity
 from diffprep import contract
 from diffprep.approvals import ApprovalRefused
 from diffprep.demo import write_demo_dataset
 from diffprep.errors import ConfigError, DiffprepError
 from diffprep.fetch import fetch
+from diffprep.encodings import preencoded
+from diffprep.output import Output
+from diffprep.pipeline import encode_one_unit, sanity_phase
 from diffprep.plan import write_plan
 from diffprep.shards import read_manifest, read_manifests
 from diffprep.validate import validate_dataset
 from flow_runs import BackgroundRun, FinishedRun, answer, parameters, tree
 from tasks.approvals import POLL_SECONDS
 from tasks.common import is_transient, retry_transient
-from tasks.encode import encode_unit_task
-from tasks.sanity import sanity_task
 
 pytestmark = pytest.mark.slow
 
@@ -309,77 +308,85 @@ class RefusesLargeBatches:
 
 @pytest.fixture
 def planned(tmp_path, tiny_model, demo_data, settings_for):
-    """``planned(name)`` -> (out_dir, flow settings as a dict) with the plan of the demo data written there."""
+    """``planned(name)`` -> (output, settings, plan) with the plan of the demo data written there."""
 
-    def make(name: str) -> tuple[Path, dict]:
+    def make(name: str):
         out = tmp_path / name
         settings = settings_for(out, demo_data, tiny_model)
         plan, _source = fetch(settings)
         write_plan(out, plan)
-        return out, settings.model_dump(mode="json")
+        return Output(out), settings, plan
 
     return make
 
 
-def test_out_of_memory_retries_the_unit_at_half_the_batch_size(planned, monkeypatch, caplog) -> None:
-    reference, settings = planned("reference")
-    assert encode_unit_task.fn(settings, str(reference), 1)["count"] == 4
+@pytest.fixture
+def refusing(monkeypatch):
+    """``refusing(limit)``: the encoders loaded from now on run out of memory above ``limit`` images a batch."""
+    made: list[RefusesLargeBatches] = []
 
-    out, settings = planned("out")
-    real = tasks.encode.load_encoders
-    refusing: list[RefusesLargeBatches] = []
-    monkeypatch.setattr(tasks.encode, "load_encoders",
-                        lambda s: refusing.append(RefusesLargeBatches(real(s), limit=2)) or refusing[-1])
-    with caplog.at_level(logging.WARNING, logger="tasks.encode"):
-        result = encode_unit_task.fn(settings, str(out), 1)
+    def install(limit: int, kind=None) -> list:
+        real = preencoded.load_encoders
+        monkeypatch.setattr(preencoded, "load_encoders",
+                            lambda settings, token=None: made.append((kind or RefusesLargeBatches)(
+                                real(settings, token), limit)) or made[-1])
+        return made
 
-    assert (result["unit"], result["count"], result["rejected"]) == (1, 4, 0)
-    assert refusing[0].batches == [4, 2, 2]
+    return install
+
+
+def test_out_of_memory_retries_the_unit_at_half_the_batch_size(planned, refusing, caplog) -> None:
+    reference, settings, plan = planned("reference")
+    assert encode_one_unit(settings, reference, plan, 1).count == 4
+
+    out, settings, plan = planned("out")
+    refused = refusing(2)
+    with caplog.at_level(logging.WARNING, logger="diffprep.pipeline"):
+        result = encode_one_unit(settings, out, plan, 1)
+        after = encode_one_unit(settings, out, plan, 2)
+
+    assert (result.unit, result.count, result.rejected) == (1, 4, 0)
     assert "unit 1 ran out of memory at batch size 4: retrying it at batch size 2 (CUDA out of memory." \
         in caplog.text
+    # The next unit starts at the batch size that fitted instead of running out of memory again.
+    assert refused[-1].batches == [4, 2, 2, 2, 2] and after.count == 4
     # Batches of 2 and of 4 run the same CPU kernels: the same bytes as a unit encoded without trouble.
-    assert read_manifest(out, 1).sha256 == read_manifest(reference, 1).sha256
-    assert (out / "000001.tar").read_bytes() == (reference / "000001.tar").read_bytes()
+    assert read_manifest(out.local, 1).sha256 == read_manifest(reference.local, 1).sha256
+    assert (out.local / "000001.tar").read_bytes() == (reference.local / "000001.tar").read_bytes()
 
 
-def test_out_of_memory_at_batch_size_one_fails_the_unit(planned, monkeypatch, caplog) -> None:
-    out, settings = planned("out")
-    real = tasks.encode.load_encoders
-    refusing: list[RefusesLargeBatches] = []
-    monkeypatch.setattr(tasks.encode, "load_encoders",
-                        lambda s: refusing.append(RefusesLargeBatches(real(s), limit=0)) or refusing[-1])
-    with caplog.at_level(logging.WARNING, logger="tasks.encode"), pytest.raises(DiffprepError) as failed:
-        encode_unit_task.fn(settings, str(out), 2)
+def test_out_of_memory_at_batch_size_one_fails_the_unit(planned, refusing, caplog) -> None:
+    out, settings, plan = planned("out")
+    refused = refusing(0)
+    with caplog.at_level(logging.WARNING, logger="diffprep.pipeline"), pytest.raises(DiffprepError) as failed:
+        encode_one_unit(settings, out, plan, 2)
 
-    assert refusing[0].batches == [4, 2, 1]
+    assert refused[-1].batches == [4, 2, 1]
     assert str(failed.value).startswith("unit 2 ran out of memory even at batch size 1: lower --image-size (now 32)")
     assert "--t5-max-length (now 16)" in str(failed.value) and "CUDA out of memory" in str(failed.value)
     assert not is_transient(failed.value)  # Prefect does not retry it either
     assert "retrying it at batch size 2" in caplog.text and "retrying it at batch size 1" in caplog.text
     # Nothing committed and no temporary file left behind.
-    assert read_manifest(out, 2) is None
-    assert sorted(p.name for p in out.iterdir()) == [contract.STATE_DIR]
+    assert read_manifest(out.local, 2) is None
+    assert sorted(p.name for p in out.local.iterdir()) == [contract.STATE_DIR]
 
 
-def test_other_encoder_errors_are_not_retried_as_out_of_memory(planned, monkeypatch) -> None:
-    out, settings = planned("out")
+def test_other_encoder_errors_are_not_retried_as_out_of_memory(planned, refusing) -> None:
+    out, settings, plan = planned("out")
 
     class Broken(RefusesLargeBatches):
         def encode_images(self, pixels, keys):
             self.batches.append(len(keys))
             raise RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")
 
-    real = tasks.encode.load_encoders
-    broken: list[Broken] = []
-    monkeypatch.setattr(tasks.encode, "load_encoders", lambda s: broken.append(Broken(real(s), 4)) or broken[-1])
+    broken = refusing(4, Broken)
     with pytest.raises(RuntimeError, match="CUDNN_STATUS_INTERNAL_ERROR"):
-        encode_unit_task.fn(settings, str(out), 0)
-    assert broken[0].batches == [4]
+        encode_one_unit(settings, out, plan, 0)
+    assert broken[-1].batches == [4]
 
 
-def test_out_of_memory_in_the_sanity_check_falls_back_too(planned, monkeypatch) -> None:
-    out, settings = planned("out")
-    real = tasks.sanity.load_encoders
-    monkeypatch.setattr(tasks.sanity, "load_encoders", lambda s: RefusesLargeBatches(real(s), limit=2))
-    report = sanity_task.fn(settings, str(out), [0, 1, 2])
-    assert report["ok"] and report["samples"] == 2
+def test_out_of_memory_in_the_sanity_check_falls_back_too(planned, refusing) -> None:
+    out, settings, plan = planned("out")
+    refusing(2)
+    report = sanity_phase(settings, out, plan, [0, 1, 2])
+    assert report.ok and report.samples == 2

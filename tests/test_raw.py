@@ -23,13 +23,13 @@ from diffprep.cli import main
 from diffprep.config import load_settings
 from diffprep.decode import CONTACT_SHEET, decode_dataset, file_pixels
 from diffprep.demo import write_demo_dataset
-from diffprep.encode import encode_unit
+from diffprep.units import encode_unit
 from diffprep.energon import read_dataset_encoding
 from diffprep.errors import ConfigError
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec, prepare_image
 from diffprep.plan import write_plan
-from diffprep.raw import BATCH_SIZE, RawImageWriter, image_bytes, raw_fields
+from diffprep.encodings.raw import BATCH_SIZE, RawImageWriter, image_bytes, raw_fields
 from diffprep.shards import read_manifests
 from tasks.common import slug
 
@@ -115,8 +115,8 @@ def test_alpha_and_palette_images_are_converted_not_dropped(tmp_path: Path) -> N
     plan, source = fetch(settings, encoding=contract.ENCODING_RAW)
     write_plan(out, plan)
     writer = RawImageWriter("png", 95)
-    result = encode_unit(out, plan, 0, None, source, ImageSpec.from_config(settings.image), batch_size=BATCH_SIZE,
-                         sample_fields=writer.sample_fields)
+    result = encode_unit(out, plan, 0, writer.sample_fields, source, ImageSpec.from_config(settings.image),
+                         batch_size=BATCH_SIZE)
     assert (result.count, result.rejected) == (4, 0)
 
     members = shard_members(out / "000000.tar")

@@ -25,7 +25,7 @@ from prefect.client.schemas.objects import StateType
 
 from diffprep.errors import LockedError, SourceError
 from diffprep.existing import inspect_output
-from diffprep.outputs import S3Lock, S3Output, open_output
+from diffprep.output import S3Lock, S3Output, open_output
 from diffprep.shards import UnitManifest
 from diffprep.storage import S3Url
 from diffprep.validate import validate_dataset

@@ -18,7 +18,8 @@ from PIL import Image
 
 from diffprep.audit import audit
 from diffprep.config import ModelConfig, SourceConfig
-from diffprep.encode import encode_unit
+from diffprep.encodings.preencoded import preencoded_fields
+from diffprep.units import encode_unit
 from diffprep.encoders.flux import FluxEncoders
 from diffprep.errors import SourceError
 from diffprep.fetch import fetch
@@ -351,7 +352,7 @@ def test_fetch_encode_audit_from_bucket(shards, proxy: FaultProxy, tmp_path: Pat
                                              t5_max_length=settings.model.t5_max_length))
     spec = ImageSpec.from_config(settings.image)
     for unit in plan.units:
-        encode_unit(out, plan, unit.unit, encoders, source, spec, batch_size=4, decode_workers=1)
+        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, spec, batch_size=4, decode_workers=1)
     report = audit(out, plan)
     assert report.ok, report.problems
     assert (report.inputs, report.written, report.rejected) == (11, 6, 5)

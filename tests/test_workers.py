@@ -18,7 +18,7 @@ from diffprep import contract
 from diffprep.cli import main
 from diffprep.demo import write_demo_dataset
 from diffprep.errors import LockedError
-from diffprep.existing import OutputLock
+from diffprep.output import OutputLock
 from diffprep.shards import read_manifests, temp_pid
 from diffprep.workers import parse_devices, split_chunks, units_for_shard
 

@@ -20,28 +20,24 @@ import io
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 from diffprep import contract
+from diffprep.checks import Check, Findings
+from diffprep.config import Settings
+from diffprep.cooker import FluxRawTaskEncoder
 from diffprep.decode import file_pixels
-from diffprep.encode import (
-    TAR_MEMBER_OVERHEAD,
-    Batch,
-    SanityReport,
-    _peak_memory,
-    check_round_trip,
-    finish_sanity,
-    first_batch,
-    project_run,
-)
+from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec
+from diffprep.output import Output, as_output
 from diffprep.plan import Plan
+from diffprep.reader import Batch, first_batch
+from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip, finish_sanity, peak_memory, project_run
 from diffprep.shards import Reject, field_bytes
 from diffprep.sources import Source
 
@@ -86,7 +82,7 @@ class RawImageWriter:
         raw_fields(self.image_format)  # refuses an unknown format before any sample is read
 
     def sample_fields(self, batch: Batch, notes: Counter) -> list[dict | Reject]:
-        """``encode.SampleFields`` for ``encode_unit``: one dict of fields per sample of ``batch``."""
+        """``SampleFields`` for ``encode_unit``: one dict of fields per sample of ``batch``."""
         return [
             {
                 self.image_format: image_bytes(batch.pixels[i], self.image_format, self.quality),
@@ -98,7 +94,7 @@ class RawImageWriter:
 
 
 def raw_sanity_check(
-    out_dir: str | Path,
+    output: Output | str,
     plan: Plan,
     writer: RawImageWriter,
     source: Source,
@@ -112,19 +108,18 @@ def raw_sanity_check(
     The PSNR of the stored files against the prepared pixels is the format's
     loss (None for png: identical); it is reported, not checked. Raises
     DiskSpaceError before any shard is written when the projection does not fit (``staged_samples``: as
-    in ``diffprep.encode.sanity_check``).
+    in ``diffprep.encodings.preencoded.sanity_check``).
     """
-    sanity_dir = Path(out_dir) / contract.STATE_DIR / contract.SANITY_DIR
-    sanity_dir.mkdir(parents=True, exist_ok=True)
+    output = as_output(output)
     batch = first_batch(plan, source, spec, BATCH_SIZE)
     start = time.perf_counter()
     samples = writer.sample_fields(batch, Counter())
     seconds = time.perf_counter() - start
     stored = torch.stack([file_pixels(sample[writer.image_format]) for sample in samples])
-    psnrs, sheet, _ = check_round_trip(sanity_dir, batch, stored, min_psnr=0.0)
+    psnrs, sheet, _ = check_round_trip(output, batch, stored, min_psnr=0.0)
     sizes = [sum(len(field_bytes(value)) for value in sample.values()) for sample in samples]
     per_sample = round(sum(sizes) / len(sizes)) + TAR_MEMBER_OVERHEAD * len(samples[0])
-    remaining, projected_seconds, free = project_run(out_dir, plan, units_left, seconds, len(samples), 1)
+    remaining, projected_seconds, free = project_run(output, plan, units_left, seconds, len(samples), 1)
     shape = list(batch.pixels.shape[1:])
     report = SanityReport(
         ok=True,
@@ -134,7 +129,7 @@ def raw_sanity_check(
         finite=True,
         psnr_db=psnrs,
         seconds_per_batch=round(seconds, 4),
-        peak_memory_bytes=_peak_memory(torch.device("cpu")),
+        peak_memory_bytes=peak_memory(torch.device("cpu")),
         bytes_per_sample=per_sample,
         projected_bytes=per_sample * remaining,
         projected_seconds=round(projected_seconds, 1),
@@ -142,4 +137,85 @@ def raw_sanity_check(
         contact_sheet=str(sheet),
         local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
     )
-    return finish_sanity(out_dir, report, remaining)
+    return finish_sanity(output, report, remaining)
+
+
+def image_writer(settings: Settings) -> RawImageWriter:
+    return RawImageWriter(settings.raw.image_format, settings.raw.image_quality)
+
+
+class Raw(Encoding):
+    """Prepared images stored as image files with their captions; nothing is encoded."""
+
+    name = contract.ENCODING_RAW
+
+    def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        raw = settings.raw
+        # png is lossless: its quality setting changes no byte.
+        quality = None if raw.image_format == "png" else raw.image_quality
+        identity = {"raw": {"image_format": raw.image_format, "image_quality": quality}}
+        return self.byte_settings(settings, identity), {"fields": raw_fields(raw.image_format)}
+
+    def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(expected["fields"])
+
+    def field_problem(self, fields: Sequence[str], expected: dict[str, Any] | None) -> str:
+        problem = super().field_problem(fields, expected)
+        if problem:
+            return problem
+        images = [name for name in fields if name in contract.RAW_IMAGE_FIELDS]
+        if len(images) != 1 or contract.RAW_CAPTION not in fields:
+            return (f"needs one image field of {list(contract.RAW_IMAGE_FIELDS)} and {contract.RAW_CAPTION!r}, "
+                    f"has {sorted(fields)}")
+        return ""
+
+    def load(self, settings: Settings, token: str | None) -> RawImageWriter:
+        return image_writer(settings)
+
+    def sample_fields(self, settings: Settings, loaded: RawImageWriter) -> SampleFields:
+        return loaded.sample_fields
+
+    def batch_size(self, settings: Settings) -> int:
+        return BATCH_SIZE
+
+    def sanity(self, output: Output, plan: Plan, loaded: RawImageWriter, source: Source, spec: ImageSpec, *,
+               settings: Settings, batch_size: int, units_left: Sequence[int] | None, workers: int,
+               staged_samples: int | None) -> SanityReport:
+        return raw_sanity_check(output, plan, loaded, source, spec, units_left=units_left,
+                                staged_samples=staged_samples)
+
+    def oom_advice(self, settings: Settings, loaded: RawImageWriter) -> str:
+        return f"lower --image-size (now {settings.image.image_size})"
+
+    def task_encoder(self) -> FluxRawTaskEncoder:
+        return FluxRawTaskEncoder()
+
+    def inspector(self, expected: dict[str, Any] | None) -> RawInspector:
+        return RawInspector()
+
+
+class RawInspector:
+    """Validation of loaded raw samples: every stored image decodes; counts per format and mode."""
+
+    def __init__(self) -> None:
+        self.decode = Findings("images")
+        self.images: dict[str, int] = {}
+
+    def inspect(self, sample: Any) -> None:
+        try:
+            with Image.open(io.BytesIO(sample.image)) as image:
+                image.load()
+                kind = f"{image.format} {image.mode}"
+        except Exception as error:  # noqa: BLE001 - any undecodable image is a finding
+            self.decode.add(f"{sample.__key__} {sample.image_format} does not decode: {type(error).__name__}: {error}")
+            return
+        self.images[kind] = self.images.get(kind, 0) + 1
+
+    def checks(self) -> list[Check]:
+        return [self.decode.check("every image decodes")]
+
+    def summary(self) -> dict[str, Any]:
+        return {"images": self.images}
+
+    def passed(self, output: Output) -> tuple[list[Check], dict[str, Any]]:
+        return [], {}

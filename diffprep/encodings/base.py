@@ -1,0 +1,98 @@
+"""What a pipeline stores per sample, and everything that follows from it: one ``Encoding`` per kind of dataset.
+
+An encoding says which settings change its bytes (the fingerprint) and what
+every sample must hold (plan.json's ``expected``), loads what writes its
+samples (encoders, or nothing), turns a batch into samples' fields, runs the
+one-batch sanity check its way, and tells validation how to load and judge a
+sample. The pipeline, audit, finalize and validate ask the plan's encoding;
+no other module branches on the kind of dataset.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+from diffprep import contract
+from diffprep.config import Settings
+from diffprep.images import ImageSpec
+from diffprep.output import Output
+from diffprep.plan import Plan
+from diffprep.reader import Batch
+from diffprep.sanity import SanityReport
+from diffprep.shards import Reject
+from diffprep.sources import Source
+
+# A batch -> the fields of each sample (a dict, or a Reject); samples kept but worth counting go in the Counter.
+SampleFields = Callable[[Batch, Counter], list[dict | Reject]]
+
+
+class Encoding(ABC):
+    """One kind of dataset (its Energon subflavor ``encoding: <name>``)."""
+
+    name: str
+
+    def byte_settings(self, settings: Settings, identity: dict[str, Any]) -> dict[str, Any]:
+        """The settings that change the bytes of a shard, and so the fingerprint."""
+        image = settings.image
+        return {
+            "contract": contract.CONTRACT_VERSION,
+            "encoding": self.name,
+            **identity,
+            "shard_size": settings.output.shard_size,
+            "image": {
+                "image_size": image.image_size,
+                "center_crop": image.center_crop,
+                "variable_size": image.variable_size,
+                "max_size": image.max_size,
+                "max_pixels": image.max_pixels,
+                "background": list(image.background),
+            },
+        }
+
+    @abstractmethod
+    def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the fingerprinted byte settings, ``expected``: what every sample holds) for plan.json."""
+
+    @abstractmethod
+    def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
+        """The fields (tar member extensions) every sample of a plan with ``expected`` has."""
+
+    def field_problem(self, fields: Sequence[str], expected: dict[str, Any] | None) -> str:
+        """Why a sample with these fields is not one of this encoding's ('' when it is)."""
+        if len(set(fields)) != len(fields):
+            return f"duplicate fields {sorted(fields)}"
+        required = (expected or {}).get("fields") or []
+        if any(f not in fields for f in required):
+            return f"missing {[f for f in required if f not in fields]} (required by the plan)"
+        return ""
+
+    @abstractmethod
+    def load(self, settings: Settings, token: str | None) -> Any:
+        """What writes the samples (encoders on a device), loaded once per process; None when nothing is."""
+
+    @abstractmethod
+    def sample_fields(self, settings: Settings, loaded: Any) -> SampleFields:
+        """The function that turns a batch into its samples' fields."""
+
+    @abstractmethod
+    def batch_size(self, settings: Settings) -> int:
+        """Samples per batch; only the pre-encoded batch size can be lowered after running out of memory."""
+
+    @abstractmethod
+    def sanity(self, output: Output, plan: Plan, loaded: Any, source: Source, spec: ImageSpec, *, settings: Settings,
+               batch_size: int, units_left: Sequence[int] | None, workers: int,
+               staged_samples: int | None) -> SanityReport:
+        """One batch written into the state folder (never the dataset), checked, and the run projected."""
+
+    @abstractmethod
+    def task_encoder(self) -> Any:
+        """The Energon task encoder that loads this encoding's samples (validation, training)."""
+
+    @abstractmethod
+    def inspector(self, expected: dict[str, Any] | None) -> Any:
+        """A ``diffprep.validation`` sample inspector: checks every loaded sample, summarizes them."""
+
+
+__all__ = ["Encoding", "SampleFields"]

@@ -1,0 +1,211 @@
+"""What every output offers, whether a local folder or a bucket prefix (``diffprep.output.s3``).
+
+Every phase works in ``output.local``, the output's working folder: the
+output itself for a folder, a staging folder for a bucket prefix. Shards and
+indexes are read where they are (``open``, ``size``); the state folder
+through ``output.state`` (``diffprep.output.state.StateStore``); a unit is
+committed by ``commit_unit`` only; ``committed_units`` is the one answer to
+"which units are done".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from diffprep import contract
+from diffprep.output.locks import OutputLock, pid_alive
+from diffprep.output.state import StateStore
+from diffprep.shards import (
+    ShardDigest,
+    ShardSink,
+    UnitManifest,
+    atomic_write_bytes,
+    shard_digest,
+    tar_keys,
+    temp_pid,
+    write_manifest,
+)
+
+
+def is_ours(name: str) -> bool:
+    """Whether a top-level entry of an output is one diffprep writes (state, Energon metadata, shards, indexes)."""
+    if name in (contract.NV_META, contract.STATE_DIR):
+        return True
+    if name.endswith(contract.INDEX_SUFFIX):
+        name = name[: -len(".idx")]
+    return contract.unit_of_shard(name) is not None
+
+
+class Output:
+    """A local output folder; the base of every output (see the module docstring)."""
+
+    remote = False
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.local = Path(path).expanduser().resolve()
+        self.uri = str(self.local)
+        self.state = StateStore(self)
+        self.credentials_block: str | None = None  # the S3 credentials block it was opened with (by name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    # -- reading --------------------------------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return self.local.exists()
+
+    def entries(self) -> list[str]:
+        """Top-level names: files and folders, ours and foreign."""
+        return sorted(os.listdir(self.local)) if self.local.is_dir() else []
+
+    def size(self, name: str) -> int | None:
+        """Size of the top-level file ``name``; None when there is none."""
+        path = self.local / name
+        return path.stat().st_size if path.is_file() else None
+
+    def open(self, name: str) -> IO[bytes]:
+        """A forward-only binary stream of the file ``name`` (a shard, an index)."""
+        return open(self.local / name, "rb")
+
+    def shard_keys(self, name: str) -> dict[str, list[str]]:
+        """Sample keys of the shard ``name`` and the fields of each (tar headers)."""
+        return tar_keys(self.local / name)
+
+    def shard_digest(self, name: str) -> ShardDigest:
+        """Size, sha256 and sample keys (with their fields) of the shard ``name``, in one read."""
+        with self.open(name) as stream:
+            return shard_digest(stream)
+
+    def total_bytes(self) -> int:
+        total = 0
+        for root, _dirs, files in os.walk(self.local):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, name)).st_size
+        return total
+
+    def link(self) -> str:
+        return self.local.as_uri()
+
+    # -- units ----------------------------------------------------------------------------------------------------
+    def shard_intact(self, manifest: UnitManifest) -> bool:
+        """Whether the shard a manifest records is there as written (size; the hash is checked by validate)."""
+        return self.size(manifest.shard) == manifest.bytes
+
+    def unit_status(self, fingerprint: str) -> tuple[dict[int, UnitManifest], list[int]]:
+        """(committed units of ``fingerprint`` by unit, units of it whose manifest's shard is missing or changed)."""
+        candidates = [m for m in self.state.manifests().values() if m.fingerprint == fingerprint]
+        intact = self._check_shards(candidates)
+        return ({m.unit: m for m, ok in zip(candidates, intact) if ok},
+                [m.unit for m, ok in zip(candidates, intact) if not ok])
+
+    def _check_shards(self, manifests: list[UnitManifest]) -> list[bool]:
+        return [self.shard_intact(m) for m in manifests]
+
+    def committed_units(self, fingerprint: str) -> dict[int, UnitManifest]:
+        """The one answer to "what is done": units committed for ``fingerprint`` whose shard is intact."""
+        return self.unit_status(fingerprint)[0]
+
+    def committed_unit(self, unit: int, fingerprint: str) -> UnitManifest | None:
+        """The unit's manifest when it is committed for ``fingerprint`` with its shard intact."""
+        manifest = self.state.manifest(unit)
+        if manifest is None or manifest.fingerprint != fingerprint or not self.shard_intact(manifest):
+            return None
+        return manifest
+
+    def shard_sink(self, unit: int) -> ShardSink | None:
+        """Where a shard's bytes also go while it is written (a bucket's upload); a folder needs none."""
+        return None
+
+    def commit_unit(self, manifest: UnitManifest, sink: ShardSink | None = None) -> None:
+        """Commit a unit whose shard is in place: its manifest, written last, is the commit point."""
+        write_manifest(self.local, manifest)
+
+    # -- keeping the working folder in step (a folder is its own) --------------------------------------------------
+    def sync_state(self) -> None:
+        """Make the working copy of ``.diffprep`` and ``.nv-meta`` equal to the output's."""
+
+    def sync_manifests(self) -> None:
+        """Make the working copy of the unit manifests equal to the output's."""
+
+    def publish_file(self, relative: str) -> None:
+        """A file just written in the working folder, made part of the output (a bucket uploads it)."""
+
+    def write_file(self, relative: str, data: bytes) -> Path:
+        """Write a small file of the output (metadata) atomically in the working folder, and publish it."""
+        path = self.local / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data)
+        self.publish_file(relative)
+        return path
+
+    # -- changing what exists (each only after an approval) -------------------------------------------------------
+    def abort_stale_uploads(self) -> list[str]:
+        """Uploads left unfinished by runs that died; a folder has none."""
+        return []
+
+    def clear_ours(self) -> list[str]:
+        """Delete what diffprep wrote (only after an approved overwrite); files it did not write stay.
+
+        The lock of the run doing the overwrite stays. Returns the top-level names removed.
+        """
+        removed = []
+        for name in self.entries():
+            if not is_ours(name):
+                continue
+            path = self.local / name
+            if name == contract.STATE_DIR:
+                self.state.clear()
+            elif path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(name)
+        return removed
+
+    def clear_dead_temp_files(self) -> list[str]:
+        """Remove temporary files that writers on this host left when they died: never committed, never data.
+
+        Looks under ``.diffprep`` of the working folder (temporary shards and
+        state files); files of live processes and of other hosts stay.
+        """
+        host = socket.gethostname()
+        removed = []
+        for root, _dirs, files in os.walk(self.state.root):
+            for name in sorted(files):
+                pid = temp_pid(name, host)
+                if pid is None or pid_alive(pid):
+                    continue
+                path = Path(root) / name
+                path.unlink(missing_ok=True)
+                removed.append(str(path.relative_to(self.local)))
+        return sorted(removed)
+
+    def next_free(self) -> Output:
+        """``<out>-v2``, ``-v3``...: the first that does not exist or is empty."""
+        version = 2
+        while True:
+            candidate = self.local.with_name(f"{self.local.name}-v{version}")
+            if not candidate.exists() or (candidate.is_dir() and not any(candidate.iterdir())):
+                return Output(candidate)
+            version += 1
+
+    @contextlib.contextmanager
+    def energon_access(self) -> Iterator[Any]:
+        """The path Energon opens the dataset by, valid inside the block; ``.nv-meta`` is in step after it."""
+        yield self.local
+
+    def lock(self, run: str | None, shard: int | None = None) -> contextlib.AbstractContextManager:
+        """One run at a time per output (``diffprep.output.locks``), naming its holder."""
+        return OutputLock(self.local, run, shard=shard)
+
+
+LocalOutput = Output
+
+__all__ = ["LocalOutput", "Output", "is_ours"]

@@ -1,0 +1,105 @@
+"""The state folder of an output (``.diffprep/``): plan, unit manifests, audit, splits, validation, sanity files.
+
+Every read and write of the state goes through the output's ``StateStore``.
+Writes are atomic (temporary file, fsync, rename) in the output's working
+folder; for a bucket output they are also uploaded at once (write-through),
+and ``sync()`` makes the staged copy equal to the bucket's (the bucket is the
+truth). Unit manifests are the commit points: they are written by
+``Output.commit_unit`` only, never here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diffprep import contract
+from diffprep.plan import Plan, read_plan
+from diffprep.shards import UnitManifest, json_file_bytes, read_manifest, read_manifests
+
+if TYPE_CHECKING:
+    from diffprep.output.base import Output
+
+
+class StateStore:
+    """``<output>/.diffprep``, read and written through the output that owns it."""
+
+    def __init__(self, output: Output) -> None:
+        self.output = output
+
+    @property
+    def root(self) -> Path:
+        return self.output.local / contract.STATE_DIR
+
+    def path(self, relative: str) -> Path:
+        """The working copy of a state file (``plan.json``, ``sanity/report.json``...)."""
+        return self.root / relative
+
+    def _rel(self, relative: str) -> str:
+        return f"{contract.STATE_DIR}/{relative}"
+
+    # -- reading ----------------------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Make the working copy equal to the output's (a bucket's state is downloaded; a folder is its own)."""
+        self.output.sync_state()
+
+    def exists(self, relative: str) -> bool:
+        return self.path(relative).is_file()
+
+    def read_bytes(self, relative: str) -> bytes | None:
+        path = self.path(relative)
+        return path.read_bytes() if path.is_file() else None
+
+    def read_json(self, relative: str) -> Any:
+        data = self.read_bytes(relative)
+        return None if data is None else json.loads(data)
+
+    def plan(self) -> Plan | None:
+        return read_plan(self.path(contract.PLAN_JSON))
+
+    def manifests(self) -> dict[int, UnitManifest]:
+        """Every unit manifest in the state, by unit (committed or not: see ``Output.committed_units``)."""
+        self.output.sync_manifests()
+        return read_manifests(self.output.local)
+
+    def manifest(self, unit: int) -> UnitManifest | None:
+        return read_manifest(self.output.local, unit)
+
+    def is_empty(self) -> bool:
+        """No plan and no manifest (e.g. only a lock or temporary files): the state holds no data."""
+        return not self.exists(contract.PLAN_JSON) and not any((self.root / contract.UNITS_DIR).glob("*.json"))
+
+    # -- writing (write-through) --------------------------------------------------------------------------------------
+    def write_bytes(self, relative: str, data: bytes) -> Path:
+        return self.output.write_file(self._rel(relative), data)
+
+    def write_json(self, relative: str, value: Any) -> Path:
+        return self.write_bytes(relative, json_file_bytes(value))
+
+    def write_plan(self, plan: Plan) -> Path:
+        return self.write_json(contract.PLAN_JSON, plan.to_json())
+
+    @contextlib.contextmanager
+    def writing(self, relative: str) -> Iterator[Path]:
+        """A path for a writer that takes one (a contact sheet); published when the block ends without error."""
+        path = self.path(relative)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield path
+        if path.is_file():
+            self.output.publish_file(self._rel(relative))
+
+    def clear(self) -> None:
+        """Forget every state file but the run's own locks (after an approved overwrite)."""
+        if not self.root.is_dir():
+            return
+        for child in sorted(self.root.iterdir()):
+            if contract.is_lock_file(child.name):
+                continue
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+__all__ = ["StateStore"]

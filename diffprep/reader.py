@@ -1,0 +1,175 @@
+"""Reading a unit: its source samples decoded in a thread pool and batched by size, a batch or two ahead.
+
+A unit is read and decoded in a background thread (images decoded by a small
+thread pool, a bounded queue of ready batches in between) while the encoders
+work on the previous batch. A sample that cannot be used becomes a reject with
+a reason; it never stops the unit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from diffprep import contract
+from diffprep.errors import DiffprepError, RejectError
+from diffprep.failpoints import failpoint
+from diffprep.images import ImageSpec, PreparedImage, prepare_image
+from diffprep.plan import Plan, UnitPlan
+from diffprep.shards import Reject
+from diffprep.sources import Source, SourceSample
+
+
+@dataclass
+class Batch:
+    keys: list[str]
+    source_ids: list[str]
+    captions: list[str]
+    pixels: torch.Tensor  # uint8 [B, 3, H, W]
+    metas: list[dict]
+
+
+def _prepare(sample: SourceSample, spec: ImageSpec) -> PreparedImage:
+    if sample.reject is not None:
+        raise sample.reject
+    if sample.image is None:
+        raise RejectError("missing_image", "the source gave no image for this sample", phase="read")
+    if sample.caption is None:
+        raise RejectError("missing_caption", "the source gave no caption for this sample", phase="read")
+    failpoint("decode")
+    return prepare_image(sample.image, spec)
+
+
+def iter_prepared(
+    source: Source, unit: UnitPlan, spec: ImageSpec, *, workers: int = 2, depth: int = 16
+) -> Iterator[tuple[int, SourceSample, PreparedImage | RejectError]]:
+    """Yield ``(index, sample, prepared-or-reject)`` in unit order, decoding ``depth`` images ahead."""
+    pending: deque[tuple[int, SourceSample, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="diffprep-decode") as pool:
+        def resolve(item):
+            index, sample, future = item
+            try:
+                return index, sample, future.result()
+            except RejectError as exc:
+                return index, sample, exc
+            except Exception as exc:  # noqa: BLE001 - a sample PIL chokes on is a reject, not a crash
+                return index, sample, RejectError("image_decode_error", f"{type(exc).__name__}: {exc}")
+
+        count = 0
+        for index, sample in enumerate(source.read(unit.source_ids)):
+            count += 1
+            if sample.source_id != unit.source_ids[index]:
+                raise DiffprepError(
+                    f"the source returned {sample.source_id!r} where unit {unit.unit} planned "
+                    f"{unit.source_ids[index]!r}; the source must read ids in the order given"
+                )
+            pending.append((index, sample, pool.submit(_prepare, sample, spec)))
+            while len(pending) > depth:
+                yield resolve(pending.popleft())
+        while pending:
+            yield resolve(pending.popleft())
+    if count != len(unit.source_ids):
+        raise DiffprepError(f"the source returned {count} samples for unit {unit.unit}, planned {len(unit.source_ids)}")
+
+
+def _meta(sample: SourceSample, image: PreparedImage) -> dict:
+    return {
+        "source_id": sample.source_id,
+        "original_size": list(image.original_size),
+        "crop_box": list(image.crop_box),
+        "size": [int(image.pixels.shape[2]), int(image.pixels.shape[1])],
+        "notes": list(image.notes),
+    }
+
+
+def iter_batches(
+    source: Source,
+    unit: UnitPlan,
+    spec: ImageSpec,
+    batch_size: int,
+    rejects: list[Reject],
+    *,
+    workers: int = 2,
+) -> Iterator[Batch]:
+    """Batches of consecutive samples of the same size; rejects are appended to ``rejects`` as they come."""
+    items: list[tuple[int, SourceSample, PreparedImage]] = []
+
+    def flush() -> Batch:
+        batch = Batch(
+            keys=[contract.sample_key(unit.unit, i) for i, _, _ in items],
+            source_ids=[s.source_id for _, s, _ in items],
+            captions=[s.caption for _, s, _ in items],
+            pixels=torch.stack([img.pixels for _, _, img in items]),
+            metas=[_meta(s, img) for _, s, img in items],
+        )
+        items.clear()
+        return batch
+
+    for index, sample, result in iter_prepared(source, unit, spec, workers=workers, depth=2 * batch_size):
+        if isinstance(result, RejectError):
+            rejects.append(Reject(sample.source_id, result.reason, result.detail, result.phase))
+            continue
+        if items and (len(items) == batch_size or items[0][2].pixels.shape != result.pixels.shape):
+            yield flush()
+        items.append((index, sample, result))
+    if items:
+        yield flush()
+
+
+def prefetch(batches: Iterator[Batch], depth: int = 2) -> Iterator[Batch]:
+    """Run ``batches`` in a background thread, ``depth`` batches ahead; errors surface in the caller."""
+    done = object()
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        ready.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            ready.put(exc)
+
+    thread = threading.Thread(target=produce, name="diffprep-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                ready.get_nowait()
+            except queue.Empty:
+                thread.join(timeout=0.1)
+
+
+def first_batch(plan: Plan, source: Source, spec: ImageSpec, batch_size: int) -> Batch:
+    """The first batch that decodes, from the first units: at most a few units are read."""
+    rejects: list[Reject] = []
+    for unit in plan.units:
+        batch = next(iter_batches(source, unit, spec, batch_size, rejects), None)
+        if batch is not None:
+            return batch
+    raise DiffprepError(
+        "sanity: no sample of the source could be decoded; rejects: "
+        + "; ".join(f"{r.source_id}: {r.reason} {r.detail}" for r in rejects[:5])
+    )

@@ -1,0 +1,182 @@
+"""Strict validation of a finalized dataset: ``python -m diffprep.validate OUT``.
+
+The checks (``checks.py``) are functions of an immutable description of the
+dataset (``dataset.py``); each returns its findings as ``Check``s, nothing is
+only logged. This module runs them in order and is the only one that writes:
+``.diffprep/validation.json``, and when every check passed the per-channel
+latent statistics (``.diffprep/latent_stats.pt``) the encoding's inspector
+gathered.
+
+The summary also holds the reject counts of ``.diffprep/audit.json`` and
+previews: a few samples decoded (latents through the dataset's VAE, raw
+images as stored) next to their re-read sources, their PSNR, and a contact
+sheet at ``.diffprep/contact_sheet.png``. Previews inform, they never fail the
+validation: without a reachable VAE or source they are skipped with a note.
+
+Tensors are only ever loaded with ``torch.load(weights_only=True)`` (in the
+cooker): a shard holding a pickle that would run code fails validation
+instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from typing import Any
+
+from diffprep import contract
+from diffprep.checks import Check
+from diffprep.encodings import get_encoding
+from diffprep.errors import ConfigError, SourceError
+from diffprep.output import Output, as_output, open_output
+from diffprep.validation.checks import Progress, check_loading, check_shards, check_splits
+from diffprep.validation.dataset import normalize_expected, read_dataset
+from diffprep.validation.report import ValidationReport
+
+
+def validate_dataset(
+    output: Output | str | os.PathLike,
+    *,
+    encoding: str | None = None,
+    expected: dict[str, Any] | None = None,
+    max_load: int | None = None,
+    progress: Progress | None = None,
+    previews: int = 4,
+) -> ValidationReport:
+    """Check a finalized output; never raises for a problem in the data, reports it.
+
+    ``encoding`` defaults to the one in dataset.yaml (a different value fails).
+    ``expected`` (keys ``latents``, ``prompt_embeds``, ``pooled_prompt_embeds``:
+    shapes with None for a free dimension, or None for any latent size;
+    ``dtype``: e.g. ``"bfloat16"``) defaults to ``plan.json``'s ``expected``,
+    else to the first sample's shapes (latent height and width free).
+    ``max_load`` limits the samples loaded per split; counts are still checked
+    from the tar headers. ``progress(stage, done, total)`` is called as work
+    advances. ``previews`` samples are decoded and compared with their
+    sources into ``.diffprep/contact_sheet.png`` (0: none). Raises
+    ConfigError only for invalid arguments.
+
+    ``output`` may be a bucket prefix's ``Output``: the dataset is then
+    validated in place, its shards read back from the bucket and loaded
+    through Energon's Multi-Storage Client access.
+    """
+    if encoding is not None:
+        get_encoding(encoding)
+    if max_load is not None and max_load < 1:
+        raise ConfigError(f"max_load must be >= 1 (or None for every sample), got {max_load}")
+    if previews < 0:
+        raise ConfigError(f"previews must be >= 0 (0: none), got {previews}")
+    if expected is not None:
+        expected = normalize_expected(expected, "the expected argument") | {"source": "argument"}
+    output = as_output(output)
+    if output.remote:
+        if not output.exists():
+            return _report(output, [Check("metadata", False, f"{output.uri} holds no objects")], {})
+        output.state.sync()
+    elif not output.local.is_dir():
+        return _report(output, [Check("metadata", False, f"{output.local} is not a directory")], {})
+
+    summary: dict[str, Any] = {"max_load": max_load} if max_load is not None else {}
+    dataset, metadata = read_dataset(output, encoding, expected)
+    summary["encoding"] = dataset.encoding
+    checks = [metadata]
+    split_checks, split_summary = check_splits(dataset)
+    checks += split_checks
+    summary.update(split_summary)
+    shard_checks, shard_summary = check_shards(dataset, output, _encoding(dataset.encoding), progress)
+    checks += shard_checks
+    summary.update(shard_summary)
+    inspector = None
+    if dataset.info is not None and dataset.split_of is not None and dataset.encoding is not None:
+        encoding_of = get_encoding(dataset.encoding)
+        inspector = encoding_of.inspector(dataset.expected)
+        checks += check_loading(dataset, output, encoding_of, inspector, summary.get("splits", {}), max_load,
+                                progress)
+        summary.update(inspector.summary())
+
+    ours = set(dataset.info or {}) | {m.shard for m in dataset.manifests.values()}
+    foreign = sorted(name for name in output.entries() if name.endswith((".tar", ".tgz")) and name not in ours)
+    if foreign:
+        summary["foreign"] = foreign
+    recorded = output.state.read_json(contract.AUDIT_JSON)
+    if recorded is not None:
+        summary["rejects"] = {key: recorded[key] for key in ("inputs", "rejected", "by_reason")}
+    if previews and dataset.manifests:
+        summary["previews"] = (
+            {"note": "no previews for a bucket prefix: decode a few samples with `diffprep decode` on a copy"}
+            if output.remote else _previews(output, previews))
+    if inspector is not None and checks and all(check.ok for check in checks):
+        passed_checks, passed_summary = inspector.passed(output)
+        checks += passed_checks
+        summary.update(passed_summary)
+    return _report(output, checks, summary)
+
+
+def _encoding(name: str | None):
+    return get_encoding(name) if name in contract.ENCODINGS else None
+
+
+def _report(output: Output, checks: list[Check], summary: dict[str, Any]) -> ValidationReport:
+    """The report, written to ``.diffprep/validation.json`` when the output exists."""
+    ok = bool(checks) and all(check.ok for check in checks)
+    report = ValidationReport(out_dir=output.uri, ok=ok, checks=checks, summary=summary)
+    if output.local.is_dir() and (not output.remote or output.exists()):
+        output.state.write_json(contract.VALIDATION_JSON, report.to_json())
+    return report
+
+
+def _previews(output: Output, count: int) -> dict[str, Any]:
+    """``count`` samples decoded next to their sources, with a contact sheet; a note when that cannot be done."""
+    from diffprep.decode import CONTACT_SHEET, decode_dataset
+
+    out = output.local
+    try:
+        # local_only: validation downloads nothing; a VAE that is not at hand means no previews.
+        report = decode_dataset(out, count, sheet=out / contract.STATE_DIR / CONTACT_SHEET, local_only=True)
+    except Exception as error:  # noqa: BLE001 - previews inform; what stopped them is reported, never raised
+        # A dataset without a reachable VAE (a copy elsewhere, a model not cached) is still valid, and a damaged
+        # shard already fails the checks above.
+        return {"note": f"no previews: {type(error).__name__}: {error}"}
+    summary = report.to_json()
+    del summary["images"]
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m diffprep.validate",
+        description="Validate a finalized diffprep dataset; exit 0 when every check passes, 1 otherwise.",
+    )
+    parser.add_argument("out", help="the output folder (holds .nv-meta/), or s3://bucket/prefix")
+    parser.add_argument(
+        "--encoding", choices=contract.ENCODINGS, help="fail unless dataset.yaml declares this encoding"
+    )
+    parser.add_argument("--max-load", type=int, default=None, metavar="N", help="load at most N samples per split")
+    parser.add_argument("--previews", type=int, default=4, metavar="N",
+                        help="decode N samples next to their sources into .diffprep/contact_sheet.png (0: none)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
+    parser.add_argument("--s3-endpoint-url", default=None,
+                        help="for s3://: endpoint of a non-AWS store (default: AWS_ENDPOINT_URL, else AWS)")
+    parser.add_argument("--s3-profile", default=None, help="for s3://: AWS profile (default: AWS_PROFILE)")
+    args = parser.parse_args(argv)
+    options = {"encoding": args.encoding, "max_load": args.max_load, "previews": args.previews}
+    try:
+        out = open_output(args.out, endpoint_url=args.s3_endpoint_url, profile=args.s3_profile)
+        if args.json:
+            # Energon prints progress and errors on stdout; keep stdout for the JSON alone.
+            with contextlib.redirect_stdout(sys.stderr):
+                report = validate_dataset(out, **options)
+            print(json.dumps(report.to_json(), indent=1))
+        else:
+            report = validate_dataset(out, **options)
+            print(report.to_markdown())
+    except (ConfigError, SourceError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0 if report.ok else 1
+
+
+__all__ = ["Check", "ValidationReport", "main", "validate_dataset"]

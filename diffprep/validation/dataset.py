@@ -1,0 +1,165 @@
+"""What a finalized dataset declares, read once into an immutable ``Dataset`` the checks look at.
+
+``read_dataset`` reads ``dataset.yaml``, ``.info.json``, ``split.yaml``,
+``index.sqlite``, the unit manifests, the recorded splits and the expected
+shapes (the argument, else plan.json), and returns the description with the
+metadata check: what could not be read is a finding, never an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import yaml
+
+from diffprep import contract
+from diffprep.checks import Check, Findings
+from diffprep.energon import read_assignment, read_split_yaml
+from diffprep.errors import ConfigError, DatasetValidationError
+from diffprep.output import Output
+from diffprep.shards import UnitManifest
+
+TENSOR_NAMES = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)
+# plan.json's "expected": a shape per tensor (None for a free dimension), the dtype, and optionally
+# "fields", the fields every sample must have (how a raw plan names its image and caption fields).
+EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "fields")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset as its metadata and state describe it (None: could not be read; see the metadata check)."""
+
+    uri: str
+    encoding: str | None
+    info: dict[str, int] | None  # shard -> samples, from .info.json
+    split_of: dict[str, str] | None  # shard -> split, from split.yaml
+    manifests: dict[int, UnitManifest] = field(default_factory=dict)
+    expected: dict[str, Any] | None = None
+    recorded_splits: dict[str, str] | None = None  # shard -> split, from .diffprep/splits.json
+    recorded_splits_problem: str | None = None
+
+
+def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
+    unknown = sorted(set(expected) - set(EXPECTED_KEYS) - {"source"})
+    if unknown:
+        raise ConfigError(
+            f"unknown keys {unknown} in expected shapes from {where}; valid keys are {list(EXPECTED_KEYS)}"
+        )
+    dtype = expected.get("dtype")
+    if dtype is not None and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise ConfigError(f"expected dtype {dtype!r} from {where} is not a torch dtype name (e.g. 'bfloat16')")
+    fields = expected.get("fields")
+    if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
+        raise ConfigError(f"expected fields from {where} must be a list of field names, got {fields!r}")
+    result: dict[str, Any] = {"dtype": dtype, "fields": fields}
+    for name in TENSOR_NAMES:
+        shape = expected.get(name)
+        valid = isinstance(shape, (list, tuple)) and all(d is None or isinstance(d, int) for d in shape)
+        if shape is not None and not valid:
+            raise ConfigError(f"expected {name} from {where} must be a list of ints (None for any size), got {shape!r}")
+        result[name] = None if shape is None else list(shape)
+    if result["latents"] is None:
+        result["latents"] = [None, None, None]
+    return result
+
+
+def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] | None) -> tuple[Dataset, Check]:
+    """The dataset's description and the metadata check (files present, parsed and consistent).
+
+    ``expected``: already normalized (``normalize_expected``); None: plan.json's.
+    """
+    problems = Findings("metadata")
+    out = output.local  # a bucket prefix's working copy of its metadata and state
+    meta = out / contract.NV_META
+    found_encoding = None
+    dataset_yaml = meta / contract.DATASET_YAML
+    try:
+        config = yaml.safe_load(dataset_yaml.read_text(encoding="utf-8"))
+        if not isinstance(config, dict) or config.get("__class__") != "CrudeWebdataset":
+            problems.add(f"{dataset_yaml} does not declare a CrudeWebdataset: {config!r}")
+        else:
+            subflavors = config.get("subflavors")
+            declared = subflavors.get("encoding") if isinstance(subflavors, dict) else None
+            if declared not in contract.ENCODINGS:
+                problems.add(f"{dataset_yaml} has subflavors.encoding {declared!r}, "
+                             f"expected one of {list(contract.ENCODINGS)}")
+            elif encoding is not None and declared != encoding:
+                problems.add(f"{dataset_yaml} declares encoding {declared!r}, validation asked for {encoding!r}")
+            else:
+                found_encoding = declared
+    except (OSError, yaml.YAMLError) as error:
+        problems.add(f"{dataset_yaml}: {error}; run finalize")
+
+    info = None
+    info_json = meta / contract.INFO_JSON
+    try:
+        counts = json.loads(info_json.read_text(encoding="utf-8"))["shard_counts"]
+        if not isinstance(counts, dict) or not all(isinstance(v, int) and v > 0 for v in counts.values()):
+            problems.add(f"{info_json} shard_counts must map shard names to positive counts")
+        else:
+            info = counts
+    except (OSError, ValueError, KeyError) as error:
+        problems.add(f"{info_json}: {type(error).__name__}: {error}; run finalize")
+
+    split_of = None
+    try:
+        if not (meta / contract.SPLIT_YAML).is_file():
+            raise FileNotFoundError(f"{meta / contract.SPLIT_YAML} is missing; run finalize")
+        split_of = read_split_yaml(out)
+        unknown = sorted(set(split_of.values()) - set(contract.SPLITS))
+        if unknown:
+            problems.add(f"{meta / contract.SPLIT_YAML} has splits {unknown}; diffprep writes only {list(contract.SPLITS)}")
+        if "train" not in split_of.values():
+            problems.add(f"{meta / contract.SPLIT_YAML} has no train shards")
+    except (OSError, yaml.YAMLError, DatasetValidationError) as error:
+        problems.add(str(error))
+        split_of = None
+
+    index = meta / contract.INDEX_SQLITE
+    if not index.is_file():
+        problems.add(f"{index} is missing; run finalize")
+    else:
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{index}?mode=ro", uri=True)) as db:
+                indexed = db.execute("SELECT COUNT(*) FROM samples").fetchone()[0]
+            if info is not None and indexed != sum(info.values()):
+                problems.add(f"{index} holds {indexed} samples, {contract.INFO_JSON} counts {sum(info.values())}; "
+                             "run finalize again")
+        except sqlite3.Error as error:
+            problems.add(f"{index}: {error}")
+
+    manifests: dict[int, UnitManifest] = {}
+    try:
+        manifests = output.state.manifests()
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        problems.add(f"cannot read the unit manifests in {contract.STATE_DIR}/{contract.UNITS_DIR}: "
+                     f"{type(error).__name__}: {error}")
+
+    if expected is None:
+        plan = output.state.path(contract.PLAN_JSON)
+        if plan.is_file():
+            try:
+                planned = json.loads(plan.read_text(encoding="utf-8"))
+                planned = planned.get("expected") if isinstance(planned, dict) else None
+                if planned:
+                    expected = normalize_expected(planned, str(plan)) | {"source": "plan"}
+            except (ValueError, ConfigError) as error:
+                problems.add(f"{plan}: {error}")
+
+    recorded, recorded_problem = None, None
+    if output.state.exists(contract.SPLITS_JSON):
+        try:
+            recorded = read_assignment(out)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            recorded_problem = f"{output.state.path(contract.SPLITS_JSON)}: {type(error).__name__}: {error}"
+
+    dataset = Dataset(output.uri, found_encoding, info, split_of, manifests, expected, recorded, recorded_problem)
+    return dataset, problems.check("dataset.yaml, split.yaml, .info.json, index.sqlite present and consistent")
+
+
+__all__ = ["Dataset", "normalize_expected", "read_dataset"]
