@@ -109,11 +109,14 @@ class ClipInfo:
 
 @dataclass(frozen=True)
 class PreparedClip:
-    """One decoded clip: ``pixels`` uint8 ``[F, 3, H, W]`` RGB for ``bucket``, and JSON-able ``meta``."""
+    """One decoded clip: ``pixels`` uint8 ``[F, 3, H, W]`` RGB for ``bucket``, and JSON-able ``meta``.
+
+    ``info`` is what the container said (None for an image made into a one-frame clip).
+    """
 
     pixels: torch.Tensor
     bucket: Bucket
-    info: ClipInfo
+    info: ClipInfo | None
     meta: dict[str, Any]
 
 
@@ -202,7 +205,7 @@ def prepare_image_clip(data: bytes, buckets: Sequence[Bucket], *, max_pixels: in
         "frame_indices": [0],
         "notes": notes,
     }
-    return PreparedClip(pixels=pixels, bucket=bucket, info=None, meta=meta)  # type: ignore[arg-type]
+    return PreparedClip(pixels=pixels, bucket=bucket, info=None, meta=meta)
 
 
 def sample_indices(available: int, frames: int, sampling: FrameSampling) -> list[int]:
