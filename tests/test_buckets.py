@@ -47,7 +47,9 @@ def test_nearest_frame_counts():
     assert nearest_frame_counts(2, 8) == [1, 9]
 
 
-BUCKETS = [Bucket(64, 32, 9), Bucket(64, 32, 5), Bucket(32, 64, 9), Bucket(48, 48, 9), Bucket(32, 32, 9), Bucket(32, 32, 1)]
+BUCKETS = [
+    Bucket(64, 32, 9), Bucket(64, 32, 5), Bucket(32, 64, 9), Bucket(48, 48, 9), Bucket(32, 32, 9), Bucket(32, 32, 1)
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

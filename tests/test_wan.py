@@ -65,6 +65,12 @@ def _clips(batch: int, frames: int, height: int, width: int, seed: int = 0) -> t
     return torch.randint(0, 256, (batch, frames, 3, height, width), dtype=torch.uint8, generator=generator)
 
 
+def _encode_prompt(pipe: WanPipeline, prompt, max_sequence_length: int):
+    return pipe.encode_prompt(
+        prompt, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length, device="cpu"
+    )
+
+
 def _reference_latents(pipe: WanPipeline, pixels: torch.Tensor):
     """diffusers' own path: VideoProcessor's [-1, 1], [B, 3, F, H, W], the VAE's posterior, and the
     normalization WanImageToVideoPipeline applies (the inverse of WanPipeline's decode step)."""
@@ -83,7 +89,8 @@ def _reference_latents(pipe: WanPipeline, pixels: torch.Tensor):
 def test_tiny_set_layout_determinism_and_detection(tiny, tmp_path):
     index = json.loads((tiny / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline"
-    assert (index["vae"], index["text_encoder"]) == (["diffusers", "AutoencoderKLWan"], ["transformers", "UMT5EncoderModel"])
+    assert index["vae"] == ["diffusers", "AutoencoderKLWan"]
+    assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
     assert detect_family(tiny).name == "wan" and detect_family({"_class_name": "FluxPipeline"}).name == "flux"
     files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
     assert sum((tiny / f).stat().st_size for f in files) < 8 * 2**20
@@ -96,7 +103,8 @@ def test_tiny_set_layout_determinism_and_detection(tiny, tmp_path):
 
 
 def test_family_registry_refusals(tmp_path):
-    with pytest.raises(ConfigError, match=r"'StableDiffusionPipeline'.*known: FluxPipeline \(flux\), WanPipeline \(wan\)"):
+    known = r"known: FluxPipeline \(flux\), WanPipeline \(wan\)"
+    with pytest.raises(ConfigError, match=r"'StableDiffusionPipeline'.*" + known):
         family_for_class("StableDiffusionPipeline")
     with pytest.raises(ConfigError, match="known families: flux, wan"):
         get_family("ltx")
@@ -121,7 +129,7 @@ def test_text_embeddings_equal_wan_pipeline(encoders, pipe):
     ours = encoders.encode_text(CAPTIONS)
     print(f"tiny umT5, {len(CAPTIONS)} captions at 512 tokens: {(time.perf_counter() - start) * 1000:.0f} ms")
     with torch.no_grad():
-        reference, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=512, device="cpu")
+        reference, _ = _encode_prompt(pipe, CAPTIONS, 512)
     assert ours.prompt_embeds.shape == (len(CAPTIONS), 512, 32) and ours.prompt_embeds.dtype == torch.float32
     assert torch.equal(ours.prompt_embeds, reference)
     assert ours.lengths == [6, 1, 15, 29, 33] and ours.truncated == [False] * 5
@@ -134,7 +142,7 @@ def test_truncated_text_equals_wan_pipeline_and_warns(encoders, pipe, caplog):
     with caplog.at_level("WARNING", logger="diffprep.families.wan"):
         ours = short.encode_text(CAPTIONS)
     with torch.no_grad():
-        reference, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=16, device="cpu")
+        reference, _ = _encode_prompt(pipe, CAPTIONS, 16)
     assert torch.equal(ours.prompt_embeds, reference)
     assert ours.truncated == [False, False, False, True, True] and ours.lengths[3:] == [16, 16]
     assert "2 of 5 captions were truncated at 16 tokens" in caplog.text and "white clouds" in caplog.text
@@ -145,7 +153,7 @@ def test_text_embeddings_equal_wan_pipeline_in_bf16(tiny):
     pipe = WanPipeline.from_pretrained(tiny, transformer=None, dtype=torch.bfloat16)
     ours = encoders.encode_text(CAPTIONS)
     with torch.no_grad():
-        reference, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=512, device="cpu")
+        reference, _ = _encode_prompt(pipe, CAPTIONS, 512)
     assert ours.prompt_embeds.dtype == torch.bfloat16 and torch.equal(ours.prompt_embeds, reference)
 
 
@@ -154,7 +162,7 @@ def test_empty_prompt_embedding(encoders, pipe):
     assert empty.shape == (512, 32)
     assert empty[0].abs().sum() > 0 and empty[1:].abs().sum() == 0  # only </s>
     with torch.no_grad():
-        reference, _ = pipe.encode_prompt("", do_classifier_free_guidance=False, max_sequence_length=512, device="cpu")
+        reference, _ = _encode_prompt(pipe, "", 512)
     assert torch.equal(empty, reference[0])
 
 
@@ -166,7 +174,8 @@ def test_mode_latents_equal_diffusers_and_decode_back(encoders, pipe, frames, he
     pixels = _clips(2, frames, height, width)
     start = time.perf_counter()
     latents = encoders.encode_video(pixels, ["000000_000000", "000000_000001"])
-    print(f"tiny Wan VAE encode {list(pixels.shape)} -> {list(latents.shape)}: {(time.perf_counter() - start) * 1000:.0f} ms")
+    elapsed = (time.perf_counter() - start) * 1000
+    print(f"tiny Wan VAE encode {list(pixels.shape)} -> {list(latents.shape)}: {elapsed:.0f} ms")
     assert latents.shape == (2, 16, 1 + (frames - 1) // 4, height // 8, width // 8) and latents.dtype == torch.float32
     assert latents.shape[1:] == encoders.latent_shape(Bucket(width, height, frames))
     posterior, mean, inv_std = _reference_latents(pipe, pixels)
@@ -206,7 +215,9 @@ def test_tiling_encodes_tile_by_tile(encoders):
 
     tiled = _with(encoders, tiling=VaeTiling(min_size=32, stride=16))
     seen: list[tuple[int, ...]] = []
-    hook = tiled.vae.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(tuple(args[0].shape)), with_kwargs=True)
+    hook = tiled.vae.encoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(tuple(args[0].shape)), with_kwargs=True
+    )
     try:
         latents = tiled.encode_video(pixels, ["k"])
     finally:

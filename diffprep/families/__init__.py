@@ -55,7 +55,9 @@ def family_for_class(class_name: str) -> Family:
         if class_name in family.pipeline_classes:
             return family
     known = ", ".join(f"{cls} ({f.name})" for f in FAMILIES for cls in f.pipeline_classes)
-    raise ConfigError(f"model_index.json names pipeline class {class_name!r}, which diffprep does not support; known: {known}")
+    raise ConfigError(
+        f"model_index.json names pipeline class {class_name!r}, which diffprep does not support; known: {known}"
+    )
 
 
 def detect_family(model: str | Path | Mapping[str, Any]) -> Family:

@@ -359,7 +359,9 @@ class WanEncoders:
         if frames < 1 or (frames - 1) % t:
             raise ValueError(f"frame count must be {t}k+1 (the VAE's temporal factor is {t}), got {frames}")
         if height % s or width % s:
-            raise ValueError(f"height and width must be multiples of {s} (the VAE's spatial factor), got {height}x{width}")
+            raise ValueError(
+                f"height and width must be multiples of {s} (the VAE's spatial factor), got {height}x{width}"
+            )
 
     def _noise(self, keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
         # One CPU generator per sample: the noise depends on the key only, not on batch or device.
@@ -488,7 +490,9 @@ def write_tiny_wan(path: str | Path, seed: int = 0, *, vae_variant: str = "2.1")
 def _tiny_vae(variant: str):
     from diffusers import AutoencoderKLWan
 
-    common = {"dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [], "temperal_downsample": [False, True, True]}
+    common = {
+        "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [], "temperal_downsample": [False, True, True]
+    }  # fmt: skip
     if variant == "2.1":
         return AutoencoderKLWan(
             base_dim=8, z_dim=16, latents_mean=_WAN21_LATENTS_MEAN, latents_std=_WAN21_LATENTS_STD,

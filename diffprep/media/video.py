@@ -153,9 +153,8 @@ def prepare_clip(
         bucket = choose_bucket(info.width, info.height, len(available), buckets)
         chosen = [available[i] for i in sample_indices(len(available), bucket.frames, frame_sampling)]
         box = cover_box(info.width, info.height, bucket)
-        frames = _decode_frames(container, info, chosen, bucket, box)
+        pixels = _decode_frames(container, info, chosen, bucket, box)
 
-    pixels = torch.from_numpy(np.ascontiguousarray(np.stack(frames).transpose(0, 3, 1, 2)))
     meta = {
         "container": info.container,
         "codec": info.codec,
@@ -275,12 +274,14 @@ def _index(container: av.container.InputContainer, *, max_pixels: int = DEFAULT_
             stamp = packet.pts if packet.pts is not None else packet.dts
             if stamp is None:
                 raise RejectError(
-                    "video_no_timestamps", "video packets carry no timestamps (a raw stream?); remux it into a container"
+                    "video_no_timestamps",
+                    "video packets carry no timestamps (a raw stream?); remux it into a container",
                 )
             stamps.append(stamp)
             durations[stamp] = packet.duration or 0
     except av.FFmpegError as exc:
-        raise RejectError("video_decode_error", f"demuxing failed after {len(stamps)} frames: {_message(exc)}") from None
+        detail = f"demuxing failed after {len(stamps)} frames: {_message(exc)}"
+        raise RejectError("video_decode_error", detail) from None
     stamps.sort()
     if len(set(stamps)) != len(stamps):
         raise RejectError("video_decode_error", "two video packets share a timestamp; the file is damaged")
@@ -351,14 +352,19 @@ def _decode_frames(
     chosen: list[int],
     bucket: Bucket,
     box: tuple[int, int, int, int],
-) -> list[np.ndarray]:
-    """Decode up to the last chosen frame; return each chosen frame (repeats included) as uint8 [H, W, 3]."""
+) -> torch.Tensor:
+    """Decode up to the last chosen frame; return the chosen frames (repeats included) as uint8 [F, 3, H, W]."""
     stream = container.streams.video[0]
     container.seek(0, stream=stream)
-    needed = set(chosen)
+    slots: dict[int, list[int]] = {}
+    for slot, index in enumerate(chosen):
+        slots.setdefault(index, []).append(slot)
     last = max(chosen)
     time_base = stream.time_base or Fraction(1, 1)
-    out: dict[int, np.ndarray] = {}
+    # Written frame by frame: no list of frames, no stacked copy.
+    pixels = torch.empty((len(chosen), 3, bucket.height, bucket.width), dtype=torch.uint8)
+    out = pixels.numpy()  # a view: numpy assignment takes PIL's read-only arrays without a copy or warning
+    done: set[int] = set()
     position = -1
     try:
         for position, frame in enumerate(container.decode(stream)):
@@ -370,21 +376,24 @@ def _decode_frames(
                         f"decoded frame {position} has timestamp {frame.pts}, the container lists {expected}; "
                         "the file is damaged",
                     )
-            if position in needed:
+            if position in slots:
                 image = frame.to_image()
                 if info.rotation:
                     image = image.transpose(_ROTATIONS[info.rotation // 90])
-                out[position] = _resize(image, bucket, box)
+                rgb = _resize(image, bucket, box).transpose(2, 0, 1)
+                for slot in slots[position]:
+                    out[slot] = rgb
+                done.add(position)
             if position >= last:
                 break
     except av.FFmpegError as exc:
         raise RejectError("video_decode_error", f"frame {position + 1} does not decode: {_message(exc)}") from None
-    if last not in out:
+    if last not in done:
         raise RejectError(
             "video_truncated",
             f"the container lists {info.frames} frames but only {position + 1} decode; frame {last} is needed",
         )
-    return [out[i] for i in chosen]
+    return pixels
 
 
 def _resize(image: Image.Image, bucket: Bucket, box: tuple[int, int, int, int]) -> np.ndarray:
