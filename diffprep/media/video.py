@@ -271,6 +271,8 @@ def _index(container: av.container.InputContainer, *, max_pixels: int = DEFAULT_
         for packet in container.demux(stream):
             if packet.size == 0:  # the flush packet at the end
                 continue
+            if packet.is_discard:  # before an edit list's start: decoded for reference, never shown
+                continue
             stamp = packet.pts if packet.pts is not None else packet.dts
             if stamp is None:
                 raise RejectError(
@@ -322,7 +324,7 @@ def _index(container: av.container.InputContainer, *, max_pixels: int = DEFAULT_
 
 def _rotation(container: av.container.InputContainer, stream) -> int:
     """Display rotation (degrees counter-clockwise, a multiple of 90) from the first decoded frame."""
-    container.seek(0, stream=stream)
+    _rewind(container, stream)
     try:
         frame = next(container.decode(stream), None)
     except av.FFmpegError as exc:
@@ -355,7 +357,7 @@ def _decode_frames(
 ) -> torch.Tensor:
     """Decode up to the last chosen frame; return the chosen frames (repeats included) as uint8 [F, 3, H, W]."""
     stream = container.streams.video[0]
-    container.seek(0, stream=stream)
+    _rewind(container, stream)
     slots: dict[int, list[int]] = {}
     for slot, index in enumerate(chosen):
         slots.setdefault(index, []).append(slot)
@@ -386,7 +388,7 @@ def _decode_frames(
                 done.add(position)
             if position >= last:
                 break
-    except av.FFmpegError as exc:
+    except (av.FFmpegError, ValueError) as exc:  # ValueError: a pixel format with no RGB conversion
         raise RejectError("video_decode_error", f"frame {position + 1} does not decode: {_message(exc)}") from None
     if last not in done:
         raise RejectError(
@@ -394,6 +396,13 @@ def _decode_frames(
             f"the container lists {info.frames} frames but only {position + 1} decode; frame {last} is needed",
         )
     return pixels
+
+
+def _rewind(container: av.container.InputContainer, stream) -> None:
+    try:
+        container.seek(0, stream=stream)
+    except av.FFmpegError as exc:
+        raise RejectError("video_decode_error", f"cannot seek back to the start: {_message(exc)}") from None
 
 
 def _resize(image: Image.Image, bucket: Bucket, box: tuple[int, int, int, int]) -> np.ndarray:
