@@ -286,3 +286,12 @@ def test_a_real_clip_end_to_end(encoders):
     clip = prepare_clip(write_clip(frames=12, size=(96, 64)), parse_buckets("48x32x9;32x32x9", 8, 4))
     latents = encoders.encode_video(clip.pixels[None], ["000000_000000"])
     assert latents.shape[1:] == encoders.field_shapes(clip.bucket)[LATENTS] == (16, 3, 4, 6)
+
+
+def test_cli_writes_the_tiny_wan_set(tmp_path, capsys):
+    from diffprep.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "wan"), "--family", "wan", "--wan-vae", "2.2-5b"]) == 0
+    assert "tiny Wan encoder set (VAE 2.2-5b)" in capsys.readouterr().out
+    assert detect_family(tmp_path / "wan").name == "wan"
+    assert json.loads((tmp_path / "wan" / "vae" / "config.json").read_text())["z_dim"] == 48
