@@ -252,6 +252,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
+    if args.family == "wan":
+        from diffprep.families.wan import write_tiny_wan
+
+        path = write_tiny_wan(args.path, seed=args.seed, vae_variant=args.wan_vae)
+        print(f"tiny Wan encoder set (VAE {args.wan_vae}) written to {path} (random weights: for tests and demos only)")
+        return 0
     from diffprep.tiny import write_tiny_model
 
     path = write_tiny_model(args.path, seed=args.seed)
@@ -333,9 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     _s3_arguments(validate)
     validate.set_defaults(func=cmd_validate)
 
-    tiny = sub.add_parser("tiny-model", help="write a tiny random-weight Flux encoder set (tests, demos)")
+    tiny = sub.add_parser("tiny-model", help="write a tiny random-weight encoder set (tests, demos)")
     tiny.add_argument("path")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--family", choices=("flux", "wan"), default="flux", help="model family layout (default flux)")
+    tiny.add_argument(
+        "--wan-vae", choices=("2.1", "2.2-5b"), default="2.1",
+        help="Wan only: 2.1 (16 channels, 8x) or 2.2-5b (48 channels, 16x) VAE structure",
+    )  # fmt: skip
     tiny.set_defaults(func=cmd_tiny_model)
 
     demo = sub.add_parser("demo", help="run the whole job on synthetic data with the tiny encoders")

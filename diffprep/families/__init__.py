@@ -1,0 +1,81 @@
+"""Model families, detected from a model folder's ``model_index.json`` ``_class_name``.
+
+A family module declares its hub layout and components, loads and runs its
+encoders, names its sample fields and their shapes, and writes its tiny
+random-weight set. Detection reads the pipeline class diffusers itself would
+instantiate, never the model's name or path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffprep.errors import ConfigError
+
+__all__ = ["FAMILIES", "Family", "detect_family", "family_for_class", "get_family"]
+
+MODEL_INDEX = "model_index.json"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its name (``--family``), the diffusers pipeline classes it serves and its module."""
+
+    name: str
+    pipeline_classes: tuple[str, ...]
+    module: str  # import path of the module that implements it
+
+    def load_module(self):
+        import importlib
+
+        return importlib.import_module(self.module)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("flux", ("FluxPipeline",), "diffprep.encoders.flux"),
+    Family("wan", ("WanPipeline",), "diffprep.families.wan"),
+)
+
+
+def get_family(name: str) -> Family:
+    """The family called ``name``; unknown names are refused with the list of known ones."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ConfigError(f"unknown model family {name!r}; known families: {', '.join(f.name for f in FAMILIES)}")
+
+
+def family_for_class(class_name: str) -> Family:
+    """The family serving the diffusers pipeline class ``class_name`` (``WanPipeline`` -> wan)."""
+    for family in FAMILIES:
+        if class_name in family.pipeline_classes:
+            return family
+    known = ", ".join(f"{cls} ({f.name})" for f in FAMILIES for cls in f.pipeline_classes)
+    raise ConfigError(
+        f"model_index.json names pipeline class {class_name!r}, which diffprep does not support; known: {known}"
+    )
+
+
+def detect_family(model: str | Path | Mapping[str, Any]) -> Family:
+    """The family of a model: a local folder holding ``model_index.json``, or that file's parsed content."""
+    if isinstance(model, Mapping):
+        index = model
+    else:
+        path = Path(model).expanduser() / MODEL_INDEX
+        if not path.is_file():
+            raise ConfigError(
+                f"{path} does not exist: cannot tell the model family. Point model_path at a diffusers model folder "
+                f"or pass --family ({', '.join(f.name for f in FAMILIES)})"
+            )
+        try:
+            index = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    class_name = index.get("_class_name") if isinstance(index, Mapping) else None
+    if not isinstance(class_name, str):
+        raise ConfigError(f"{MODEL_INDEX} has no _class_name string; cannot tell the model family")
+    return family_for_class(class_name)

@@ -1,0 +1,546 @@
+"""The Wan 2.x family: clips to AutoencoderKLWan latents, captions to UMT5 embeddings.
+
+Layout (diffusers, ``model_index.json`` ``_class_name: WanPipeline``): ``vae/``
+(``AutoencoderKLWan``), ``text_encoder/`` (``UMT5EncoderModel``),
+``tokenizer/`` (the umT5 tokenizer). The transformer and scheduler are never
+loaded.
+
+Per sample (bucket ``W x H x F``):
+
+- ``latents.pth`` ``[C, 1 + (F - 1) / t, H / s, W / s]``: the posterior's mean
+  (``mode``) or a draw seeded by the sample key (``sample``), normalized per
+  channel as ``(z - latents_mean) * (1 / latents_std)``, the step diffusers'
+  ``WanImageToVideoPipeline`` applies after encoding and the exact inverse of
+  ``WanPipeline``'s ``latents / (1 / latents_std) + latents_mean`` before
+  decoding. ``C`` (``z_dim``), ``s`` and ``t`` come from the VAE's config
+  (Wan 2.1: 16, 8, 4; Wan 2.2 TI2V-5B: 48, 16, 4), never from a model name.
+- ``prompt_embeds.pth`` ``[L, D]`` (L = 512, D = 4096 for umT5-XXL): exactly
+  ``WanPipeline.encode_prompt``: the caption cleaned as diffusers' ``prompt_clean``
+  does, padded to ``L`` and truncated, encoded with the attention mask, then
+  every position from the true token length on set to zero. No pooled
+  embedding.
+
+Input pixels are uint8 ``[B, F, 3, H, W]``, mapped to [-1, 1] as ``x / 255 * 2 - 1``
+(diffusers' ``VideoProcessor``) and laid out ``[B, 3, F, H, W]`` for the VAE.
+The VAE encodes 1 + 4 + 4... frames at a time (its causal cache), so memory
+grows with the frame size, not the clip length; ``tiling`` cuts each frame
+into overlapping tiles as well (for 720p and up), at the cost of results that
+differ slightly from untiled ones (the tiles are blended).
+
+``sample`` noise is generated on the CPU per sample key (see
+:func:`diffprep.encoders.flux.noise_seed`), so it does not depend on the
+batch, the device or where a run resumed. Everything runs under
+``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.metadata
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diffprep.contract import LATENTS, PROMPT_EMBEDS
+from diffprep.encoders.flux import DTYPES, LATENT_MODES, _truncation, noise_seed, resolve_device
+from diffprep.encoders.hub import ResolvedPart, resolve_component
+from diffprep.errors import ConfigError
+from diffprep.media.buckets import Bucket
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan
+    from transformers import PreTrainedTokenizerBase, UMT5EncoderModel
+
+__all__ = [
+    "PIPELINE_CLASS",
+    "WAN_PARTS",
+    "VaeTiling",
+    "WanEncoders",
+    "WanTextEmbeddings",
+    "clean_caption",
+    "describe_wan",
+    "resolve_wan",
+    "vae_factors",
+]
+
+logger = logging.getLogger("diffprep.families.wan")
+
+PIPELINE_CLASS = "WanPipeline"
+TEXT_MAX_LENGTH = 512  # what WanPipeline.__call__ passes as max_sequence_length
+
+# part name -> (subfolder in the diffusers layout, class loaded, marker file)
+WAN_PARTS: dict[str, tuple[str, str, str]] = {
+    "vae": ("vae", "AutoencoderKLWan", "config.json"),
+    "text_encoder": ("text_encoder", "UMT5EncoderModel", "config.json"),
+    "tokenizer": ("tokenizer", "AutoTokenizer", "tokenizer_config.json"),
+}
+
+# Unicode White_Space, what diffusers' prompt_clean matches with the `regex` module's \s. Python's own \s
+# also matches U+001C..U+001F, which would change some captions' tokens.
+_WHITESPACE = re.compile("[\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
+
+
+@dataclass(frozen=True)
+class VaeTiling:
+    """Spatial VAE tiling in pixels (diffusers' ``enable_tiling``): frames larger than ``min_size`` in
+    either direction are encoded in ``min_size`` tiles every ``stride`` pixels, blended where they overlap."""
+
+    min_size: int = 256
+    stride: int = 192
+
+    def __post_init__(self) -> None:
+        if not 0 < self.stride <= self.min_size:
+            raise ConfigError(f"VAE tiling: stride must be in 1..min_size ({self.min_size}), got {self.stride}")
+
+
+@dataclass(frozen=True)
+class WanTextEmbeddings:
+    """Embeddings of a batch of captions, on the CPU in the encoders' dtype."""
+
+    prompt_embeds: torch.Tensor  # [B, L, D], zero from lengths[i] on
+    lengths: list[int]  # true token count of each caption (EOS included, at most L)
+    truncated: list[bool]  # caption longer than L tokens
+
+
+def clean_caption(text: str) -> str:
+    """A caption as diffusers' Wan ``prompt_clean`` leaves it: ftfy's fix_text when ftfy is installed (as
+    diffusers does), HTML entities unescaped twice, whitespace runs collapsed to one space, stripped."""
+    ftfy = _ftfy()
+    if ftfy is not None:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return _WHITESPACE.sub(" ", text).strip()
+
+
+def vae_factors(config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """``(channels, spatial factor, temporal factor)`` of an AutoencoderKLWan from its config.
+
+    The factors are the ``scale_factor_spatial``/``scale_factor_temporal`` that
+    diffusers' Wan pipelines read; a config written before diffusers saved them
+    gets them from its structure (2 per spatial downsampling, times
+    ``patch_size``; 2 per temporal one), and when both are there they must agree.
+    """
+    levels = len(config.get("dim_mult", [1, 2, 4, 4])) - 1
+    spatial = 2**levels * (config.get("patch_size") or 1)
+    temporal = 2 ** sum(bool(flag) for flag in config.get("temperal_downsample", [False, True, True]))
+    stated_spatial = config.get("scale_factor_spatial")
+    stated_temporal = config.get("scale_factor_temporal")
+    if (stated_spatial or spatial, stated_temporal or temporal) != (spatial, temporal):
+        raise ConfigError(
+            f"the Wan VAE config says scale_factor_spatial={stated_spatial}, scale_factor_temporal={stated_temporal} "
+            f"but its layers give {spatial} and {temporal}; the config is inconsistent"
+        )
+    channels = int(config.get("z_dim", 16))
+    for name in ("latents_mean", "latents_std"):
+        values = config.get(name)
+        if values is None or len(values) != channels:
+            raise ConfigError(
+                f"the Wan VAE config's {name} must list {channels} values (z_dim), got "
+                f"{'none' if values is None else len(values)}"
+            )
+    return channels, spatial, temporal
+
+
+def resolve_wan(model_path: str, *, revision: str | None = None, token: str | None = None) -> dict[str, ResolvedPart]:
+    """Find (downloading only these subfolders from the hub if needed) the vae, text encoder and tokenizer."""
+    parts: dict[str, ResolvedPart] = {}
+    is_local = Path(model_path).expanduser().is_dir()
+    for name, (subfolder, _, marker) in WAN_PARTS.items():
+        local_dir, found = resolve_component(model_path, subfolder, revision=revision, token=token, encoder=name)
+        folder = local_dir / found if found else local_dir
+        if found is None or not (folder / marker).is_file():
+            raise ConfigError(
+                f"{name}: {model_path} has no {subfolder}/{marker}; point model_path at a folder in the diffusers "
+                "Wan layout (vae/, text_encoder/, tokenizer/ and model_index.json)"
+            )
+        parts[name] = ResolvedPart(
+            name=name,
+            source=str(local_dir) if is_local else model_path,
+            revision=revision,
+            commit=None if is_local else (local_dir.name if local_dir.parent.name == "snapshots" else None),
+            local_dir=local_dir,
+            subfolder=found,
+        )
+    return parts
+
+
+def describe_wan(
+    parts: Mapping[str, ResolvedPart],
+    *,
+    dtype: torch.dtype,
+    vae_dtype: torch.dtype,
+    text_max_length: int,
+    latent_mode: str,
+    tiling: VaeTiling | None,
+) -> dict[str, Any]:
+    """JSON-able identity of a Wan encoder set for the config fingerprint, from the resolved folders alone."""
+    missing = [name for name in WAN_PARTS if name not in parts]
+    if missing:
+        raise ValueError(f"describe_wan: parts {missing} are missing; resolve them with resolve_wan")
+    vae_config = json.loads((parts["vae"].path / "config.json").read_text(encoding="utf-8"))
+    channels, spatial, temporal = vae_factors(vae_config)
+    return {
+        "family": "wan",
+        "dtype": str(dtype).removeprefix("torch."),
+        "vae_dtype": str(vae_dtype).removeprefix("torch."),
+        "text_max_length": text_max_length,
+        "latent_mode": latent_mode,
+        "tiling": asdict(tiling) if tiling is not None else None,
+        "latent_channels": channels,
+        "spatial_factor": spatial,
+        "temporal_factor": temporal,
+        "latents_mean": [float(v) for v in vae_config["latents_mean"]],
+        "latents_std": [float(v) for v in vae_config["latents_std"]],
+        # ftfy changes captions when installed (diffusers uses it if importable): part of the identity.
+        "caption_cleaning": {"ftfy": _ftfy_version()},
+        "components": {name: {"class": cls, **parts[name].identity()} for name, (_, cls, _) in WAN_PARTS.items()},
+    }
+
+
+class WanEncoders:
+    """The VAE, umT5 encoder and tokenizer of a Wan model, on one device, ready to encode batches."""
+
+    def __init__(
+        self,
+        vae: AutoencoderKLWan,
+        text_encoder: UMT5EncoderModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        vae_dtype: torch.dtype | None = None,
+        latent_mode: str = "sample",
+        tiling: VaeTiling | None = None,
+        text_max_length: int = TEXT_MAX_LENGTH,
+        parts: Mapping[str, ResolvedPart] | None = None,
+    ) -> None:
+        """Wrap loaded components; the text encoder must be on ``device`` in ``dtype``, the VAE in ``vae_dtype``
+        (default ``dtype``). Tiling is switched on (or off) on ``vae`` here."""
+        if latent_mode not in LATENT_MODES:
+            raise ConfigError(f"latent_mode must be one of {', '.join(LATENT_MODES)}, got {latent_mode!r}")
+        if text_max_length < 1:
+            raise ConfigError(f"text_max_length must be >= 1, got {text_max_length}")
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.vae_dtype = vae_dtype or dtype
+        self.latent_mode = latent_mode
+        self.tiling = tiling
+        self.text_max_length = text_max_length
+        self.parts = dict(parts) if parts is not None else None
+
+        self.latent_channels, self.spatial_factor, self.temporal_factor = vae_factors(vae.config)
+        self.text_hidden: int = text_encoder.config.d_model
+        shape = (1, self.latent_channels, 1, 1, 1)
+        # As diffusers' Wan pipelines build them: float32 tensors cast to the latents' dtype.
+        self._latents_mean = torch.tensor(vae.config.latents_mean).view(shape)
+        self._latents_inv_std = (1.0 / torch.tensor(vae.config.latents_std)).view(shape)
+        if tiling is None:
+            vae.disable_tiling()
+        else:
+            vae.enable_tiling(
+                tile_sample_min_height=tiling.min_size,
+                tile_sample_min_width=tiling.min_size,
+                tile_sample_stride_height=tiling.stride,
+                tile_sample_stride_width=tiling.stride,
+            )
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str | torch.dtype = "bf16",
+        vae_dtype: str | torch.dtype | None = None,
+        latent_mode: str = "sample",
+        tiling: VaeTiling | None = None,
+        text_max_length: int = TEXT_MAX_LENGTH,
+        revision: str | None = None,
+        token: str | None = None,
+    ) -> WanEncoders:
+        """Resolve and load the VAE, text encoder and tokenizer of the Wan model at ``model_path``.
+
+        ``dtype``/``vae_dtype``: ``bf16``, ``fp16``, ``fp32`` or a torch dtype. diffusers' Wan examples
+        keep the VAE in fp32 while the text encoder runs in bf16.
+        """
+        from diffusers import AutoencoderKLWan
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        parts = resolve_wan(str(model_path), revision=revision, token=token)
+        torch_device = resolve_device(device)
+        text_dtype = _dtype(dtype)
+        vae_torch_dtype = _dtype(vae_dtype) if vae_dtype is not None else text_dtype
+        vae = AutoencoderKLWan.from_pretrained(parts["vae"].path, dtype=vae_torch_dtype)
+        text_encoder = UMT5EncoderModel.from_pretrained(parts["text_encoder"].path, dtype=text_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(parts["tokenizer"].path)
+        for module in (vae, text_encoder):
+            module.eval()
+            module.requires_grad_(False)
+            module.to(torch_device)
+        return cls(
+            vae, text_encoder, tokenizer,
+            device=torch_device, dtype=text_dtype, vae_dtype=vae_torch_dtype, latent_mode=latent_mode,
+            tiling=tiling, text_max_length=text_max_length, parts=parts,
+        )  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able identity of these encoders for the config fingerprint (see :func:`describe_wan`)."""
+        if self.parts is None:
+            raise ValueError("describe() needs to know where the encoders came from; build them with WanEncoders.load")
+        return describe_wan(
+            self.parts, dtype=self.dtype, vae_dtype=self.vae_dtype, text_max_length=self.text_max_length,
+            latent_mode=self.latent_mode, tiling=self.tiling,
+        )  # fmt: skip
+
+    def latent_shape(self, bucket: Bucket) -> tuple[int, int, int, int]:
+        """``[C, 1 + (F - 1) / t, H / s, W / s]`` of one sample's latents."""
+        self._check_size(bucket.frames, bucket.height, bucket.width)
+        return (
+            self.latent_channels,
+            1 + (bucket.frames - 1) // self.temporal_factor,
+            bucket.height // self.spatial_factor,
+            bucket.width // self.spatial_factor,
+        )
+
+    def field_shapes(self, bucket: Bucket) -> dict[str, tuple[int, ...]]:
+        """Shape of every tensor field of a sample in ``bucket`` (no pooled embedding in this family)."""
+        return {LATENTS: self.latent_shape(bucket), PROMPT_EMBEDS: (self.text_max_length, self.text_hidden)}
+
+    # Video
+
+    @torch.no_grad()
+    def encode_video(self, pixels: torch.Tensor, keys: Sequence[str]) -> torch.Tensor:
+        """uint8 RGB ``[B, F, 3, H, W]`` -> normalized latents ``[B, C, F', H/s, W/s]`` on the CPU in ``dtype``.
+
+        ``keys`` are the sample keys: in ``sample`` mode each one seeds its sample's noise.
+        """
+        if pixels.dtype != torch.uint8:
+            raise ValueError(f"pixels must be uint8, got {pixels.dtype}")
+        if pixels.ndim != 5 or pixels.shape[2] != 3:
+            raise ValueError(f"pixels must be [B, F, 3, H, W], got shape {list(pixels.shape)}")
+        self._check_size(pixels.shape[1], pixels.shape[3], pixels.shape[4])
+        if len(keys) != pixels.shape[0]:
+            raise ValueError(f"got {pixels.shape[0]} clips but {len(keys)} keys; pass one key per clip")
+        video = pixels.to(self.device).permute(0, 2, 1, 3, 4).float()
+        video = (video / 255.0 * 2.0 - 1.0).to(self.vae_dtype)  # diffusers' VideoProcessor: [0, 1] then 2x - 1
+        posterior = self.vae.encode(video).latent_dist
+        if self.latent_mode == "mode":
+            latents = posterior.mode()
+        else:
+            latents = posterior.mean + posterior.std * self._noise(keys, posterior.mean)
+        mean = self._latents_mean.to(latents.device, latents.dtype)
+        inv_std = self._latents_inv_std.to(latents.device, latents.dtype)
+        latents = (latents - mean) * inv_std
+        return latents.to(device="cpu", dtype=self.dtype)
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalized latents ``[B, C, F', h, w]`` -> float32 frames ``[B, F, 3, h*s, w*s]`` in [-1, 1], on the CPU,
+        undoing the normalization exactly as ``WanPipeline`` does before its VAE decode."""
+        if latents.ndim != 5 or latents.shape[1] != self.latent_channels:
+            raise ValueError(f"latents must be [B, {self.latent_channels}, F', h, w], got {list(latents.shape)}")
+        latents = latents.to(self.device, self.vae_dtype)
+        mean = self._latents_mean.to(latents.device, latents.dtype)
+        inv_std = self._latents_inv_std.to(latents.device, latents.dtype)
+        video = self.vae.decode(latents / inv_std + mean).sample  # AutoencoderKLWan clamps to [-1, 1]
+        return video.float().permute(0, 2, 1, 3, 4).contiguous().to("cpu")
+
+    def _check_size(self, frames: int, height: int, width: int) -> None:
+        t, s = self.temporal_factor, self.spatial_factor
+        if frames < 1 or (frames - 1) % t:
+            raise ValueError(f"frame count must be {t}k+1 (the VAE's temporal factor is {t}), got {frames}")
+        if height % s or width % s:
+            raise ValueError(
+                f"height and width must be multiples of {s} (the VAE's spatial factor), got {height}x{width}"
+            )
+
+    def _noise(self, keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
+        # One CPU generator per sample: the noise depends on the key only, not on batch or device.
+        draws = [
+            torch.randn(like.shape[1:], generator=torch.Generator("cpu").manual_seed(noise_seed(key)))
+            for key in keys
+        ]
+        return torch.stack(draws).to(like.device, like.dtype)
+
+    # Text
+
+    @torch.no_grad()
+    def encode_text(self, captions: Sequence[str]) -> WanTextEmbeddings:
+        """Captions -> umT5 embeddings ``[B, L, D]``, zero after each caption's tokens, as WanPipeline.encode_prompt."""
+        if isinstance(captions, str):
+            raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
+        captions = list(captions)
+        if not captions:
+            raise ValueError("captions is empty; pass at least one caption")
+        for position, caption in enumerate(captions):
+            if not isinstance(caption, str):
+                raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
+
+        prompts = [clean_caption(caption) for caption in captions]
+        text_inputs = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.text_max_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
+        lengths = mask.gt(0).sum(dim=1).long()
+        truncated, removed_text = _truncation(self.tokenizer, prompts, self.text_max_length)
+        if removed_text:
+            logger.warning(
+                "umT5: %d of %d captions were truncated at %d tokens; removed text: %s",
+                len(removed_text), len(prompts), self.text_max_length, removed_text,
+            )  # fmt: skip
+
+        hidden = self.text_encoder(input_ids.to(self.device), mask.to(self.device)).last_hidden_state
+        hidden = hidden.to(device="cpu", dtype=self.dtype)
+        # Positions past the true length hold the encoder's output for padding: zero them, as WanPipeline does.
+        padding = torch.arange(self.text_max_length)[None, :] >= lengths[:, None]
+        prompt_embeds = hidden.masked_fill(padding[:, :, None], 0.0)
+        return WanTextEmbeddings(prompt_embeds, [int(n) for n in lengths], truncated)
+
+    def empty_prompt_embeds(self) -> torch.Tensor:
+        """``[L, D]`` embedding of the empty caption, for classifier-free-guidance dropout at training time."""
+        return self.encode_text([""]).prompt_embeds[0]
+
+
+def _dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise ConfigError(f"precision must be one of {', '.join(DTYPES)}, got {value!r}")
+    return DTYPES[value]
+
+
+def _ftfy():
+    try:
+        import ftfy
+    except ImportError:
+        return None
+    return ftfy
+
+
+def _ftfy_version() -> str | None:
+    try:
+        return importlib.metadata.version("ftfy") if _ftfy() is not None else None
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# --- the tiny random-weight set ---------------------------------------------------------------
+
+# Wan 2.1's VAE normalization (diffusers' AutoencoderKLWan defaults, as in Wan2.1-T2V-1.3B-Diffusers/vae).
+_WAN21_LATENTS_MEAN = [
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+]  # fmt: skip
+_WAN21_LATENTS_STD = [
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+]  # fmt: skip
+TINY_VAE_VARIANTS: tuple[str, ...] = ("2.1", "2.2-5b")
+
+
+def write_tiny_wan(path: str | Path, seed: int = 0, *, vae_variant: str = "2.1") -> Path:
+    """Write a tiny random-weight Wan set under ``path`` (created if missing) and return it.
+
+    The real diffusers layout and classes, small sizes: vae/ (AutoencoderKLWan),
+    text_encoder/ (UMT5EncoderModel, hidden 32), tokenizer/ (a small T5-style
+    unigram tokenizer: <pad>=0, </s>=1, <unk>=2 as umT5's, max length 512),
+    scheduler/ (UniPC with flow sigmas, as Wan2.1-T2V-1.3B-Diffusers) and
+    model_index.json (``WanPipeline``, no transformer). ``WanPipeline.from_pretrained(path,
+    transformer=None)`` loads it. ``vae_variant``: ``2.1`` (16 channels, 8x spatial)
+    or ``2.2-5b`` (Wan 2.2 TI2V-5B's structure: 48 channels, residual blocks,
+    2x2 patchify, 16x spatial). The same seed gives the same files.
+    """
+    if vae_variant not in TINY_VAE_VARIANTS:
+        raise ConfigError(f"vae_variant must be one of {', '.join(TINY_VAE_VARIANTS)}, got {vae_variant!r}")
+    from diffprep.tiny import _t5_tokenizer
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    if any((root / name).exists() for name in ("vae", "text_encoder", "tokenizer", "model_index.json")):
+        raise FileExistsError(f"{root} already holds a model; pass an empty or new folder")
+    tokenizer = _t5_tokenizer()
+    with torch.random.fork_rng(devices=[]):  # our seeding must not disturb the caller's global RNG
+        torch.manual_seed(seed)
+        vae = _tiny_vae(vae_variant)
+        torch.manual_seed(seed + 1)
+        text_encoder = _tiny_umt5(tokenizer)
+    vae.save_pretrained(root / "vae")
+    text_encoder.save_pretrained(root / "text_encoder")
+    tokenizer.save_pretrained(root / "tokenizer")
+    _tiny_scheduler().save_pretrained(root / "scheduler")
+    _write_model_index(root)
+    return root
+
+
+def _tiny_vae(variant: str):
+    from diffusers import AutoencoderKLWan
+
+    common = {
+        "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [], "temperal_downsample": [False, True, True]
+    }  # fmt: skip
+    if variant == "2.1":
+        return AutoencoderKLWan(
+            base_dim=8, z_dim=16, latents_mean=_WAN21_LATENTS_MEAN, latents_std=_WAN21_LATENTS_STD,
+            scale_factor_spatial=8, scale_factor_temporal=4, **common,
+        )  # fmt: skip
+    # Wan 2.2 TI2V-5B: RGB is patchified 2x2 into 12 channels before the encoder, so 8 x 2 = 16x spatially.
+    generator = torch.Generator().manual_seed(48)
+    return AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=12, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+        latents_mean=(torch.randn(48, generator=generator) * 0.5).tolist(),
+        latents_std=(torch.rand(48, generator=generator) + 0.5).tolist(),
+        scale_factor_spatial=16, scale_factor_temporal=4, **common,
+    )  # fmt: skip
+
+
+def _tiny_umt5(tokenizer):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    # umT5-XXL's shape in miniature: gated GELU feed-forward, untied embeddings, relative attention per layer.
+    config = UMT5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False, is_encoder_decoder=False, use_cache=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    return UMT5EncoderModel(config)
+
+
+def _tiny_scheduler():
+    from diffusers import UniPCMultistepScheduler
+
+    # diffprep never uses it: it completes the layout so that WanPipeline.from_pretrained loads the folder.
+    return UniPCMultistepScheduler(
+        num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+
+
+def _write_model_index(root: Path) -> None:
+    import diffusers
+
+    index = {
+        "_class_name": PIPELINE_CLASS,
+        "_diffusers_version": diffusers.__version__,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        # The real repo names WanTransformer3DModel here; the tiny set has none.
+        "transformer": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
