@@ -1,0 +1,1 @@
+"""Model families: one module per family (its encoders, what it stores, its tiny test set)."""
