@@ -46,8 +46,10 @@ _WORDS = (
     "sitting standing walking running flying talking singing music sound voice"
 ).split()
 
-# The tiny video VAE: the real block kinds and factors (patch 4, then 2x space,
-# 2x time, 2x all, 2x all = 32x space, 8x time) at one width throughout.
+# The tiny video VAE: the real encoder's block sequence (a res_x stage before and
+# after each of 2x space, 2x time, 2x all, 2x all; with patch 4 that is 32x space,
+# 8x time), one layer per stage and 128 channels throughout instead of doubling.
+# Keeping the real sequence lets diffusers' LTX-2 conversion map it (test_ltx2).
 _VAE_CONFIG: dict[str, Any] = {
     "dims": 3,
     "in_channels": 3,
@@ -57,10 +59,15 @@ _VAE_CONFIG: dict[str, Any] = {
     "norm_layer": "pixel_norm",
     "latent_log_var": "uniform",
     "encoder_blocks": [
+        ["res_x", {"num_layers": 1}],
         ["compress_space_res", {"multiplier": 1}],
+        ["res_x", {"num_layers": 1}],
         ["compress_time_res", {"multiplier": 1}],
+        ["res_x", {"num_layers": 1}],
         ["compress_all_res", {"multiplier": 1}],
+        ["res_x", {"num_layers": 1}],
         ["compress_all_res", {"multiplier": 1}],
+        ["res_x", {"num_layers": 1}],
     ],
     "decoder_blocks": [
         ["compress_space", {"multiplier": 1}],
