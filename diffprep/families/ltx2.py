@@ -107,7 +107,9 @@ def read_checkpoint_config(checkpoint: str | Path) -> dict[str, Any]:
 
     path = Path(checkpoint)
     if not path.is_file():
-        raise ConfigError(f"LTX-2 checkpoint {path} does not exist; pass the .safetensors file (e.g. ltx-2-19b-dev.safetensors)")
+        raise ConfigError(
+            f"LTX-2 checkpoint {path} does not exist; pass the .safetensors file (e.g. ltx-2-19b-dev.safetensors)"
+        )
     config = SafetensorsModelStateDictLoader().metadata(str(path))
     if not config:
         raise ConfigError(
@@ -388,7 +390,11 @@ class Ltx2Encoders:
         ``decoders`` adds the video decoder for round-trip checks.
         """
         from ltx_core.loader import SingleGPUModelBuilder
-        from ltx_core.model.audio_vae import AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER, AudioEncoderConfigurator, AudioProcessor
+        from ltx_core.model.audio_vae import (
+            AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER,
+            AudioEncoderConfigurator,
+            AudioProcessor,
+        )
         from ltx_core.model.video_vae import (
             VAE_DECODER_COMFY_KEYS_FILTER,
             VAE_ENCODER_COMFY_KEYS_FILTER,
@@ -579,7 +585,9 @@ class Ltx2Encoders:
             video, audio = self.feature_extractor(hidden_states, mask, "left")
             truncated = len(text_encoder.tokenizer.tokenizer(caption.strip()).input_ids) > TEXT_MAX_LENGTH
             if truncated:
-                logger.warning("Gemma: caption %d is longer than %d tokens and was truncated", position, TEXT_MAX_LENGTH)
+                logger.warning(
+                    "Gemma: caption %d is longer than %d tokens and was truncated", position, TEXT_MAX_LENGTH
+                )
             results.append(
                 TextConditions(
                     video_prompt_embeds=video[0].to("cpu"),
@@ -644,7 +652,9 @@ def _create_feature_extractor_kind(transformer_config: Mapping[str, Any]) -> tor
         return _create_feature_extractor(dict(transformer_config))
 
 
-def build_feature_extractor(transformer_config: Mapping[str, Any], hidden_size: int, num_layers: int) -> torch.nn.Module:
+def build_feature_extractor(
+    transformer_config: Mapping[str, Any], hidden_size: int, num_layers: int
+) -> torch.nn.Module:
     """ltx-core's feature extractor for a checkpoint config, sized for a Gemma of ``hidden_size`` x ``num_layers``.
 
     ltx-core sizes it from Gemma 3 12B (3840 x 48); this takes the loaded Gemma's
