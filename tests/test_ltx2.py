@@ -380,6 +380,35 @@ def test_clip_audio_channels_duration_and_latents(encoders, stored, tmp_path, la
     assert record["duration"] == pytest.approx(duration, abs=1 / 44100) and type(record["duration"]) is float
 
 
+def test_diffusers_ltx2_audio_vae_gives_the_same_latents(encoders, stored):
+    """diffusers' AutoencoderKLLTX2Audio on the same log-mel input: mode(), packed b t (c f), (z - mean) / std.
+
+    Equal to ltx-core's to float32 rounding. diffusers has no waveform->mel step, so
+    the mel comes from ltx-core's AudioProcessor (the trainer's) in both.
+    """
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.loaders.single_file_utils import convert_ltx2_audio_vae_to_diffusers
+    from ltx_core.types import Audio
+
+    tensors = {k: v.clone() for k, v in stored.items() if k.startswith(("audio_vae.encoder.", "audio_vae.per_channel"))}
+    vae = AutoencoderKLLTX2Audio(
+        ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None, mid_block_add_attention=False
+    )
+    missing, unexpected = vae.load_state_dict(convert_ltx2_audio_vae_to_diffusers(tensors), strict=False)
+    assert not unexpected and not [k for k in missing if not k.startswith("decoder.")]
+    vae.eval()
+
+    waveform = torch.sin(torch.arange(12000) / 7.0).expand(1, 2, -1).contiguous()
+    audio = ltx2.ClipAudio(waveform=waveform[0], sample_rate=32000, source_channels=2)
+    mel = encoders.audio_processor.waveform_to_mel(Audio(waveform=waveform, sampling_rate=32000))
+    with torch.no_grad():
+        mode = vae.encode(mel).latent_dist.mode()
+    b, c, t, f = mode.shape
+    packed = mode.permute(0, 2, 1, 3).reshape(b, t, c * f)
+    normalized = ((packed - vae.latents_mean) / vae.latents_std).reshape(b, t, c, f).permute(0, 2, 1, 3)
+    torch.testing.assert_close(normalized[0], encoders.encode_audio(audio).latents, rtol=1e-4, atol=1e-4)
+
+
 def test_short_audio_is_padded_and_channels_fold_down():
     audio = torch.ones(1, 100)
     assert ltx2.fit_duration(audio, 100, 1.5).shape == (1, 150)
@@ -544,6 +573,8 @@ def test_lora_trigger_and_identity(encoders):
     assert ltx2.apply_lora_trigger("a cat", None) == "a cat"
     identity = encoders.describe()
     assert json.loads(json.dumps(identity)) == identity
+    # The fetch phase gets the same identity without loading weights.
+    assert identity == ltx2.describe_ltx2(encoders.checkpoint, encoders.text_encoder_path, dtype=torch.float32)
     assert identity["family"] == "ltx2" and identity["ltx_core"] == "1.0.0"
     assert identity["audio"] == {"sample_rate": 16000, "mel_bins": 64, "hop_length": 160, "n_fft": 1024}
     assert identity["text"]["feature_extractor"] == "FeatureExtractorV1"

@@ -147,6 +147,67 @@ def video_scale_factors(config: Mapping[str, Any]) -> VideoScaleFactors:
     return VideoScaleFactors(time=time, space=space)
 
 
+def describe_ltx2(
+    checkpoint: str | Path,
+    text_encoder_path: str | Path | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    audio_dtype: torch.dtype = torch.float32,
+    video: bool = True,
+    audio: bool = True,
+    text: bool = True,
+    text_encoder_8bit: bool = False,
+) -> dict[str, Any]:
+    """JSON-able identity of an LTX-2 encoder set, for the config fingerprint, without loading any weights.
+
+    It reads the checkpoint's config and builds ltx-core's modules on the meta
+    device for the settings they derive from it (mel parameters, which feature
+    extractor), so the fetch phase can fingerprint a run cheaply;
+    ``Ltx2Encoders.describe()`` returns the same. Files are identified by name
+    and size (hashing a 40 GB checkpoint per run is not worth it).
+    """
+    from importlib.metadata import version
+
+    from ltx_core.model.audio_vae import AudioEncoderConfigurator
+
+    checkpoint = Path(checkpoint)
+    config = read_checkpoint_config(checkpoint)
+    scale = video_scale_factors(config)
+    identity: dict[str, Any] = {
+        "family": FAMILY,
+        "ltx_core": version("ltx-core"),
+        "checkpoint": _file_identity(checkpoint),
+        "dtype": str(dtype).removeprefix("torch."),
+        "audio_dtype": str(audio_dtype).removeprefix("torch."),
+        "components": [name for name, wanted in (("video", video), ("audio", audio), ("text", text)) if wanted],
+    }
+    if video:
+        identity["video"] = {
+            "scale_time": scale.time,
+            "scale_space": scale.space,
+            "latent_channels": int(config.get("vae", {}).get("latent_channels", 128)),
+        }
+    if audio:
+        with torch.device("meta"):
+            encoder = AudioEncoderConfigurator.from_config(config)
+        identity["audio"] = {
+            "sample_rate": encoder.sample_rate,
+            "mel_bins": encoder.mel_bins,
+            "hop_length": encoder.mel_hop_length,
+            "n_fft": encoder.n_fft,
+        }
+    if text:
+        if text_encoder_path is None:
+            raise ConfigError("text encoding needs the Gemma folder; pass text_encoder_path (--text-encoder-path)")
+        identity["text"] = {
+            "gemma": _folder_identity(Path(text_encoder_path)),
+            "feature_extractor": type(_create_feature_extractor_kind(config.get("transformer", {}))).__name__,
+            "max_length": TEXT_MAX_LENGTH,
+            "load_in_8bit": text_encoder_8bit,
+        }
+    return identity
+
+
 # --------------------------------------------------------------------------- audio from a clip
 
 
@@ -465,42 +526,17 @@ class Ltx2Encoders:
     # Identity
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able identity for the config fingerprint: what was loaded, from which files, in which precision."""
-        from importlib.metadata import version
-
-        identity: dict[str, Any] = {
-            "family": FAMILY,
-            "ltx_core": version("ltx-core"),
-            "checkpoint": _file_identity(self.checkpoint),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "audio_dtype": str(self.audio_dtype).removeprefix("torch."),
-            "video_scale": {"time": self.scale.time, "space": self.scale.space},
-            "latent_channels": self.latent_channels,
-            "components": sorted(
-                name
-                for name, module in (
-                    ("video_encoder", self.video_encoder),
-                    ("audio_encoder", self.audio_encoder),
-                    ("text_encoder", self.text_encoder),
-                )
-                if module is not None
-            ),
-        }
-        if self.audio_encoder is not None:
-            identity["audio"] = {
-                "sample_rate": self.audio_encoder.sample_rate,
-                "mel_bins": self.audio_encoder.mel_bins,
-                "hop_length": self.audio_encoder.mel_hop_length,
-                "n_fft": self.audio_encoder.n_fft,
-            }
-        if self.text_encoder is not None:
-            identity["text"] = {
-                "gemma": _folder_identity(self.text_encoder_path),
-                "feature_extractor": type(self.feature_extractor).__name__,
-                "max_length": TEXT_MAX_LENGTH,
-                "load_in_8bit": self.text_encoder_8bit,
-            }
-        return identity
+        """JSON-able identity for the config fingerprint (see :func:`describe_ltx2`)."""
+        return describe_ltx2(
+            self.checkpoint,
+            self.text_encoder_path,
+            dtype=self.dtype,
+            audio_dtype=self.audio_dtype,
+            video=self.video_encoder is not None,
+            audio=self.audio_encoder is not None,
+            text=self.text_encoder is not None,
+            text_encoder_8bit=self.text_encoder_8bit,
+        )
 
     # Video
 
