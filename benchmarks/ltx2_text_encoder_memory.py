@@ -4,7 +4,8 @@ A random-weight Gemma 3 at the real 12B width (hidden 3840, MLP 15360, 16/8
 heads of 256) but only ``--layers`` text layers and a 32k vocabulary is written
 once, then loaded in a fresh process each way through ``ltx2.load_gemma`` and
 one caption encoded. Printed per mode: the process's peak RSS, its RSS after
-the encode, the model's
+the encode (all of it, then after malloc_trim split into anonymous memory and
+mapped file pages), the model's
 footprint (``get_memory_footprint``) and the encode time. The last lines scale
 the footprint to Gemma 3 12B's real parameter counts (counted on the meta
 device from ltx-core's GEMMA3_CONFIG_FOR_LTX), Linear layers but lm_head in
@@ -85,12 +86,23 @@ def measure(folder: Path, mode: str) -> dict:
         "mode": mode,
         "rss_after_mib": rss_after,
         "rss_trimmed_mib": psutil.Process().memory_info().rss / 2**20,
+        # RSS counts the safetensors file's mapped pages too (page cache, reclaimable); RssAnon is what the
+        # process itself holds.
+        "rss_anon_mib": _status_kib("RssAnon") / 1024,
+        "rss_file_mib": _status_kib("RssFile") / 1024,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "footprint_mib": encoder.model.get_memory_footprint() / 2**20,
         "load_s": loaded - start,
         "encode_s": done - loaded,
         "layers": len(states),
     }
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
 
 
 def gemma_12b_estimate() -> dict:
@@ -134,7 +146,8 @@ def main() -> None:
             r = results[mode]
             print(
                 f"{mode}: peak RSS {r['peak_rss_mib']:.0f} MiB, RSS after encode {r['rss_after_mib']:.0f} MiB "
-                f"({r['rss_trimmed_mib']:.0f} after malloc_trim), footprint {r['footprint_mib']:.0f} MiB, "
+                f"({r['rss_trimmed_mib']:.0f} after malloc_trim: anonymous {r['rss_anon_mib']:.0f}, "
+                f"mapped files {r['rss_file_mib']:.0f}), footprint {r['footprint_mib']:.0f} MiB, "
                 f"load {r['load_s']:.1f} s, encode {r['encode_s']:.2f} s"
             )
     estimate = gemma_12b_estimate()
@@ -149,6 +162,7 @@ def main() -> None:
         f"peak_rss_int8/bf16={q['peak_rss_mib'] / b['peak_rss_mib']:.3f} "
         f"rss_after_int8/bf16={q['rss_after_mib'] / b['rss_after_mib']:.3f} "
         f"rss_trimmed_int8/bf16={q['rss_trimmed_mib'] / b['rss_trimmed_mib']:.3f} "
+        f"rss_anon_int8/bf16={q['rss_anon_mib'] / b['rss_anon_mib']:.3f} "
         f"gemma12b_int8/bf16={estimate['int8_gib'] / estimate['bf16_gib']:.3f}"
     )
 
