@@ -10,8 +10,11 @@ References, each computed here without going through ``Ltx2Encoders``:
 - text: the Gemma folder run with transformers alone, then the V1 feature
   extractor's formula (masked mean / range x 8 per layer, then the projection
   read from the checkpoint);
-- diffusers: ``AutoencoderKLLTX2Video`` with the weights converted by diffusers'
-  own ``convert_ltx2_vae_to_diffusers``.
+- diffusers, where it overlaps: ``AutoencoderKLLTX2Video`` and
+  ``AutoencoderKLLTX2Audio`` with the weights converted by diffusers' own
+  ``convert_ltx2_*_to_diffusers``, and the front half of ``LTX2TextConnectors``
+  (its normalizations, then the checkpoint's projections). All agree with
+  ltx-core to float32 rounding on the tiny set.
 """
 
 from __future__ import annotations
@@ -507,14 +510,44 @@ def test_text_conditions_are_the_feature_extractor_output(encoders, gemma, store
     assert torch.load(tmp_path / "c.pt", weights_only=True).keys() == record.keys()
 
 
+def test_diffusers_connector_front_half_gives_the_same_conditions(encoders, stored):
+    """diffusers' LTX2TextConnectors before its connectors (LTX-2.0: per_layer_masked_mean_norm, then text_proj_in)
+    equals conditions/ on the same Gemma hidden states; LTX2Pipeline.encode_prompt alone returns the raw states."""
+    from diffusers.pipelines.ltx2.connectors import per_layer_masked_mean_norm
+
+    caption = CAPTIONS[1]
+    with torch.no_grad():
+        states, mask = encoders.text_encoder.encode(caption, padding_side="left")
+        normed = per_layer_masked_mean_norm(torch.stack(states, dim=-1), mask.sum(dim=-1), device="cpu")
+        expected = normed[0] @ stored["text_embedding_projection.aggregate_embed.weight"].T
+    [result] = encoders.encode_text([caption])
+    torch.testing.assert_close(result.video_prompt_embeds, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_v2_checkpoint_has_separate_audio_features(tmp_path):
     root = write_tiny_ltx2(tmp_path / "v2", seed=3, text_projection="v2")
-    encoders = ltx2.Ltx2Encoders.load(root / TINY_CHECKPOINT_NAME, root / TINY_GEMMA_FOLDER, video=False, audio=False)
+    encoders = ltx2.Ltx2Encoders.load(
+        root / TINY_CHECKPOINT_NAME, root / TINY_GEMMA_FOLDER, video=False, audio=False, dtype=torch.float32
+    )
     [result] = encoders.encode_text(["a bird flying over the sea"])
     assert type(encoders.feature_extractor).__name__ == "FeatureExtractorV2"
     assert result.video_prompt_embeds.shape == (1024, 32) and result.audio_prompt_embeds.shape == (1024, 16)
     record = ltx2.conditions_record(result)
     assert record["audio_prompt_embeds"].dtype == torch.bfloat16
+
+    # diffusers' LTX-2.3 front half: per_token_rms_norm, mask, sqrt(width / hidden) rescale, per-modality Linears.
+    from diffusers.pipelines.ltx2.connectors import per_token_rms_norm
+
+    stored = load_file(str(root / TINY_CHECKPOINT_NAME))
+    with torch.no_grad():
+        states, mask = encoders.text_encoder.encode("a bird flying over the sea", padding_side="left")
+        normed = per_token_rms_norm(torch.stack(states, dim=-1)).flatten(2, 3)
+        normed = torch.where(mask.bool()[..., None], normed, torch.zeros_like(normed))[0]
+    for kind, result_embeds in (("video", result.video_prompt_embeds), ("audio", result.audio_prompt_embeds)):
+        weight = stored[f"text_embedding_projection.{kind}_aggregate_embed.weight"]
+        bias = stored[f"text_embedding_projection.{kind}_aggregate_embed.bias"]
+        expected = (normed * (weight.shape[0] / 32) ** 0.5) @ weight.T + bias
+        torch.testing.assert_close(result_embeds, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_text_encoder_in_8bit_runs_on_cpu(checkpoint, gemma):
