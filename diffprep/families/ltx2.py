@@ -225,7 +225,7 @@ class ClipAudio:
 
 
 def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None = None, key: str = "") -> ClipAudio:
-    """Decode a clip's first audio stream with PyAV: stereo, at its own sample rate, fitted to ``duration``.
+    """Decode a clip's audio with PyAV (FFmpeg's best audio stream): stereo, at its own rate, fitted to ``duration``.
 
     Channels: mono is duplicated, stereo kept, 5.1 and 7.1 folded down to stereo
     (ITU-R BS.775, LFE dropped); other layouts are a decode error. ``duration``
@@ -248,7 +248,8 @@ def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None =
     with container:
         if not container.streams.audio:
             raise RejectError(REJECT_NO_AUDIO_STREAM, f"{name} has no audio stream")
-        stream = container.streams.audio[0]
+        # FFmpeg's own choice among several audio streams (av_find_best_stream), as torchaudio.load makes it.
+        stream = container.streams.best("audio")
         # Planar float32 at the stream's own rate and layout: one row per channel.
         resampler = av.AudioResampler(format="fltp")
         chunks: list[np.ndarray] = []
