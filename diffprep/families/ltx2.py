@@ -1,0 +1,854 @@
+"""The LTX-2 family: clips to video and audio latents, captions to Gemma features, as the LTX-2 trainer stores them.
+
+Everything numerical is Lightricks' ``ltx-core`` (1.0.0): the video VAE encoder
+(``VideoEncoder``: posterior mean, normalized per channel with the checkpoint's
+``mean-of-means``/``std-of-means``), the audio VAE encoder (``AudioEncoder``,
+same normalization over the 128 ``(channel, frequency)`` features), the
+waveform-to-mel step (``AudioProcessor``: resample to the checkpoint's rate, log
+mel) and the Gemma feature extractor (``FeatureExtractorV1``/``V2``). This module
+only loads those pieces, feeds them what the trainer's ``process_dataset.py``
+feeds them, and shapes what they return into the trainer's ``.precomputed/``
+records (reference/consumer-formats.md A1).
+
+Loading. The LTX-2 checkpoint is one ``.safetensors`` file whose ``"config"``
+metadata entry describes every component; the video and audio encoders are
+built from it by ltx-core's ``SingleGPUModelBuilder`` with its own
+configurators and key filters, exactly as the trainer's ``model_loader`` does.
+Two pieces cannot take that road with the versions pinned here, and take the
+nearest one that works:
+
+- Gemma: ltx-core's ``GemmaTextEncoderConfigurator`` always builds Gemma 3 12B
+  (``GEMMA3_CONFIG_FOR_LTX``, a constant), and its ``GEMMA_MODEL_OPS`` fails on
+  transformers 5 (it reaches for ``vision_tower.vision_model`` and
+  ``rotary_emb_local``, which transformers 5 no longer has). The Gemma folder is
+  therefore loaded with ``Gemma3ForConditionalGeneration.from_pretrained`` (the
+  trainer's own ``--load-text-encoder-in-8bit`` road, which reads the folder's
+  ``config.json``) and wrapped in ltx-core's ``GemmaTextEncoder`` and
+  ``LTXVGemmaTokenizer`` (left padding to 1024, BOS first), whose ``encode``
+  produces the hidden states.
+- Feature extractor: ltx-core's ``EmbeddingsProcessorConfigurator`` also sizes
+  it from the 12B constant and builds the connectors, which run at training
+  time, not here. The extractor alone is built with ltx-core's
+  ``FeatureExtractorV1``/``V2`` classes (the version chosen by ltx-core's own
+  rule) at the Gemma folder's width and depth, and loaded from the checkpoint's
+  ``text_embedding_projection.*`` tensors by ``SingleGPUModelBuilder``. For the
+  12B folder its parameters are the same shapes as ltx-core's (tested).
+
+Low-memory text encoder: ``text_encoder_8bit=True`` loads Gemma as the
+trainer's ``--load-text-encoder-in-8bit`` does (bitsandbytes ``Linear8bitLt``
+for every Linear but ``lm_head``, threshold 6.0). bitsandbytes 0.50 runs it on
+the CPU as well as on CUDA.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from diffprep.errors import ConfigError, RejectError
+
+if TYPE_CHECKING:
+    from ltx_core.model.audio_vae import AudioEncoder
+    from ltx_core.model.audio_vae.ops import AudioProcessor
+    from ltx_core.model.video_vae import VideoDecoder, VideoEncoder
+    from ltx_core.text_encoders.gemma import GemmaTextEncoder
+
+logger = logging.getLogger("diffprep.families.ltx2")
+
+FAMILY = "ltx2"
+
+# Reject reasons (counted in the audit).
+REJECT_NO_AUDIO_STREAM = "no_audio_stream"
+REJECT_AUDIO_DECODE_ERROR = "audio_decode_error"
+
+# The trainer's .precomputed/ layout (consumer-formats.md A1/A2).
+PRECOMPUTED_DIR = ".precomputed"
+LATENTS_DIR = "latents"
+CONDITIONS_DIR = "conditions"
+AUDIO_LATENTS_DIR = "audio_latents"
+REFERENCE_LATENTS_DIR = "reference_latents"
+REFERENCE_AUDIO_LATENTS_DIR = "reference_audio_latents"
+PRECOMPUTED_SUFFIX = ".pt"
+
+# What each record holds, and in which dtype (A1). Video latents and text
+# features are bf16, audio latents float32, the mask int64.
+VIDEO_LATENTS_KEYS = ("latents", "num_frames", "height", "width", "fps")
+AUDIO_LATENTS_KEYS = ("latents", "num_time_steps", "frequency_bins", "duration")
+CONDITIONS_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+VIDEO_LATENTS_DTYPE = torch.bfloat16
+AUDIO_LATENTS_DTYPE = torch.float32
+CONDITIONS_DTYPE = torch.bfloat16
+MASK_DTYPE = torch.int64
+
+# LTXVGemmaTokenizer's length in the trainer (module_ops_from_gemma_root, gemma_8bit.py).
+TEXT_MAX_LENGTH = 1024
+
+# ITU-R BS.775 fold-down of 5.1 / 7.1 to stereo (FFmpeg's default channel order:
+# FL FR FC LFE BL BR [SL SR]); the LFE channel is dropped.
+_CENTER_GAIN = 1.0 / math.sqrt(2.0)
+_SURROUND_GAIN = 1.0 / math.sqrt(2.0)
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def read_checkpoint_config(checkpoint: str | Path) -> dict[str, Any]:
+    """The JSON config stored in an LTX-2 checkpoint's safetensors metadata (ltx-core's own reader)."""
+    from ltx_core.loader import SafetensorsModelStateDictLoader
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise ConfigError(
+            f"LTX-2 checkpoint {path} does not exist; pass the .safetensors file (e.g. ltx-2-19b-dev.safetensors)"
+        )
+    config = SafetensorsModelStateDictLoader().metadata(str(path))
+    if not config:
+        raise ConfigError(
+            f"{path} has no 'config' entry in its safetensors metadata; it is not an LTX-2 checkpoint "
+            "(a diffusers-format or ComfyUI-split file will not do: pass the single-file release)"
+        )
+    return config
+
+
+@dataclass(frozen=True)
+class VideoScaleFactors:
+    """How much the video VAE compresses: latent frames = 1 + (frames - 1) / time, height / space, width / space."""
+
+    time: int
+    space: int
+
+
+def video_scale_factors(config: Mapping[str, Any]) -> VideoScaleFactors:
+    """The video VAE's compression, read from the checkpoint config's ``vae`` section.
+
+    The patchify step divides H and W by ``patch_size``; each encoder block named
+    ``compress_time*``, ``compress_space*`` or ``compress_all*`` halves the axes it names
+    (ltx-core's ``_make_encoder_block``).
+    """
+    vae = config.get("vae", {})
+    time, space = 1, int(vae.get("patch_size", 4))
+    for name, _ in vae.get("encoder_blocks", []):
+        if name.startswith("compress_time"):
+            time *= 2
+        elif name.startswith("compress_space"):
+            space *= 2
+        elif name.startswith("compress_all"):
+            time *= 2
+            space *= 2
+    return VideoScaleFactors(time=time, space=space)
+
+
+def describe_ltx2(
+    checkpoint: str | Path,
+    text_encoder_path: str | Path | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    audio_dtype: torch.dtype = torch.float32,
+    video: bool = True,
+    audio: bool = True,
+    text: bool = True,
+    text_encoder_8bit: bool = False,
+) -> dict[str, Any]:
+    """JSON-able identity of an LTX-2 encoder set, for the config fingerprint, without loading any weights.
+
+    It reads the checkpoint's config and builds ltx-core's modules on the meta
+    device for the settings they derive from it (mel parameters, which feature
+    extractor), so the fetch phase can fingerprint a run cheaply;
+    ``Ltx2Encoders.describe()`` returns the same. Files are identified by name
+    and size (hashing a 40 GB checkpoint per run is not worth it).
+    """
+    from importlib.metadata import version
+
+    from ltx_core.model.audio_vae import AudioEncoderConfigurator
+
+    checkpoint = Path(checkpoint)
+    config = read_checkpoint_config(checkpoint)
+    scale = video_scale_factors(config)
+    identity: dict[str, Any] = {
+        "family": FAMILY,
+        "ltx_core": version("ltx-core"),
+        "checkpoint": _file_identity(checkpoint),
+        "dtype": str(dtype).removeprefix("torch."),
+        "audio_dtype": str(audio_dtype).removeprefix("torch."),
+        "components": [name for name, wanted in (("video", video), ("audio", audio), ("text", text)) if wanted],
+    }
+    if video:
+        identity["video"] = {
+            "scale_time": scale.time,
+            "scale_space": scale.space,
+            "latent_channels": int(config.get("vae", {}).get("latent_channels", 128)),
+        }
+    if audio:
+        with torch.device("meta"):
+            encoder = AudioEncoderConfigurator.from_config(config)
+        identity["audio"] = {
+            "sample_rate": encoder.sample_rate,
+            "mel_bins": encoder.mel_bins,
+            "hop_length": encoder.mel_hop_length,
+            "n_fft": encoder.n_fft,
+        }
+    if text:
+        if text_encoder_path is None:
+            raise ConfigError("text encoding needs the Gemma folder; pass text_encoder_path (--text-encoder-path)")
+        identity["text"] = {
+            "gemma": _folder_identity(Path(text_encoder_path)),
+            "feature_extractor": type(_create_feature_extractor_kind(config.get("transformer", {}))).__name__,
+            "max_length": TEXT_MAX_LENGTH,
+            "load_in_8bit": text_encoder_8bit,
+        }
+    return identity
+
+
+# --------------------------------------------------------------------------- audio from a clip
+
+
+@dataclass(frozen=True)
+class ClipAudio:
+    """A clip's audio track as the trainer feeds it to the encoder: stereo float32 at the source rate."""
+
+    waveform: torch.Tensor  # [2, samples], float32
+    sample_rate: int
+    source_channels: int
+
+    @property
+    def duration(self) -> float:
+        return self.waveform.shape[-1] / self.sample_rate
+
+
+def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None = None, key: str = "") -> ClipAudio:
+    """Decode a clip's audio with PyAV (FFmpeg's best audio stream): stereo, at its own rate, fitted to ``duration``.
+
+    Channels: mono is duplicated, stereo kept, 5.1 and 7.1 folded down to stereo
+    (ITU-R BS.775, LFE dropped); other layouts are a decode error. ``duration``
+    (seconds; the trainer uses frames / fps of the encoded video) trims the
+    waveform to ``int(duration * rate)`` samples or pads it with zeros, as the
+    trainer does. Resampling to the checkpoint's rate is left to ltx-core's
+    ``AudioProcessor``, as in the trainer.
+
+    Raises ``RejectError`` ``no_audio_stream`` when the file has no audio stream
+    and ``audio_decode_error`` when it has one that does not decode; ``key``
+    names the sample in the message.
+    """
+    import av
+
+    name = key or str(source)
+    try:
+        container = av.open(source if isinstance(source, io.BytesIO) else str(source))
+    except (av.error.FFmpegError, OSError) as error:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: cannot open the file: {error}") from None
+    with container:
+        if not container.streams.audio:
+            raise RejectError(REJECT_NO_AUDIO_STREAM, f"{name} has no audio stream")
+        # FFmpeg's own choice among several audio streams (av_find_best_stream), as torchaudio.load makes it.
+        stream = container.streams.best("audio")
+        # Planar float32 at the stream's own rate and layout: one row per channel.
+        resampler = av.AudioResampler(format="fltp")
+        chunks: list[np.ndarray] = []
+        try:
+            for frame in container.decode(stream):
+                for converted in resampler.resample(frame):
+                    chunks.append(converted.to_ndarray())
+            for converted in resampler.resample(None):
+                chunks.append(converted.to_ndarray())
+        except (av.error.FFmpegError, ValueError) as error:
+            raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: audio stream does not decode: {error}") from None
+        sample_rate = stream.codec_context.sample_rate or stream.rate
+    if not chunks or sum(chunk.shape[-1] for chunk in chunks) == 0:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream decoded to no samples")
+    if not sample_rate:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream has no sample rate")
+    waveform = torch.from_numpy(np.concatenate(chunks, axis=-1).astype(np.float32, copy=False))
+    source_channels = waveform.shape[0]
+    try:
+        stereo = to_stereo(waveform)
+    except ValueError as error:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: {error}") from None
+    if duration is not None:
+        stereo = fit_duration(stereo, sample_rate, duration)
+    return ClipAudio(waveform=stereo.contiguous(), sample_rate=int(sample_rate), source_channels=source_channels)
+
+
+def to_stereo(waveform: torch.Tensor) -> torch.Tensor:
+    """``[channels, samples]`` -> ``[2, samples]``: mono duplicated, 5.1/7.1 folded down, stereo unchanged."""
+    channels = waveform.shape[0]
+    if channels == 2:
+        return waveform
+    if channels == 1:
+        return waveform.expand(2, -1).clone()
+    if channels in (6, 8):
+        front_left, front_right, center = waveform[0], waveform[1], waveform[2]
+        left = front_left + _CENTER_GAIN * center + _SURROUND_GAIN * waveform[4]
+        right = front_right + _CENTER_GAIN * center + _SURROUND_GAIN * waveform[5]
+        if channels == 8:
+            left = left + _SURROUND_GAIN * waveform[6]
+            right = right + _SURROUND_GAIN * waveform[7]
+        return torch.stack([left, right])
+    raise ValueError(f"{channels}-channel audio is not supported; expected mono, stereo, 5.1 or 7.1")
+
+
+def fit_duration(waveform: torch.Tensor, sample_rate: int, duration: float) -> torch.Tensor:
+    """Trim or zero-pad ``[channels, samples]`` to ``int(duration * sample_rate)`` samples (the trainer's rule)."""
+    if duration <= 0:
+        raise ValueError(f"duration must be > 0 seconds, got {duration}")
+    target = int(duration * sample_rate)
+    current = waveform.shape[-1]
+    if current > target:
+        return waveform[..., :target]
+    if current < target:
+        return torch.nn.functional.pad(waveform, (0, target - current))
+    return waveform
+
+
+def write_test_tone(
+    target: str | Path | io.BytesIO,
+    *,
+    seconds: float = 1.0,
+    sample_rate: int = 48000,
+    frequency: float = 440.0,
+    layout: str = "stereo",
+    codec: str = "aac",
+    container_format: str = "mp4",
+) -> np.ndarray:
+    """Write a sine tone as an audio-only file (AAC in MP4 by default) and return the samples written [channels, n]."""
+    import av
+
+    channels = av.AudioLayout(layout).nb_channels
+    count = int(seconds * sample_rate)
+    time = np.arange(count, dtype=np.float32) / sample_rate
+    tone = (0.5 * np.sin(2 * np.pi * frequency * time)).astype(np.float32)
+    samples = np.stack([tone * (1.0 - 0.1 * channel) for channel in range(channels)])
+    with av.open(target if isinstance(target, io.BytesIO) else str(target), mode="w", format=container_format) as out:
+        stream = out.add_stream(codec, rate=sample_rate, layout=layout)
+        frame_size = 1024
+        for start in range(0, count, frame_size):
+            frame = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(samples[:, start : start + frame_size]), format="fltp", layout=layout
+            )
+            frame.sample_rate = sample_rate
+            frame.pts = start
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return samples
+
+
+def check_audio_backend(*, tolerance: float = 0.05) -> None:
+    """Sanity check: encode a 440 Hz AAC test tone in memory and decode it back through ``load_clip_audio``.
+
+    Raises ``RuntimeError`` naming what failed when the audio backend cannot
+    decode it (the trainer's failure mode: audio silently missing from a whole
+    run). Run it before an audio run starts.
+    """
+    buffer = io.BytesIO()
+    try:
+        written = write_test_tone(buffer, seconds=1.0)
+    except Exception as error:  # noqa: BLE001 - any encoder failure means the backend is unusable
+        raise RuntimeError(f"the audio backend (PyAV) cannot write an AAC test tone: {error}") from error
+    buffer.seek(0)
+    try:
+        decoded = load_clip_audio(buffer, key="audio-backend-test-tone")
+    except RejectError as error:
+        raise RuntimeError(
+            f"the audio backend (PyAV) cannot decode an AAC test tone ({error}); "
+            "audio latents would be missing from every clip: reinstall `av` and check `python -c 'import av'`"
+        ) from error
+    # AAC adds priming samples and loses a little; compare the tone's level, not sample by sample.
+    expected_rms = float(np.sqrt(np.mean(written[0] ** 2)))
+    got_rms = float(decoded.waveform[0].pow(2).mean().sqrt())
+    if decoded.sample_rate != 48000 or abs(got_rms - expected_rms) > tolerance * 10 * expected_rms:
+        raise RuntimeError(
+            f"the audio backend decoded the test tone wrongly: rate {decoded.sample_rate} Hz (expected 48000), "
+            f"RMS {got_rms:.4f} (expected {expected_rms:.4f})"
+        )
+
+
+# --------------------------------------------------------------------------- encoders
+
+
+@dataclass(frozen=True)
+class AudioLatents:
+    """One clip's normalized audio latents ``[channels, time, frequency]`` (float32) and the seconds encoded."""
+
+    latents: torch.Tensor
+    duration: float
+
+
+@dataclass(frozen=True)
+class TextConditions:
+    """One caption's Gemma features after the feature extractor (before the connectors), on the CPU."""
+
+    video_prompt_embeds: torch.Tensor  # [1024, D]
+    audio_prompt_embeds: torch.Tensor | None  # [1024, D_a]; None for a video-only checkpoint
+    prompt_attention_mask: torch.Tensor  # [1024] int64, left-padded
+    truncated: bool
+
+
+class Ltx2Encoders:
+    """LTX-2's video VAE encoder, audio VAE encoder + mel processor and Gemma + feature extractor, on one device."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Path,
+        config: Mapping[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+        audio_dtype: torch.dtype,
+        video_encoder: VideoEncoder | None = None,
+        video_decoder: VideoDecoder | None = None,
+        audio_encoder: AudioEncoder | None = None,
+        audio_processor: AudioProcessor | None = None,
+        text_encoder: GemmaTextEncoder | None = None,
+        feature_extractor: torch.nn.Module | None = None,
+        text_encoder_path: Path | None = None,
+        text_encoder_8bit: bool = False,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = dict(config)
+        self.device = device
+        self.dtype = dtype
+        self.audio_dtype = audio_dtype
+        self.video_encoder = video_encoder
+        self.video_decoder = video_decoder
+        self.audio_encoder = audio_encoder
+        self.audio_processor = audio_processor
+        self.text_encoder = text_encoder
+        self.feature_extractor = feature_extractor
+        self.text_encoder_path = text_encoder_path
+        self.text_encoder_8bit = text_encoder_8bit
+        self.scale = video_scale_factors(config)
+        self.latent_channels: int = int(config.get("vae", {}).get("latent_channels", 128))
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path,
+        text_encoder_path: str | Path | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        audio_dtype: torch.dtype = torch.float32,
+        video: bool = True,
+        audio: bool = True,
+        text: bool = True,
+        decoders: bool = False,
+        text_encoder_8bit: bool = False,
+    ) -> Ltx2Encoders:
+        """Load the components asked for from an LTX-2 checkpoint and a Gemma folder.
+
+        ``dtype`` is the video VAE's and Gemma's precision (the trainer: bf16);
+        ``audio_dtype`` the audio VAE's (the trainer: float32). ``video=False``
+        is the audio-only modes, ``audio=False`` is ``--skip-audio``;
+        ``decoders`` adds the video decoder for round-trip checks.
+        """
+        from ltx_core.loader import SingleGPUModelBuilder
+        from ltx_core.model.audio_vae import (
+            AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER,
+            AudioEncoderConfigurator,
+            AudioProcessor,
+        )
+        from ltx_core.model.video_vae import (
+            VAE_DECODER_COMFY_KEYS_FILTER,
+            VAE_ENCODER_COMFY_KEYS_FILTER,
+            VideoDecoderConfigurator,
+            VideoEncoderConfigurator,
+        )
+
+        checkpoint = Path(checkpoint)
+        config = read_checkpoint_config(checkpoint)
+        device = torch.device(device)
+
+        def build(configurator, sd_ops, what: str, build_dtype: torch.dtype) -> torch.nn.Module:
+            module = SingleGPUModelBuilder(
+                model_path=str(checkpoint), model_class_configurator=configurator, model_sd_ops=sd_ops
+            ).build(device=device, dtype=build_dtype)
+            return _ready(module, what, checkpoint)
+
+        video_encoder = video_decoder = audio_encoder = audio_processor = None
+        if video:
+            video_encoder = build(VideoEncoderConfigurator, VAE_ENCODER_COMFY_KEYS_FILTER, "video VAE encoder", dtype)
+        if video and decoders:
+            video_decoder = build(VideoDecoderConfigurator, VAE_DECODER_COMFY_KEYS_FILTER, "video VAE decoder", dtype)
+        if audio:
+            audio_encoder = build(
+                AudioEncoderConfigurator, AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER, "audio VAE encoder", audio_dtype
+            )
+            # The processor the trainer and ltx-core's encode_audio build from the encoder's own settings.
+            audio_processor = AudioProcessor(
+                target_sample_rate=audio_encoder.sample_rate,
+                mel_bins=audio_encoder.mel_bins,
+                mel_hop_length=audio_encoder.mel_hop_length,
+                n_fft=audio_encoder.n_fft,
+            ).to(device)
+
+        text_encoder = feature_extractor = None
+        gemma_root = None
+        if text:
+            if text_encoder_path is None:
+                raise ConfigError("text encoding needs the Gemma folder; pass text_encoder_path (--text-encoder-path)")
+            gemma_root = Path(text_encoder_path)
+            text_encoder = load_gemma(gemma_root, device=device, dtype=dtype, load_in_8bit=text_encoder_8bit)
+            text_config = text_encoder.model.config.text_config
+            feature_extractor = SingleGPUModelBuilder(
+                model_path=str(checkpoint),
+                model_class_configurator=feature_extractor_configurator(
+                    text_config.hidden_size, text_config.num_hidden_layers
+                ),
+                model_sd_ops=feature_extractor_key_ops(),
+            ).build(device=device, dtype=dtype)
+            feature_extractor = _ready(feature_extractor, "Gemma feature extractor", checkpoint)
+
+        return cls(
+            checkpoint=checkpoint,
+            config=config,
+            device=device,
+            dtype=dtype,
+            audio_dtype=audio_dtype,
+            video_encoder=video_encoder,
+            video_decoder=video_decoder,
+            audio_encoder=audio_encoder,
+            audio_processor=audio_processor,
+            text_encoder=text_encoder,
+            feature_extractor=feature_extractor,
+            text_encoder_path=gemma_root,
+            text_encoder_8bit=text_encoder_8bit,
+        )
+
+    # Identity
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able identity for the config fingerprint (see :func:`describe_ltx2`)."""
+        return describe_ltx2(
+            self.checkpoint,
+            self.text_encoder_path,
+            dtype=self.dtype,
+            audio_dtype=self.audio_dtype,
+            video=self.video_encoder is not None,
+            audio=self.audio_encoder is not None,
+            text=self.text_encoder is not None,
+            text_encoder_8bit=self.text_encoder_8bit,
+        )
+
+    # Video
+
+    @torch.no_grad()
+    def encode_video(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 RGB ``[B, F, 3, H, W]`` -> normalized latents ``[B, C, 1+(F-1)/t, H/s, W/s]`` on the CPU in ``dtype``.
+
+        The frames map to [-1, 1] as the trainer's (x / 255 - 0.5) / 0.5; ltx-core's
+        ``VideoEncoder`` keeps the posterior mean and normalizes it per channel.
+        """
+        encoder = self._require(self.video_encoder, "video")
+        self._check_pixels(pixels)
+        video = pixels.permute(0, 2, 1, 3, 4).to(self.device, torch.float32)
+        video = (video / 255.0 - 0.5) / 0.5
+        latents = encoder(video.to(self.dtype))
+        return latents.to("cpu")
+
+    @torch.no_grad()
+    def decode_video(self, latents: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        """Normalized latents ``[C, F', H', W']`` -> uint8 frames ``[F, H, W, 3]`` with ltx-core's ``decode_video``."""
+        from ltx_core.model.video_vae import decode_video
+
+        decoder = self._require(self.video_decoder, "video decoding (load with decoders=True)")
+        if latents.ndim != 4 or latents.shape[0] != self.latent_channels:
+            raise ValueError(f"latents must be [{self.latent_channels}, F', H', W'], got shape {list(latents.shape)}")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        chunks = decode_video(latents[None].to(self.device, self.dtype), decoder, generator=generator)
+        return torch.cat([chunk.to("cpu") for chunk in chunks])
+
+    def _check_pixels(self, pixels: torch.Tensor) -> None:
+        if pixels.dtype != torch.uint8:
+            raise ValueError(f"pixels must be uint8, got {pixels.dtype}")
+        if pixels.ndim != 5 or pixels.shape[2] != 3:
+            raise ValueError(f"pixels must be [B, F, 3, H, W], got shape {list(pixels.shape)}")
+        frames, height, width = pixels.shape[1], pixels.shape[3], pixels.shape[4]
+        if (frames - 1) % self.scale.time:
+            # ltx-core would silently drop the extra frames; the bucket should not have asked for them.
+            raise ValueError(f"frame count must be {self.scale.time}k+1 (1, {1 + self.scale.time}, ...), got {frames}")
+        if height % self.scale.space or width % self.scale.space:
+            raise ValueError(f"height and width must be multiples of {self.scale.space}, got {height}x{width}")
+
+    # Audio
+
+    @torch.no_grad()
+    def encode_audio(self, audio: ClipAudio) -> AudioLatents:
+        """A clip's stereo waveform -> normalized audio latents ``[8, T, 16]`` (float32, CPU).
+
+        As the trainer: ltx-core's ``AudioProcessor`` resamples to the checkpoint's
+        rate and computes the log-mel spectrogram ``[1, 2, frames, mel_bins]``, then
+        ``AudioEncoder`` (posterior mean, per-channel normalized) encodes it.
+        ``duration`` is the waveform's length at its source rate.
+        """
+        from ltx_core.types import Audio
+
+        encoder = self._require(self.audio_encoder, "audio")
+        if audio.waveform.ndim != 2 or audio.waveform.shape[0] != 2:
+            raise ValueError(f"audio.waveform must be stereo [2, samples], got shape {list(audio.waveform.shape)}")
+        waveform = audio.waveform[None].to(self.device, self.audio_dtype)
+        mel = self.audio_processor.waveform_to_mel(Audio(waveform=waveform, sampling_rate=audio.sample_rate))
+        latents = encoder(mel.to(self.audio_dtype))
+        return AudioLatents(latents=latents[0].to("cpu", AUDIO_LATENTS_DTYPE), duration=audio.duration)
+
+    # Text
+
+    @torch.no_grad()
+    def encode_text(self, captions: Sequence[str]) -> list[TextConditions]:
+        """Captions -> Gemma features after the feature extractor, one caption at a time (as the trainer).
+
+        ltx-core's tokenizer strips the caption, truncates it to 1024 tokens and
+        left-pads it to 1024 with BOS first; ``GemmaTextEncoder.encode`` returns all
+        hidden states and the mask, and the feature extractor normalizes and
+        projects them (V1: audio is a copy of video; V2: separate projections).
+        """
+        text_encoder = self._require(self.text_encoder, "text")
+        if isinstance(captions, str):
+            raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
+        results = []
+        for position, caption in enumerate(captions):
+            if not isinstance(caption, str):
+                raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
+            hidden_states, mask = text_encoder.encode(caption, padding_side="left")
+            video, audio = self.feature_extractor(hidden_states, mask, "left")
+            truncated = len(text_encoder.tokenizer.tokenizer(caption.strip()).input_ids) > TEXT_MAX_LENGTH
+            if truncated:
+                logger.warning(
+                    "Gemma: caption %d is longer than %d tokens and was truncated", position, TEXT_MAX_LENGTH
+                )
+            results.append(
+                TextConditions(
+                    video_prompt_embeds=video[0].to("cpu"),
+                    audio_prompt_embeds=None if audio is None else audio[0].to("cpu"),
+                    prompt_attention_mask=mask[0].to("cpu", MASK_DTYPE),
+                    truncated=truncated,
+                )
+            )
+        return results
+
+    @staticmethod
+    def _require(module, what: str):
+        if module is None:
+            raise ConfigError(f"{what} encoding was not loaded; load Ltx2Encoders with it enabled")
+        return module
+
+
+# --------------------------------------------------------------------------- loading helpers
+
+
+def load_gemma(
+    folder: str | Path, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, load_in_8bit: bool = False
+) -> GemmaTextEncoder:
+    """A Gemma 3 folder -> ltx-core ``GemmaTextEncoder`` (model + ``LTXVGemmaTokenizer`` at 1024 tokens).
+
+    ``load_in_8bit`` quantizes every Linear but ``lm_head`` to bitsandbytes
+    int8 (threshold 6.0), as the trainer's ``--load-text-encoder-in-8bit``.
+    """
+    from ltx_core.text_encoders.gemma import GemmaTextEncoder
+    from ltx_core.text_encoders.gemma.tokenizer import LTXVGemmaTokenizer
+    from transformers import Gemma3ForConditionalGeneration
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise ConfigError(f"the Gemma text encoder path {root} is not a folder; pass the gemma-3 folder")
+    weights_dir = _find_parent(root, "model*.safetensors", "Gemma weights (model*.safetensors)")
+    tokenizer_dir = _find_parent(root, "tokenizer.json", "Gemma tokenizer (tokenizer.json)")
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if load_in_8bit:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ConfigError("8-bit text encoder loading needs bitsandbytes: pip install bitsandbytes") from None
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0)
+        kwargs["device_map"] = {"": str(device)}
+    model = Gemma3ForConditionalGeneration.from_pretrained(str(weights_dir), **kwargs)
+    if not load_in_8bit:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    tokenizer = LTXVGemmaTokenizer(str(tokenizer_dir), TEXT_MAX_LENGTH)
+    return GemmaTextEncoder(model=model, tokenizer=tokenizer, dtype=dtype)
+
+
+def _create_feature_extractor_kind(transformer_config: Mapping[str, Any]) -> torch.nn.Module:
+    """ltx-core's own choice of feature extractor (V1 or V2, or its error on config drift), built on the meta device."""
+    from ltx_core.text_encoders.gemma.encoders.encoder_configurator import _create_feature_extractor
+
+    with torch.device("meta"):
+        return _create_feature_extractor(dict(transformer_config))
+
+
+def build_feature_extractor(
+    transformer_config: Mapping[str, Any], hidden_size: int, num_layers: int
+) -> torch.nn.Module:
+    """ltx-core's feature extractor for a checkpoint config, sized for a Gemma of ``hidden_size`` x ``num_layers``.
+
+    ltx-core sizes it from Gemma 3 12B (3840 x 48); this takes the loaded Gemma's
+    sizes, so a smaller Gemma (the tiny set) gets the same classes at its width.
+    """
+    from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV1, FeatureExtractorV2
+
+    kind = _create_feature_extractor_kind(transformer_config)
+    flat = hidden_size * (num_layers + 1)  # every layer's output plus the embeddings
+    if isinstance(kind, FeatureExtractorV1):
+        return FeatureExtractorV1(aggregate_embed=torch.nn.Linear(flat, hidden_size, bias=False), is_av=kind.is_av)
+    audio = kind.audio_aggregate_embed
+    return FeatureExtractorV2(
+        video_aggregate_embed=torch.nn.Linear(flat, kind.video_aggregate_embed.out_features, bias=True),
+        embedding_dim=hidden_size,
+        audio_aggregate_embed=None if audio is None else torch.nn.Linear(flat, audio.out_features, bias=True),
+    )
+
+
+def feature_extractor_configurator(hidden_size: int, num_layers: int) -> type:
+    """A ``ModelConfigurator`` for ``SingleGPUModelBuilder`` that builds :func:`build_feature_extractor`."""
+
+    class FeatureExtractorConfigurator:
+        @classmethod
+        def from_config(cls, config: dict) -> torch.nn.Module:
+            return build_feature_extractor(config.get("transformer", {}), hidden_size, num_layers)
+
+    return FeatureExtractorConfigurator
+
+
+def feature_extractor_key_ops():
+    """SDOps that pick the feature extractor's tensors out of an LTX-2 checkpoint."""
+    from ltx_core.loader import SDOps
+
+    # The checkpoint's text_embedding_projection.{aggregate_embed,video_aggregate_embed,audio_aggregate_embed}.*
+    # are the extractor's own parameters (ltx-core's EMBEDDINGS_PROCESSOR_KEY_OPS maps them the same way).
+    return (
+        SDOps("LTX2_FEATURE_EXTRACTOR_KEY_OPS")
+        .with_matching(prefix="text_embedding_projection.")
+        .with_replacement("text_embedding_projection.", "")
+    )
+
+
+def _ready(module: torch.nn.Module, what: str, checkpoint: Path) -> torch.nn.Module:
+    """Refuse a module the builder left partly on the meta device (tensors missing from the checkpoint)."""
+    missing = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
+    if missing:
+        raise ConfigError(
+            f"{checkpoint} lacks the {what}'s tensors ({len(missing)} missing, e.g. {missing[:3]}); "
+            "pass a full LTX-2 checkpoint"
+        )
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+def _find_parent(root: Path, pattern: str, what: str) -> Path:
+    matches = sorted(root.rglob(pattern))
+    if not matches:
+        raise ConfigError(f"no {what} under {root}; pass the Gemma 3 folder as downloaded")
+    return matches[0].parent
+
+
+def _file_identity(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"name": path.name, "bytes": stat.st_size}
+
+
+def _folder_identity(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    return {"name": path.name, "files": {str(p.relative_to(path)): p.stat().st_size for p in files}}
+
+
+# --------------------------------------------------------------------------- .precomputed records
+
+
+def video_latents_record(latents: torch.Tensor, *, fps: float) -> dict[str, Any]:
+    """``latents/`` and ``reference_latents/`` record: ``[C, F', H', W']`` bf16 plus the latent sizes and fps.
+
+    ``num_frames``/``height``/``width`` are the latent grid's sizes (the
+    trainer's ``encode_video`` takes them from the latents' shape); ``fps`` is the
+    frame rate of the encoded frames.
+    """
+    if latents.ndim != 4:
+        raise ValueError(f"latents must be [C, F', H', W'] (one clip), got shape {list(latents.shape)}")
+    _, frames, height, width = latents.shape
+    return {
+        "latents": latents.detach().to("cpu", VIDEO_LATENTS_DTYPE).clone().contiguous(),
+        "num_frames": int(frames),
+        "height": int(height),
+        "width": int(width),
+        "fps": float(fps),
+    }
+
+
+def audio_latents_record(audio: AudioLatents) -> dict[str, Any]:
+    """``audio_latents/`` and ``reference_audio_latents/`` record: ``[C, T, F]`` float32, T, F and seconds."""
+    latents = audio.latents
+    if latents.ndim != 3:
+        raise ValueError(f"audio latents must be [C, T, F] (one clip), got shape {list(latents.shape)}")
+    return {
+        "latents": latents.detach().to("cpu", AUDIO_LATENTS_DTYPE).clone().contiguous(),
+        "num_time_steps": int(latents.shape[1]),
+        "frequency_bins": int(latents.shape[2]),
+        "duration": float(audio.duration),
+    }
+
+
+def conditions_record(conditions: TextConditions) -> dict[str, Any]:
+    """``conditions/`` record: video and audio features ``[1024, D]`` bf16 and the left-padded mask ``[1024]`` int64.
+
+    A video-only checkpoint has no audio features; the record then has no
+    ``audio_prompt_embeds`` key, as the trainer writes it.
+    """
+    record = {
+        "video_prompt_embeds": conditions.video_prompt_embeds.detach().to("cpu", CONDITIONS_DTYPE).clone().contiguous(),
+        "prompt_attention_mask": conditions.prompt_attention_mask.detach().to("cpu", MASK_DTYPE).clone().contiguous(),
+    }
+    if conditions.audio_prompt_embeds is not None:
+        record["audio_prompt_embeds"] = (
+            conditions.audio_prompt_embeds.detach().to("cpu", CONDITIONS_DTYPE).clone().contiguous()
+        )
+    return record
+
+
+def apply_lora_trigger(caption: str, trigger: str | None) -> str:
+    """``--lora-trigger T``: the trainer prepends ``"T "`` (the trigger stripped, one space) to each caption."""
+    return f"{trigger.strip()} {caption}" if trigger else caption
+
+
+def precomputed_relative_path(media: str, metadata_dir: str | Path) -> PurePosixPath:
+    """Where a sample's records go under each ``.precomputed/<kind>/`` folder (A1 "Naming").
+
+    ``media`` is the metadata file's main media value (``video``, else
+    ``audio``, else ``caption`` column), resolved against the metadata file's
+    folder; the result is that path relative to the folder with the suffix
+    ``.pt``, subfolders kept. A path outside the folder (absolute, or climbing
+    out with ``..``) is mirrored from the filesystem root, without the root.
+    """
+    if not media or not media.strip():
+        raise ValueError("the media path is empty; every sample needs a video, audio or caption value")
+    base = Path(os.path.normpath(Path(metadata_dir).absolute()))
+    target = Path(os.path.normpath(base / media.strip()))
+    try:
+        relative = target.relative_to(base)
+    except ValueError:
+        relative = Path(*target.parts[1:])
+    if not relative.parts or relative.name in ("", "."):
+        raise ValueError(f"the media path {media!r} names the metadata folder itself, not a file")
+    return PurePosixPath(relative.with_suffix(PRECOMPUTED_SUFFIX).as_posix())
+
+
+def precomputed_path(output_root: str | Path, kind: str, relative: PurePosixPath) -> Path:
+    """``<output_root>/<kind>/<relative>``; ``output_root`` is the ``.precomputed`` folder the trainer is pointed at."""
+    kinds = (LATENTS_DIR, CONDITIONS_DIR, AUDIO_LATENTS_DIR, REFERENCE_LATENTS_DIR, REFERENCE_AUDIO_LATENTS_DIR)
+    if kind not in kinds:
+        raise ValueError(f"kind must be one of {', '.join(kinds)}, got {kind!r}")
+    return Path(output_root) / kind / Path(relative)
