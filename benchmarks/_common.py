@@ -32,7 +32,9 @@ from PIL import Image
 
 from diffprep import contract
 from diffprep.config import Settings, load_settings
-from diffprep.encode import Batch, encode_unit, iter_batches, prefetch
+from diffprep.encodings.preencoded import preencoded_fields
+from diffprep.reader import Batch, iter_batches, prefetch
+from diffprep.units import encode_unit
 from diffprep.encoders.flux import FluxEncoders
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec, prepare_image
@@ -353,7 +355,7 @@ def encode_with_library(setup: Setup, out_dir: Path | None = None, encoders=None
     out.mkdir(parents=True)
     count = 0
     for unit in setup.plan.units:
-        result = encode_unit(out, setup.plan, unit.unit, encoders or setup.encoders, setup.source, setup.spec,
+        result = encode_unit(out, setup.plan, unit.unit, preencoded_fields(encoders or setup.encoders), setup.source, setup.spec,
                              batch_size=setup.config.batch_size, decode_workers=setup.config.decode_workers)
         count += result.count + result.rejected
     return count
@@ -420,11 +422,11 @@ def warm_up(setup: Setup, batches: list[Batch]) -> None:
 
 
 def use_background_writer(enabled: bool = True) -> None:
-    """Make ``diffprep.encode.encode_unit`` write with the background writer (its default) or the plain one."""
-    import diffprep.encode
+    """Make ``diffprep.units.encode_unit`` write with the background writer (its default) or the plain one."""
+    import diffprep.units
     from diffprep.shards import BackgroundShardWriter, ShardWriter
 
-    diffprep.encode.UnitWriter = BackgroundShardWriter if enabled else ShardWriter
+    diffprep.units.UnitWriter = BackgroundShardWriter if enabled else ShardWriter
 
 
 # --- timing ------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Pipeline efficiency: end-to-end samples/s of the library's encode path / samples/s of the encoders alone.
 
-End to end is ``diffprep.encode.encode_unit`` over every unit of a real plan
+End to end is ``diffprep.units.encode_unit`` over every unit of a real plan
 (``diffprep.fetch.fetch`` on a directory source of 1024 px JPEGs), writing real
 shards and manifests. The compute limit is the same encoders on the same
 batches, already decoded and stacked in memory (``encode_images`` +

@@ -43,11 +43,12 @@ import boto3
 from moto.server import ThreadedMotoServer
 from scaling import SimulatedDevice
 
-import diffprep.outputs
-from diffprep.encode import encode_unit
+import diffprep.output.upload
+from diffprep.encodings.preencoded import preencoded_fields
+from diffprep.units import encode_unit
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
-from diffprep.outputs import open_output
+from diffprep.output import open_output
 from diffprep.plan import write_plan
 from diffprep.sources import open_source
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.part_mib < 5:
         parser.error("--part-mib must be at least 5 (S3's smallest part)")
-    diffprep.outputs.MULTIPART_CHUNK = args.part_mib << 20
+    diffprep.output.upload.MULTIPART_CHUNK = args.part_mib << 20
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
@@ -163,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             runs[side] += 1
             output = open_output(f"s3://{BUCKET}/{side}-{runs[side]}", endpoint_url=endpoint)
             write_plan(output.local, plan)
+            if side == "after":  # no sink: the unit's commit uploads the finished shard
+                output.shard_sink = lambda unit: None
             done = 0
             for unit in plan.units:
-                upload = output.shard_upload(unit.unit) if side == "streamed" else None
-                result = encode_unit(output.local, plan, unit.unit, device, source, spec,
-                                     batch_size=args.batch_size, decode_workers=1, sink=upload)
-                output.publish_unit(unit.unit, upload)
+                result = encode_unit(output, plan, unit.unit, preencoded_fields(device), source, spec,
+                                     batch_size=args.batch_size, decode_workers=1)
                 done += result.count + result.rejected
             return done
 

@@ -40,7 +40,8 @@ import _env  # first: offline environment, --malloc re-exec before torch is impo
 import _common as c
 import torch
 
-from diffprep.encode import encode_unit
+from diffprep.encodings.preencoded import preencoded_fields
+from diffprep.units import encode_unit
 from diffprep.encoders.flux import TextEmbeddings
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
@@ -104,7 +105,7 @@ def _ready(seconds: float) -> int:
 
 
 def _encode(out_dir: str, plan: Plan, unit: int, spec: ImageSpec, batch_size: int, decode_workers: int) -> int:
-    result = encode_unit(out_dir, plan, unit, _worker["encoders"], _worker["source"], spec,
+    result = encode_unit(out_dir, plan, unit, preencoded_fields(_worker["encoders"]), _worker["source"], spec,
                          batch_size=batch_size, decode_workers=decode_workers)
     return result.count + result.rejected
 

@@ -129,10 +129,10 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
 
     check_runnable(load_settings(config, overrides))  # fail on bad settings before Prefect starts
     if raw:
-        from flows.raw import encode_raw
+        from diffprep.flows.raw import encode_raw
 
         return encode_raw(RawParameters(config=config, **overrides))
-    from flows.encode import encode_dataset
+    from diffprep.flows.encode import encode_dataset
 
     return encode_dataset(EncodeParameters(config=config, **overrides))
 
@@ -292,7 +292,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve encode-dataset and validate-dataset from this process (flows/serve.py) until interrupted."""
     prefect_defaults()  # the served runs are subprocesses of this one and inherit its environment
-    from flows.serve import serve_flows
+    from diffprep.flows.serve import serve_flows
 
     serve_flows(limit=args.limit)
     return 0

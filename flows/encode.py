@@ -2,7 +2,7 @@
 
 The phases and their order are ``diffprep.pipeline.run``'s; this flow runs
 them as Prefect tasks (``TaskSteps``), asks its questions in the UI
-(``tasks.approvals.ask``) and publishes what a run reports as artifacts
+(``diffprep.tasks.approvals.ask``) and publishes what a run reports as artifacts
 (``ArtifactEvents``). encode-raw (flows/raw.py) is the same with the raw
 encoding.
 """
@@ -25,22 +25,22 @@ from diffprep.output import Output, ref_of
 from diffprep.pipeline import Events, Steps, run, settings_output
 from diffprep.plan import Plan
 from diffprep.sanity import sanity_markdown
-from flows.runners import ArtifactProgress, run_units
-from tasks.approvals import ask
-from tasks.audit import audit_task
-from tasks.common import output_of, slug
-from tasks.fetch import fetch_task
-from tasks.finalize import finalize_task
-from tasks.sanity import sanity_task
-from tasks.validate import validate_task
-from tasks.verify import prepare_output_task, verify_existing_task
+from diffprep.flows.runners import ArtifactProgress, run_units
+from diffprep.tasks.approvals import ask
+from diffprep.tasks.audit import audit_task
+from diffprep.tasks.common import output_of, slug
+from diffprep.tasks.fetch import fetch_task
+from diffprep.tasks.finalize import finalize_task
+from diffprep.tasks.sanity import sanity_task
+from diffprep.tasks.validate import validate_task
+from diffprep.tasks.verify import prepare_output_task, verify_existing_task
 
 
 def resolve_settings(parameters: EncodeParameters) -> Settings:
     """Settings of a run: parameters given > encoder-spec block > env > YAML > defaults."""
     overrides = parameters.overrides()
     if parameters.encoder_spec:
-        from blocks.encoder_spec import EncoderSpec
+        from diffprep.blocks.encoder_spec import EncoderSpec
 
         spec = EncoderSpec.load(parameters.encoder_spec).model_settings()
         overrides["model"] = spec | overrides.get("model", {})

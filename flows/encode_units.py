@@ -6,8 +6,8 @@ from prefect import flow
 
 from diffprep.config import Settings
 from diffprep.output import OutputRef
-from flows.runners import ArtifactProgress, run_units
-from tasks.common import output_of
+from diffprep.flows.runners import ArtifactProgress, run_units
+from diffprep.tasks.common import output_of
 
 
 @flow(name="encode-units", log_prints=True)

@@ -12,7 +12,7 @@ from prefect import flow
 
 from diffprep import contract
 from diffprep.config import RawParameters, check_runnable, load_settings
-from flows.encode import run_flow
+from diffprep.flows.encode import run_flow
 
 
 @flow(name="encode-raw", log_prints=True)

@@ -25,7 +25,7 @@ from diffprep.output import Output, ref_of
 from diffprep.pipeline import Progress
 from diffprep.plan import Plan
 from diffprep.workers import claim_device, claim_dir, parse_devices, split_chunks
-from tasks.encode import encode_unit_task
+from diffprep.tasks.encode import encode_unit_task
 
 FAN_OUT_POLL_SECONDS = 5
 

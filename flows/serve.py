@@ -20,9 +20,9 @@ TAGS = ["diffprep", "serve"]
 
 def served_deployments() -> list[RunnerDeployment]:
     """encode-dataset, encode-raw and validate-dataset as deployments of this process (no schedule)."""
-    from flows.encode import encode_dataset
-    from flows.raw import encode_raw
-    from flows.validate import validate_dataset_flow
+    from diffprep.flows.encode import encode_dataset
+    from diffprep.flows.raw import encode_raw
+    from diffprep.flows.validate import validate_dataset_flow
 
     # Module paths (the packages are installed), so the runs find the flows whatever the current folder.
     return [

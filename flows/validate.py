@@ -14,8 +14,8 @@ from prefect import flow, get_run_logger
 from pydantic import Field
 
 from diffprep.output import OutputRef, ref_of
-from tasks.common import output_of
-from tasks.validate import validate_task
+from diffprep.tasks.common import output_of
+from diffprep.tasks.validate import validate_task
 
 
 @flow(name="validate-dataset", log_prints=True)

@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from diffprep.audit import AuditReport, audit
 from diffprep.output import OutputRef
 from diffprep.plan import Plan
-from tasks.common import output_of
+from diffprep.tasks.common import output_of
 
 
 @task(name="audit", cache_policy=NO_CACHE, persist_result=False)

@@ -20,7 +20,7 @@ def run_token(settings: Settings) -> str | None:
     from diffprep.encoders import resolve_token
 
     if settings.auth.hf_credentials_block:
-        from blocks.hf_credentials import HuggingFaceCredentials
+        from diffprep.blocks.hf_credentials import HuggingFaceCredentials
 
         return HuggingFaceCredentials.load(settings.auth.hf_credentials_block).token.get_secret_value()
     return resolve_token(settings.auth.hf_token_file)
@@ -30,7 +30,7 @@ def output_of(ref: OutputRef) -> Output:
     """The output ``ref`` names, opened once per process; a named S3 credentials block is loaded for it."""
     credentials = None
     if ref.credentials_block:
-        from blocks.aws_credentials import AwsS3Credentials
+        from diffprep.blocks.aws_credentials import AwsS3Credentials
 
         credentials = AwsS3Credentials.load(ref.credentials_block).environment()
     return ref.open(credentials)

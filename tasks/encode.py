@@ -18,7 +18,7 @@ from diffprep.config import Settings
 from diffprep.output import OutputRef
 from diffprep.pipeline import encode_one_unit
 from diffprep.workers import claimed_device
-from tasks.common import output_of, retry_transient, run_token, settings_from
+from diffprep.tasks.common import output_of, retry_transient, run_token, settings_from
 
 
 def worker_name() -> str:

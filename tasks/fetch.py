@@ -9,7 +9,7 @@ from diffprep.config import Settings
 from diffprep.output import OutputRef
 from diffprep.pipeline import plan_output
 from diffprep.plan import Plan
-from tasks.common import output_of, retry_transient, run_token
+from diffprep.tasks.common import output_of, retry_transient, run_token
 
 
 @task(name="fetch", retries=3, retry_delay_seconds=[5, 30, 120], retry_jitter_factor=0.5,

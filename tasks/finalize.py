@@ -9,7 +9,7 @@ from diffprep.config import FinalizeConfig
 from diffprep.energon import FinalizeResult
 from diffprep.output import OutputRef
 from diffprep.pipeline import finalize_split
-from tasks.common import output_of
+from diffprep.tasks.common import output_of
 
 
 @task(name="finalize", cache_policy=NO_CACHE, persist_result=False)

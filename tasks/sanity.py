@@ -10,7 +10,7 @@ from diffprep.output import OutputRef
 from diffprep.pipeline import sanity_phase
 from diffprep.plan import Plan
 from diffprep.sanity import SanityReport
-from tasks.common import output_of, run_token
+from diffprep.tasks.common import output_of, run_token
 
 
 @task(name="sanity", cache_policy=NO_CACHE, persist_result=False)

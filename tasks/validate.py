@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from diffprep.output import OutputRef
 from diffprep.pipeline import validate_output
 from diffprep.validation import ValidationReport
-from tasks.common import output_of, slug
+from diffprep.tasks.common import output_of, slug
 
 
 @task(name="validate", cache_policy=NO_CACHE, persist_result=False)

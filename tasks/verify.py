@@ -10,7 +10,7 @@ from diffprep.existing import Decision, Inspection
 from diffprep.output import OutputRef
 from diffprep.pipeline import prepare_output, verify_output
 from diffprep.plan import Plan
-from tasks.common import output_of
+from diffprep.tasks.common import output_of
 
 
 @task(name="verify-existing", cache_policy=NO_CACHE, persist_result=False)

@@ -22,7 +22,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.flow_runs import resume_flow_run
 
 from diffprep.config import EncodeParameters
-from flows.encode import encode_dataset
+from diffprep.flows.encode import encode_dataset
 
 RUN_TIMEOUT = 120  # seconds a whole tiny run may take on 2 busy cores
 

@@ -14,7 +14,7 @@ import prefect.context  # noqa: F401
 import pytest
 
 from diffprep.approvals import ABORT, ApprovalRefused, Question
-from tasks.approvals import ask
+from diffprep.tasks.approvals import ask
 
 
 class FakeTerminal(io.StringIO):

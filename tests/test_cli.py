@@ -14,7 +14,7 @@ import torch
 
 # Prefect's console log handler keeps the stream it finds when prefect is first imported: import it
 # here, at collection, so it holds pytest's session stream rather than one test's capsys buffer.
-import flows.encode  # noqa: F401
+import diffprep.flows.encode  # noqa: F401
 
 from diffprep import contract
 from diffprep.cli import build_parser, main, overrides_from

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
+import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.demo import write_demo_dataset

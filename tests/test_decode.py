@@ -22,7 +22,7 @@ from PIL import Image
 
 # Prefect's console log handler keeps the stream it finds when prefect is first imported: import it
 # here, at collection, so it holds pytest's session stream rather than one test's capture buffer.
-import flows.encode  # noqa: F401
+import diffprep.flows.encode  # noqa: F401
 
 from conftest import SMALL_SETTINGS
 from diffprep import contract
@@ -42,7 +42,7 @@ from diffprep.plan import Plan, read_plan, write_plan
 from diffprep.shards import load_tensor, read_manifests
 from diffprep.sources import Source, open_source
 from diffprep.validate import validate_dataset
-from tasks.common import slug
+from diffprep.tasks.common import slug
 
 SAMPLES = 12  # demo images, plus one broken file that is rejected
 

@@ -20,7 +20,7 @@ import pytest
 
 # Prefect's console log handler keeps the stream it finds when prefect is first imported: import it
 # here, at collection, so it holds pytest's session stream rather than one test's capture buffer.
-import flows.validate  # noqa: F401
+import diffprep.flows.validate  # noqa: F401
 
 from diffprep.config import EncodeParameters
 from diffprep.demo import write_demo_dataset
@@ -136,7 +136,7 @@ def encoded(deployed, cli_env, tiny_model, tmp_path_factory) -> Encoded:
     """A dataset written by encode-dataset/default, run by a process worker; the encoders come from saved blocks."""
     from prefect.deployments import run_deployment
 
-    from blocks import EncoderSpec, HuggingFaceCredentials
+    from diffprep.blocks import EncoderSpec, HuggingFaceCredentials
 
     root = tmp_path_factory.mktemp("deploy")
     data = write_demo_dataset(root / "demo-data", samples=8)
@@ -233,7 +233,7 @@ def test_a_worker_completes_encode_dataset_from_the_deployment(encoded):
 
 
 def test_validate_dataset_flow_fails_the_run_and_reports(prefect_server, tmp_path):
-    from flows.validate import validate_dataset_flow
+    from diffprep.flows.validate import validate_dataset_flow
 
     state = validate_dataset_flow(str(tmp_path), return_state=True)
     assert state.is_failed()

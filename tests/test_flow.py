@@ -44,8 +44,8 @@ from diffprep.plan import write_plan
 from diffprep.shards import read_manifest, read_manifests
 from diffprep.validate import validate_dataset
 from flow_runs import BackgroundRun, FinishedRun, answer, parameters, tree
-from tasks.approvals import POLL_SECONDS
-from tasks.common import is_transient, retry_transient
+from diffprep.tasks.approvals import POLL_SECONDS
+from diffprep.tasks.common import is_transient, retry_transient
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ import pytest
 
 from diffprep.demo import write_demo_dataset
 from flow_runs import parameters
-from flows.encode import encode_dataset
+from diffprep.flows.encode import encode_dataset
 
 GOLDEN = Path(__file__).with_name("golden_outputs.json")
 BUCKET = "diffprep-golden"  # created by the admin fixture (conftest.py)

@@ -16,7 +16,7 @@ from PIL import Image
 
 # Prefect's console log handler keeps the stream it finds when prefect is first imported: import it
 # here, at collection, so it holds pytest's session stream rather than one test's capture buffer.
-import flows.encode  # noqa: F401
+import diffprep.flows.encode  # noqa: F401
 
 from diffprep import contract
 from diffprep.cli import main
@@ -31,7 +31,7 @@ from diffprep.images import ImageSpec, prepare_image
 from diffprep.plan import write_plan
 from diffprep.encodings.raw import BATCH_SIZE, RawImageWriter, image_bytes, raw_fields
 from diffprep.shards import read_manifests
-from tasks.common import slug
+from diffprep.tasks.common import slug
 
 
 def pixels(seed: int = 0, size: int = 32) -> torch.Tensor:

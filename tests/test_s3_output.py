@@ -30,7 +30,7 @@ from diffprep.shards import UnitManifest
 from diffprep.storage import S3Url
 from diffprep.validate import validate_dataset
 from flow_runs import BackgroundRun, answer, parameters
-from flows.encode import encode_dataset
+from diffprep.flows.encode import encode_dataset
 from s3_store import ACCESS_KEY, SECRET_KEY
 
 BUCKET = "diffprep-out"  # created by the admin fixture (conftest.py)
@@ -227,7 +227,7 @@ def test_credentials_block_by_name_and_never_shown(prefect_server, tiny_model, d
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    from blocks.aws_credentials import AwsS3Credentials
+    from diffprep.blocks.aws_credentials import AwsS3Credentials
 
     AwsS3Credentials(aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
                      region_name="us-east-1").save("test-bucket-keys", overwrite=True)
@@ -282,7 +282,7 @@ def test_missing_bucket_fails_at_once_naming_it(proxy, make_plan) -> None:
 
 
 def test_upload_retries_5xx_and_goes_multipart(admin, proxy, make_plan, write_unit, monkeypatch) -> None:
-    import diffprep.outputs
+    import diffprep.output.upload
 
     url = prefix_url()
     output = open_output(url, endpoint_url=proxy.url)
@@ -290,12 +290,12 @@ def test_upload_retries_5xx_and_goes_multipart(admin, proxy, make_plan, write_un
                                            "pooled_prompt_embeds": [32], "dtype": "float32"})
     manifest = write_unit(output.local, plan, 0)
     assert manifest.bytes > 12 << 20
-    monkeypatch.setattr(diffprep.outputs, "MULTIPART_CHUNK", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(diffprep.output.upload, "MULTIPART_CHUNK", 5 << 20)  # S3's smallest part
     shard = path_of(url, "000000.tar")
     proxy.inject("POST", shard, ("status", 503, "SlowDown"))  # CreateMultipartUpload
     proxy.inject("PUT", shard, ("status", 500, "InternalError"), ("status", 503, "SlowDown"))  # parts
     proxy.inject("PUT", path_of(url, ".diffprep/units/000000.json"), ("status", 503, "SlowDown"))
-    output.publish_unit(0)
+    output.commit_unit(manifest)  # the shard staged whole, no upload under way: sent now
 
     stored = objects(admin, url)
     assert hashlib.sha256(stored["000000.tar"]).hexdigest() == manifest.sha256
@@ -308,16 +308,16 @@ def test_upload_retries_5xx_and_goes_multipart(admin, proxy, make_plan, write_un
 
 
 def test_shard_goes_up_while_it_is_written(admin, proxy, make_plan, monkeypatch) -> None:
-    import diffprep.outputs
-    from diffprep.shards import ShardWriter, write_manifest
+    import diffprep.output.upload
+    from diffprep.shards import ShardWriter
 
-    monkeypatch.setattr(diffprep.outputs, "MULTIPART_CHUNK", 5 << 20)
+    monkeypatch.setattr(diffprep.output.upload, "MULTIPART_CHUNK", 5 << 20)
     url = prefix_url()
     output = open_output(url, endpoint_url=proxy.url)
     shard = path_of(url, "000000.tar")
     blob = os.urandom(1 << 20)
 
-    upload = output.shard_upload(0)
+    upload = output.shard_sink(0)
     with ShardWriter(output.local, 0, upload) as writer:  # a failure mid-shard: nothing appears in the bucket
         for index in range(7):
             writer.write(f"000000_{index:06d}", {"bin": blob})
@@ -338,12 +338,12 @@ def test_shard_goes_up_while_it_is_written(admin, proxy, make_plan, monkeypatch)
         info = writer.commit()
     assert sent_early == 2, "parts go up before the shard is complete"
     plan = make_plan(sizes=(12,))
-    write_manifest(output.local, UnitManifest(unit=0, shard=info.name, fingerprint=plan.fingerprint,
-                                              keys=[f"000000_{i:06d}" for i in range(12)],
-                                              source_ids=[f"img{i:04d}.png" for i in range(12)], count=12,
-                                              bytes=info.bytes, sha256=info.sha256))
+    manifest = UnitManifest(unit=0, shard=info.name, fingerprint=plan.fingerprint,
+                            keys=[f"000000_{i:06d}" for i in range(12)],
+                            source_ids=[f"img{i:04d}.png" for i in range(12)], count=12,
+                            bytes=info.bytes, sha256=info.sha256)
     local_bytes = (output.local / "000000.tar").read_bytes()
-    output.publish_unit(0, upload)
+    output.commit_unit(manifest, upload)
     assert objects(admin, url)["000000.tar"] == local_bytes
     assert output.committed_unit(0, plan.fingerprint) is not None
     # The shard object replaced behind the manifest's back: no longer committed.

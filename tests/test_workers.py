@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
+import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.demo import write_demo_dataset
@@ -143,7 +143,7 @@ def test_fan_out_to_two_pool_workers(prefect_server, data, tiny_model, reference
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.settings import PREFECT_API_URL
 
-    from flows.encode_units import encode_units
+    from diffprep.flows.encode_units import encode_units
 
     pool = "diffprep-fanout-test"
     with get_client(sync_client=True) as client:
