@@ -322,8 +322,9 @@ class RunResult:
     shard: str | None = None  # "i/n" for a --shard-index run
 
     def to_json(self) -> dict[str, Any]:
-        """The flow's result: fields that apply to this run only."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        """The flow's result: the fields that apply to this kind of run (a run that encoded nothing: sanity None)."""
+        kept = {"sanity"} if self.samples is not None else set()
+        return {k: v for k, v in asdict(self).items() if v is not None or k in kept}
 
 
 def run(settings: Settings, encoding: str, *, output: Output | None = None, ask: Ask = ask_here,

@@ -170,7 +170,7 @@ def encoded(deployed, cli_env, tiny_model, tmp_path_factory) -> Encoded:
 def test_blocks_register_from_the_cli(cli_env, tmp_path):
     from prefect.client.orchestration import get_client
 
-    output = _run(["prefect", "block", "register", "-m", "blocks"], cli_env, tmp_path)
+    output = _run(["prefect", "block", "register", "-m", "diffprep.blocks"], cli_env, tmp_path)
     assert "diffprep encoder spec" in output and "diffprep hugging face credentials" in output
     with get_client(sync_client=True) as client:
         spec = client.read_block_type_by_slug("diffprep-encoder-spec")

@@ -21,7 +21,6 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects, hf_raise_for_status
 
 from diffprep.config import ModelConfig
-from diffprep.encoders import hub
 from diffprep.encoders.hub import resolve_component, resolve_encoders, resolve_token
 from diffprep.errors import AuthError, ConfigError
 from diffprep.tiny import write_tiny_model
@@ -190,16 +189,19 @@ def test_hub_repo_holding_the_component_at_its_root(tiny, tmp_path, monkeypatch)
     shutil.copytree(tiny / "text_encoder_2", repo)
     for name in (tiny / "tokenizer_2").iterdir():
         shutil.copy(name, repo)
+    needed = {p.name for p in repo.iterdir() if p.is_file()}  # the model's and its tokenizer's own files
     (repo / "variants").mkdir()
     (repo / "variants" / "model.safetensors").write_bytes(b"a variant in a subfolder")
+    (repo / "README.md").write_text("a model card")
+    (repo / "flax_model.msgpack").write_bytes(b"weights for another framework")
     fake = FakeHub(tmp_path / "cache", {"someone/t5-encoder": repo})
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
 
     local_dir, subfolder = resolve_component("someone/t5-encoder", "text_encoder_2", encoder="T5")
 
     assert subfolder is None and (local_dir / "model.safetensors").is_file()
-    assert fake.calls[1]["allow"] == hub._COMPONENT_PATTERNS and fake.calls[1]["ignore"] == ["*/*"]
-    assert not any(name.startswith("variants/") for name in fake.fetched())
+    # Exactly what loading the component needs: no variant in a subfolder, no card, no other framework's weights.
+    assert fake.fetched() == needed
 
 
 def _hub_error(status: int, error_code: str | None = None, path: str = f"/api/models/{REPO}/revision/main"):

@@ -380,9 +380,15 @@ def test_one_run_at_a_time_per_prefix(admin, proxy, monkeypatch) -> None:
     with pytest.raises(LockedError, match="a plain run"):
         S3Lock(S3Output(url, endpoint_url=proxy.url), run="shard", shard=1).acquire()
 
-    # The holder dies without releasing: its lease runs out and the next run takes the lock over.
-    first._stop.set()
-    first._thread.join()
+    first.release()
+    assert ".diffprep/lock.json" not in objects(admin, str(url))
+
+    # A holder on another machine died without releasing: its lease runs out and the next run takes the lock over.
+    stale = {"host": "another-machine", "pid": 4242, "user": "someone", "run": "run-one", "lease_s": 2}
+    admin.put_object(Bucket=BUCKET, Key=key_of(str(url).rstrip("/"), ".diffprep/lock.json"),
+                     Body=json.dumps(stale).encode())
+    with pytest.raises(LockedError, match="host another-machine"):
+        S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-two").acquire()
     time.sleep(2.5)
     second = S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-two")
     second.acquire()
@@ -391,7 +397,6 @@ def test_one_run_at_a_time_per_prefix(admin, proxy, monkeypatch) -> None:
     assert holder["run"] == "run-two"
     second.release()
     assert ".diffprep/lock.json" not in objects(admin, str(url))
-    first._local.release()
 
 
 def test_a_dead_holder_on_this_machine_does_not_wait_out_the_lease(admin, proxy) -> None:
@@ -412,14 +417,16 @@ def test_a_dead_holder_on_this_machine_does_not_wait_out_the_lease(admin, proxy)
         output.lock(run="next-run").__enter__()
 
 
-def test_concurrent_runs_have_one_winner(admin, proxy) -> None:
+def test_concurrent_runs_have_one_winner(admin, proxy, tmp_path) -> None:
     url = S3Url(BUCKET, prefix_url().removeprefix(f"s3://{BUCKET}/"))
     winners, errors = [], []
 
     def contend(index: int) -> None:
-        lock = S3Lock(S3Output(url, endpoint_url=proxy.url), run=f"run-{index}")
+        output = S3Output(url, endpoint_url=proxy.url)
+        output.local = tmp_path / f"machine-{index}"  # four machines, each its own staging folder
+        lock = output.lock(run=f"run-{index}")
         try:
-            lock._acquire_remote()
+            lock.acquire()
             winners.append(lock)
         except LockedError as error:
             errors.append(error)
@@ -430,4 +437,6 @@ def test_concurrent_runs_have_one_winner(admin, proxy) -> None:
     for thread in threads:
         thread.join()
     assert len(winners) == 1 and len(errors) == 3
-    winners[0]._release_remote()
+    assert all("being written by another run" in str(error) for error in errors)
+    winners[0].release()
+    assert ".diffprep/lock.json" not in objects(admin, str(url))

@@ -17,7 +17,7 @@ import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to 
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.demo import write_demo_dataset
-from diffprep.errors import LockedError
+from diffprep.errors import ConfigError, LockedError
 from diffprep.output import OutputLock
 from diffprep.shards import read_manifests, temp_pid
 from diffprep.workers import parse_devices, split_chunks, units_for_shard
@@ -54,9 +54,9 @@ def reference(prefect_server, data, tiny_model, tmp_path_factory) -> dict[str, s
 def test_device_specs():
     assert parse_devices("cpu:3") == ["cpu", "cpu", "cpu"]
     assert parse_devices("0, 2") == ["cuda:0", "cuda:2"]
-    with pytest.raises(Exception, match="twice"):
+    with pytest.raises(ConfigError, match="twice"):
         parse_devices("1,1")
-    with pytest.raises(Exception, match="cpu:N"):
+    with pytest.raises(ConfigError, match="cpu:N"):
         parse_devices("gpu0")
     assert units_for_shard(range(7), 3, 2) == [2, 5]
     assert split_chunks([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
@@ -74,7 +74,9 @@ def test_killed_worker_then_rerun_with_another_worker_count(prefect_server, data
 
     out = tmp_path / "out"
     tmp_dir = out / contract.STATE_DIR / contract.TMP_DIR
-    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    # Workers that look for runs every second: each takes one of the two chunks (--limit 1).
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO),
+                        "PREFECT_WORKER_QUERY_SECONDS": "1"}
     # Slow every unit down enough to catch a worker in the middle of one: big images, 2 per batch.
     slow = write_demo_dataset(tmp_path / "slow", samples=16)
     slow_args = _args(slow, tiny_model, out, "--devices", "cpu:2", "--image-size", "256", "--batch-size", "1")
@@ -151,7 +153,9 @@ def test_fan_out_to_two_pool_workers(prefect_server, data, tiny_model, reference
     encode_units.from_source(source=str(REPO), entrypoint="flows/encode_units.py:encode_units").deploy(
         name="encode-units", work_pool_name=pool, print_next_steps=False
     )
-    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    # Workers that look for runs every second: each takes one of the two chunks (--limit 1).
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO),
+                        "PREFECT_WORKER_QUERY_SECONDS": "1"}
     workers = [
         subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--limit", "1",
                           "--name", f"test-worker-{i}"], env=env, cwd=REPO,
@@ -164,9 +168,14 @@ def test_fan_out_to_two_pool_workers(prefect_server, data, tiny_model, reference
                           "--chunks", "2")) == 0
         assert _hashes(out) == reference
         with get_client(sync_client=True) as client:
-            runs = [r for r in client.read_flow_runs() if r.deployment_id is not None and r.name]
-        completed = [r for r in runs if r.state and r.state.is_completed()]
-        assert len(completed) >= 2
+            deployment = client.read_deployment_by_name("encode-units/encode-units")
+            runs = [r for r in client.read_flow_runs() if r.deployment_id == deployment.id
+                    and r.parameters["output"]["location"] == str(out.resolve())]
+        # This run's two chunks, each completed, each by its own worker, together exactly the plan's units.
+        assert len(runs) == 2 and all(r.state is not None and r.state.is_completed() for r in runs)
+        assert sorted(r.labels.get("prefect.worker.name") for r in runs) == ["test-worker-0", "test-worker-1"]
+        units = sorted(u for r in runs for u in r.parameters["units"])
+        assert units == sorted(read_manifests(out))
     finally:
         for worker in workers:
             worker.terminate()
