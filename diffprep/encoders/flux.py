@@ -90,6 +90,32 @@ def noise_seed(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
 
 
+def checked_captions(captions: Sequence[str]) -> list[str]:
+    """The captions as a list; a single string, an empty batch or a non-string caption is refused, named."""
+    if isinstance(captions, str):
+        raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
+    captions = list(captions)
+    if not captions:
+        raise ValueError("captions is empty; pass at least one caption")
+    for position, caption in enumerate(captions):
+        if not isinstance(caption, str):
+            raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
+    return captions
+
+
+def key_noise(keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise shaped like ``like`` [B, ...], each sample's drawn from its key alone.
+
+    One CPU generator per sample: a sample's noise does not depend on the batch
+    it is in, on the device, or on where an interrupted run resumed.
+    """
+    draws = [
+        torch.randn(like.shape[1:], generator=torch.Generator("cpu").manual_seed(noise_seed(key)))
+        for key in keys
+    ]
+    return torch.stack(draws).to(like.device, like.dtype)
+
+
 def describe_flux(
     parts: Mapping[str, ResolvedPart], *, dtype: torch.dtype, t5_max_length: int, latent_mode: str
 ) -> dict[str, Any]:
@@ -224,7 +250,7 @@ class FluxEncoders:
         if self.latent_mode == "mode":
             latents = posterior.mode()
         else:
-            noise = self._noise(keys, posterior.mean)
+            noise = key_noise(keys, posterior.mean)
             latents = posterior.mean + posterior.std * noise
         latents = (latents - self.shift_factor) * self.scaling_factor
         return latents.to("cpu")
@@ -255,14 +281,6 @@ class FluxEncoders:
         if len(keys) != pixels.shape[0]:
             raise ValueError(f"got {pixels.shape[0]} images but {len(keys)} keys; pass one key per image")
 
-    def _noise(self, keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
-        # One CPU generator per sample: the noise depends on the key only, not on batch or device.
-        draws = [
-            torch.randn(like.shape[1:], generator=torch.Generator("cpu").manual_seed(noise_seed(key)))
-            for key in keys
-        ]
-        return torch.stack(draws).to(like.device, like.dtype)
-
     # Text
 
     @torch.no_grad()
@@ -271,14 +289,7 @@ class FluxEncoders:
 
         Identical captions within the call are encoded once.
         """
-        if isinstance(captions, str):
-            raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
-        captions = list(captions)
-        if not captions:
-            raise ValueError("captions is empty; pass at least one caption")
-        for position, caption in enumerate(captions):
-            if not isinstance(caption, str):
-                raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
+        captions = checked_captions(captions)
 
         distinct = list(dict.fromkeys(captions))
         prompt_embeds, t5_truncated = self._t5_prompt_embeds(distinct)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffprep.contract import LATENTS, PROMPT_EMBEDS
-from diffprep.encoders.flux import DTYPES, LATENT_MODES, _truncation, noise_seed, resolve_device
+from diffprep.encoders.flux import DTYPES, LATENT_MODES, _truncation, checked_captions, key_noise, resolve_device
 from diffprep.encoders.hub import ResolvedPart, resolve_component
 from diffprep.errors import ConfigError
 from diffprep.media.buckets import Bucket
@@ -336,7 +336,7 @@ class WanEncoders:
         if self.latent_mode == "mode":
             latents = posterior.mode()
         else:
-            latents = posterior.mean + posterior.std * self._noise(keys, posterior.mean)
+            latents = posterior.mean + posterior.std * key_noise(keys, posterior.mean)
         mean = self._latents_mean.to(latents.device, latents.dtype)
         inv_std = self._latents_inv_std.to(latents.device, latents.dtype)
         latents = (latents - mean) * inv_std
@@ -363,27 +363,12 @@ class WanEncoders:
                 f"height and width must be multiples of {s} (the VAE's spatial factor), got {height}x{width}"
             )
 
-    def _noise(self, keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
-        # One CPU generator per sample: the noise depends on the key only, not on batch or device.
-        draws = [
-            torch.randn(like.shape[1:], generator=torch.Generator("cpu").manual_seed(noise_seed(key)))
-            for key in keys
-        ]
-        return torch.stack(draws).to(like.device, like.dtype)
-
     # Text
 
     @torch.no_grad()
     def encode_text(self, captions: Sequence[str]) -> WanTextEmbeddings:
         """Captions -> umT5 embeddings ``[B, L, D]``, zero after each caption's tokens, as WanPipeline.encode_prompt."""
-        if isinstance(captions, str):
-            raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
-        captions = list(captions)
-        if not captions:
-            raise ValueError("captions is empty; pass at least one caption")
-        for position, caption in enumerate(captions):
-            if not isinstance(caption, str):
-                raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
+        captions = checked_captions(captions)
 
         prompts = [clean_caption(caption) for caption in captions]
         text_inputs = self.tokenizer(
