@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from diffprep.errors import DiffprepError
+from diffprep.errors import ConfigError, DiffprepError
 
 # flag -> (section, key); value types come from the settings models.
 ENCODE_FLAGS: dict[str, tuple[str, str]] = {
@@ -123,11 +123,41 @@ def prefect_defaults() -> None:
 
 
 def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw: bool = False) -> dict:
-    """Run encode-dataset, or encode-raw with ``raw``."""
+    """Run encode-dataset, or encode-raw with ``raw``; as one of the ranks of a torchrun or srun launch, this
+    rank's part (rank 0 runs the flow, the others encode their units: ``diffprep.launch``)."""
     prefect_defaults()
-    from diffprep.config import EncodeParameters, RawParameters, check_runnable, load_settings
+    from diffprep import launch
+    from diffprep.config import check_runnable, load_settings
 
-    check_runnable(load_settings(config, overrides))  # fail on bad settings before Prefect starts
+    shard = launch.array_shard()
+    if shard is not None and not overrides.get("workers", {}).get("num_shards"):
+        overrides = overrides | {"workers": overrides.get("workers", {}) | dict(zip(("num_shards", "shard_index"),
+                                                                                    shard))}
+    ranks = launch.detect_ranks()
+    settings = load_settings(config, overrides)
+    check_runnable(settings)  # fail on bad settings before Prefect starts
+    if ranks.many:
+        if settings.workers.num_shards is not None or settings.workers.devices or settings.workers.deployment:
+            raise ConfigError(f"{ranks.launcher} starts {ranks.world_size} ranks, which share the units themselves: "
+                              "remove --num-shards/--shard-index, --devices and --encode-deployment")
+        device = launch.rank_device(settings.model.device, ranks)
+        overrides = overrides | {"model": overrides.get("model", {}) | {"device": device}}
+        group = launch.join(ranks, timeout_s=settings.output.approval_timeout + 3600)
+        try:
+            if ranks.rank != 0:
+                from diffprep.pipeline import follow_rank
+
+                encoding = "raw" if raw else "preencoded"
+                return follow_rank(load_settings(config, overrides), encoding, group)
+            return _run_flow(config, overrides, raw)
+        finally:
+            launch.leave()
+    return _run_flow(config, overrides, raw)
+
+
+def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: bool) -> dict:
+    from diffprep.config import EncodeParameters, RawParameters
+
     if raw:
         from diffprep.flows.raw import encode_raw
 
@@ -139,6 +169,10 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
 
 def print_summary(result: dict) -> None:
     print()
+    if "rank" in result:  # a rank other than 0: rank 0 prints the dataset's summary
+        units = ", ".join(f"{u:06d}" for u in result["units"]) or "none"
+        print(f"rank {result['rank']}: encoded units {units} into {result['out_dir']}")
+        return
     print(f"dataset: {result['out_dir']}  ({result['action']}, fingerprint {result['fingerprint']})")
     if result["action"] == "reuse":
         print("  reused as it is: nothing encoded, nothing changed")

@@ -36,9 +36,10 @@ from diffprep.energon import FinalizeResult, finalize, split_question
 from diffprep.errors import DiffprepError
 from diffprep.existing import Decision, Inspection, decide, inspect_output
 from diffprep.fetch import fetch
+from diffprep.launch import STOP, Group, my_units
 from diffprep.images import ImageSpec
 from diffprep.output import Output, OutputRef, ref_of
-from diffprep.plan import Plan
+from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
 from diffprep.sources import open_source
 from diffprep.units import UnitResult, encode_unit
@@ -301,6 +302,36 @@ class Steps:
         )
 
 
+# --- the other ranks of a torchrun / SLURM run (diffprep.launch) ------------------------------------------------------
+
+
+def follow_rank(settings: Settings, encoding: str, group: Group, token: str | None = None) -> dict[str, Any]:
+    """A rank other than 0: wait for rank 0's decision, encode this rank's units, meet the others at the end.
+
+    The plan is rank 0's (read from the output); this rank checks that its own
+    settings give the same fingerprint before it writes anything.
+    """
+    message = group.broadcast()
+    if message == STOP:
+        return {"rank": group.ranks.rank, "units": [], "out_dir": None}
+    mine_fp = fingerprint(get_encoding(encoding).plan_settings(settings, token)[0])
+    if mine_fp != message["fingerprint"]:
+        raise DiffprepError(f"rank {group.ranks.rank} has settings of fingerprint {mine_fp}, rank 0 planned "
+                            f"{message['fingerprint']}: every rank must run the same command")
+    output = OutputRef(**message["output"]).open()
+    output.state.sync()
+    plan = output.state.plan()
+    if plan is None or plan.fingerprint != message["fingerprint"]:
+        raise DiffprepError(f"rank {group.ranks.rank}: {output.uri} holds no plan of fingerprint "
+                            f"{message['fingerprint']}")
+    units = my_units(message["units"], group.ranks)
+    for unit in units:
+        result = encode_one_unit(settings, output, plan, unit, token)
+        log.info("rank %d: unit %06d, %d written, %d rejected", group.ranks.rank, unit, result.count, result.rejected)
+    group.barrier()
+    return {"rank": group.ranks.rank, "units": units, "out_dir": output.uri}
+
+
 # --- the whole run -----------------------------------------------------------------------------------------------------
 
 
@@ -407,4 +438,4 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     return result
 
 
-__all__ = ["Ask", "Events", "Progress", "RunResult", "Steps", "ask_here", "run", "settings_output"]
+__all__ = ["Ask", "Events", "Progress", "RunResult", "Steps", "ask_here", "follow_rank", "run", "settings_output"]

@@ -6,6 +6,9 @@
 - ``fan-out``: chunks of units sent with ``run_deployment`` to the
   ``encode-units`` deployment (``workers.deployment``), i.e. to the workers of a
   work pool on other machines; the output must be on shared storage.
+- ``ranks``: the ranks of a torchrun / SLURM launch (``diffprep.launch``): the
+  decision is broadcast, each rank encodes ``u % N == rank``, this flow (rank 0)
+  follows the others' units as their manifests land.
 
 Progress (units done, samples/s per worker and overall, ETA) is reported from
 the flow, as units finish: a progress artifact and one log line per unit.
@@ -13,12 +16,14 @@ the flow, as units finish: a progress artifact and one log line per unit.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from diffprep import launch
 from diffprep.config import Settings
 from diffprep.errors import DiffprepError
 from diffprep.output import Output, ref_of
@@ -98,14 +103,51 @@ def fan_out(settings: Settings, output: Output, plan: Plan, units: list[int], pr
         )
 
 
+def ranks(settings: Settings, output: Output, plan: Plan, units: list[int], progress: Progress) -> None:
+    group = launch.group()
+    group.broadcast({"output": ref_of(output).model_dump(), "units": units, "fingerprint": plan.fingerprint})
+    mine = launch.my_units(units, group.ranks)
+    for unit in mine:
+        progress.unit_done(encode_unit_task(settings, ref_of(output), unit))
+    # The other ranks' units, reported as their manifests land, until every rank has met at the barrier.
+    met = threading.Event()
+    failure: list[BaseException] = []
+
+    def meet() -> None:
+        try:
+            group.barrier()
+        except BaseException as error:  # noqa: BLE001 - handed to the flow
+            failure.append(error)
+        finally:
+            met.set()
+
+    threading.Thread(target=meet, name="diffprep-ranks", daemon=True).start()
+    reported = set(mine)
+    while True:
+        finished = met.wait(FAN_OUT_POLL_SECONDS / 5)
+        for unit, manifest in sorted(output.state.manifests().items()):
+            if unit in units and unit not in reported:
+                reported.add(unit)
+                progress.unit_done({"unit": unit, "count": manifest.count, "rejected": len(manifest.rejects),
+                                    "seconds": 0.0, "worker": f"rank {unit % group.ranks.world_size}"})
+        if finished:
+            break
+    if failure:
+        raise DiffprepError(f"the ranks did not all finish ({failure[0]}); finished units are kept: re-run with any "
+                            "number of ranks to encode the rest")
+
+
 RUNNERS: dict[str, Callable[[Settings, Output, Plan, list[int], Progress], None]] = {
     "in-process": in_process,
     "process-pool": process_pool,
     "fan-out": fan_out,
+    "ranks": ranks,
 }
 
 
 def runner_for(settings: Settings) -> str:
+    if launch.group() is not None:
+        return "ranks"
     if settings.workers.deployment:
         return "fan-out"
     if settings.workers.devices:
