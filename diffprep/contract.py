@@ -24,6 +24,12 @@ TENSOR_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
 RAW_IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 RAW_CAPTION = "txt"
 
+# Classifier-free guidance files at the output's top, for trainers that read them from a folder (Primus's
+# empty_encodings_path): the empty caption's T5 sequence [1, L, 4096] and CLIP pooled [1, 768], float32 .npy.
+EMPTY_ENCODINGS_DIR = "empty_encodings"
+T5_EMPTY = "t5_empty.npy"
+CLIP_EMPTY = "clip_empty.npy"
+
 # Energon subflavor values.
 ENCODING_PREENCODED = "preencoded"
 ENCODING_RAW = "raw"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,6 +73,12 @@ def test_encode_validate_finalize_end_to_end(prefect_server, demo_inputs, tmp_pa
     assert manifests[1].keys == [contract.sample_key(1, i) for i in range(4)]
     empty = torch.load(out / contract.STATE_DIR / contract.EMPTY_PROMPT, weights_only=True)
     assert empty["prompt_embeds"].shape[0] == 16
+    # Primus's CFG dropout files: the same empty caption, float32 with a batch dimension, plain .npy.
+    t5 = np.load(out / contract.EMPTY_ENCODINGS_DIR / contract.T5_EMPTY, allow_pickle=False)
+    clip = np.load(out / contract.EMPTY_ENCODINGS_DIR / contract.CLIP_EMPTY, allow_pickle=False)
+    assert (t5.dtype, t5.shape, clip.dtype, clip.shape) == (np.float32, (1, 16, 32), np.float32, (1, 32))
+    assert torch.equal(torch.from_numpy(t5)[0], empty["prompt_embeds"].float())
+    assert torch.equal(torch.from_numpy(clip)[0], empty["pooled_prompt_embeds"].float())
 
     assert main(["validate", str(out)]) == 0
     # Re-splitting finalized shards moves them: refused without --replace-split (no terminal to ask on).

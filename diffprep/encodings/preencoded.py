@@ -9,12 +9,14 @@ folder for classifier-free guidance dropout.
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
 from collections import Counter
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from diffprep import contract
@@ -103,13 +105,28 @@ def preencoded_fields(encoders) -> SampleFields:
 
 
 def write_empty_prompt(output: Output | str, encoders) -> None:
-    """The empty caption's embeddings, once per dataset, for classifier-free guidance dropout."""
+    """The empty caption's embeddings, once per dataset, for classifier-free guidance dropout.
+
+    Kept twice: ``.diffprep/empty_prompt.pth`` (tensors in the dataset's
+    precision) and ``empty_encodings/{t5_empty,clip_empty}.npy`` (float32 with
+    a batch dimension: what Primus reads from its ``empty_encodings_path``).
+    """
+    output = as_output(output)
     text = encoders.encode_text([""])
     payload = {
         "prompt_embeds": text.prompt_embeds[0].clone(),
         "pooled_prompt_embeds": text.pooled_prompt_embeds[0].clone(),
     }
-    as_output(output).state.write_bytes(contract.EMPTY_PROMPT, torch_bytes(payload))
+    output.state.write_bytes(contract.EMPTY_PROMPT, torch_bytes(payload))
+    for name, tensor in ((contract.T5_EMPTY, text.prompt_embeds[:1]), (contract.CLIP_EMPTY, text.pooled_prompt_embeds[:1])):
+        output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/{name}", npy_bytes(tensor))
+
+
+def npy_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor as a float32 ``.npy`` file (numpy's own format: the header keeps shape and dtype)."""
+    buffer = io.BytesIO()
+    np.save(buffer, tensor.detach().to("cpu", torch.float32).numpy(), allow_pickle=False)
+    return buffer.getvalue()
 
 
 def sanity_check(
