@@ -21,7 +21,7 @@ from diffprep.errors import ConfigError
 
 SourceType = Literal["directory", "huggingface", "webdataset"]
 Precision = Literal["bf16", "fp16", "fp32"]
-LatentMode = Literal["sample", "mode"]
+LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
@@ -100,7 +100,9 @@ class ModelConfig(_Section):
     batch_size: int = Field(8, ge=1, le=4096, description="Samples per encoder batch.")
     t5_max_length: int = Field(512, ge=1, le=512, description="T5 tokens (512 for FLUX.1-dev, 256 for schnell).")
     latent_mode: LatentMode = Field(
-        "sample", description="sample: draw from the VAE posterior, seeded by the sample key; mode: its mean."
+        "sample", description="sample: draw from the VAE posterior, seeded by the sample key; mode: its mean; "
+        "posterior: its mean as latents, plus the raw posterior (mean.pth, logvar.pth) for a trainer that draws a "
+        "fresh latent every epoch (Primus vae_latent_mode: resample)."
     )
     min_psnr: float = Field(
         20.0, ge=0.0,

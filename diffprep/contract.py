@@ -19,6 +19,10 @@ CAPTION = "caption.txt"
 META = "meta.json"
 PREENCODED_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, CAPTION, META)
 TENSOR_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
+# latent_mode "posterior" adds the VAE's raw posterior (no shift, no scale; logvar clamped to [-30, 20]).
+MEAN = "mean.pth"
+LOGVAR = "logvar.pth"
+POSTERIOR_FIELDS = (MEAN, LOGVAR)
 
 # Per-sample fields of a raw (not pre-encoded) shard: one image file and its caption.
 RAW_IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")

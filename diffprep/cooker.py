@@ -65,6 +65,10 @@ class FluxPreencodedSample(Sample):
     caption: str
     #: Source id, original size, crop box.
     meta: dict
+    #: latent_mode "posterior" only: the VAE posterior's raw mean and log-variance [16, H/8, W/8] (no shift or
+    #: scale), for drawing a fresh latent every epoch: scale * (mean + exp(logvar / 2) * noise - shift).
+    mean: torch.Tensor | None = None
+    logvar: torch.Tensor | None = None
 
 
 @edataclass
@@ -107,7 +111,8 @@ def cook_preencoded(sample: dict) -> FluxPreencodedSample:
     key = sample.get("__key__", "?")
     tensors = {
         contract.field_stem(name): load_tensor(_field(sample, name), key=key, field=name)
-        for name in contract.TENSOR_FIELDS
+        for name in contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS
+        if name in sample or name in contract.TENSOR_FIELDS
     }
     try:
         meta = json.loads(_text(sample, contract.META))
@@ -123,6 +128,8 @@ def cook_preencoded(sample: dict) -> FluxPreencodedSample:
         pooled_prompt_embeds=tensors["pooled_prompt_embeds"],
         caption=_text(sample, contract.CAPTION),
         meta=meta,
+        mean=tensors.get("mean"),
+        logvar=tensors.get("logvar"),
     )
 
 

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("diffprep.encoders")
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LATENT_MODES: tuple[str, ...] = ("sample", "mode")
+LATENT_MODES: tuple[str, ...] = ("sample", "mode", "posterior")
 
 # The classes loaded for each part, as diffusers' FluxPipeline declares them.
 FLUX_CLASSES: dict[str, str] = {
@@ -243,17 +243,27 @@ class FluxEncoders:
         ``keys`` are the sample keys: in ``sample`` mode each one seeds its
         sample's noise.
         """
+        return self.encode_posterior(pixels, keys)[0]
+
+    @torch.no_grad()
+    def encode_posterior(self, pixels: torch.Tensor, keys: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                                   torch.Tensor | None]:
+        """``(latents, mean, logvar)``: the normalized latents as ``encode_images``; in ``posterior`` mode also
+        the raw posterior's mean and log-variance ``[B, C, H/f, W/f]`` (no shift or scale; logvar clamped to
+        [-30, 20], as diffusers' ``DiagonalGaussianDistribution`` does), else None for both."""
         self._check_pixels(pixels, keys)
         # The same [-1, 1] mapping as diffusers' VaeImageProcessor: x / 255, then 2x - 1.
         images = 2.0 * (pixels.to(self.device).float() / 255.0) - 1.0
         posterior = self.vae.encode(images.to(self.dtype)).latent_dist
-        if self.latent_mode == "mode":
+        if self.latent_mode in ("mode", "posterior"):
             latents = posterior.mode()
         else:
             noise = key_noise(keys, posterior.mean)
             latents = posterior.mean + posterior.std * noise
-        latents = (latents - self.shift_factor) * self.scaling_factor
-        return latents.to("cpu")
+        latents = ((latents - self.shift_factor) * self.scaling_factor).to("cpu")
+        if self.latent_mode != "posterior":
+            return latents, None, None
+        return latents, posterior.mean.to("cpu"), posterior.logvar.clamp(-30.0, 20.0).to("cpu")
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:

@@ -57,12 +57,17 @@ def expected_shapes(settings: Settings, parts) -> dict[str, Any]:
         spatial: list[int | None] = [None, None]
     else:
         spatial = [settings.image.image_size // factor] * 2
-    return {
+    expected = {
         contract.field_stem(contract.LATENTS): [vae["latent_channels"], *spatial],
         contract.field_stem(contract.PROMPT_EMBEDS): [settings.model.t5_max_length, config("t5_text")["d_model"]],
         contract.field_stem(contract.POOLED_PROMPT_EMBEDS): [config("clip_text")["hidden_size"]],
         "dtype": str(DTYPES[settings.model.precision]).removeprefix("torch."),
     }
+    if settings.model.latent_mode == "posterior":
+        for name in contract.POSTERIOR_FIELDS:
+            expected[contract.field_stem(name)] = [vae["latent_channels"], *spatial]
+    return expected
+
 
 
 def load_encoders(settings: Settings, token: str | None = None) -> FluxEncoders:
@@ -81,8 +86,13 @@ def load_encoders(settings: Settings, token: str | None = None) -> FluxEncoders:
 def preencoded_fields(encoders) -> SampleFields:
     """The pre-encoded samples' fields: latents and text embeddings from ``encoders``, caption, meta."""
 
+    posterior = getattr(encoders, "latent_mode", None) == "posterior"
+
     def fields(batch: Batch, notes: Counter) -> list[dict | Reject]:
-        latents = encoders.encode_images(batch.pixels, batch.keys)
+        if posterior:
+            latents, mean, logvar = encoders.encode_posterior(batch.pixels, batch.keys)
+        else:
+            latents, mean, logvar = encoders.encode_images(batch.pixels, batch.keys), None, None
         text = encoders.encode_text(batch.captions)
         samples: list[dict | Reject] = []
         for i in range(len(batch.keys)):
@@ -92,13 +102,16 @@ def preencoded_fields(encoders) -> SampleFields:
                 continue
             if text.t5_truncated[i]:
                 notes["caption_truncated"] += 1
-            samples.append({
+            sample = {
                 contract.LATENTS: latents[i],
                 contract.PROMPT_EMBEDS: text.prompt_embeds[i],
                 contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i],
                 contract.CAPTION: batch.captions[i],
                 contract.META: batch.metas[i],
-            })
+            }
+            if posterior:
+                sample |= {contract.MEAN: mean[i], contract.LOGVAR: logvar[i]}
+            samples.append(sample)
         return samples
 
     return fields
@@ -156,7 +169,11 @@ def sanity_check(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    latents = encoders.encode_images(batch.pixels, batch.keys)
+    posterior = getattr(encoders, "latent_mode", None) == "posterior"
+    if posterior:
+        latents, mean, logvar = encoders.encode_posterior(batch.pixels, batch.keys)
+    else:
+        latents = encoders.encode_images(batch.pixels, batch.keys)
     text = encoders.encode_text(batch.captions)
     seconds = time.perf_counter() - start
 
@@ -165,6 +182,8 @@ def sanity_check(
         contract.PROMPT_EMBEDS: text.prompt_embeds,
         contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds,
     }
+    if posterior:
+        tensors |= {contract.MEAN: mean, contract.LOGVAR: logvar}
     problems = []
     for name, tensor in tensors.items():
         want, have = plan.expected.get(contract.field_stem(name)), list(tensor.shape[1:])
@@ -185,7 +204,8 @@ def sanity_check(
 
     sample_fields = {name: tensor[0] for name, tensor in tensors.items()}
     per_sample = sum(len(tensor_bytes(t)) for t in sample_fields.values())
-    per_sample += len(batch.captions[0].encode()) + 256 + TAR_MEMBER_OVERHEAD * len(contract.PREENCODED_FIELDS)
+    per_sample += len(batch.captions[0].encode()) + 256 + TAR_MEMBER_OVERHEAD * (len(contract.PREENCODED_FIELDS)
+                                                                               + len(tensors) - 3)
     remaining, projected_seconds, free = project_run(output, plan, units_left, seconds, batch_size, workers)
     report = SanityReport(
         ok=not problems,
@@ -222,11 +242,12 @@ class Preencoded(Encoding):
         return self.byte_settings(settings, {"encoders": identity}), expected_shapes(settings, parts)
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
-        return contract.PREENCODED_FIELDS
+        posterior = contract.POSTERIOR_FIELDS if contract.field_stem(contract.MEAN) in (expected or {}) else ()
+        return contract.PREENCODED_FIELDS + posterior
 
     def field_problem(self, fields: Sequence[str], expected: dict[str, Any] | None) -> str:
         problem = super().field_problem(fields, expected)
-        missing = [f for f in contract.PREENCODED_FIELDS if f not in fields]
+        missing = [f for f in self.required_fields(expected or {}) if f not in fields]
         return problem or (f"missing {missing}" if missing else "")
 
     def load(self, settings: Settings, token: str | None) -> FluxEncoders:
@@ -263,7 +284,6 @@ __all__ = ["Preencoded", "expected_shapes", "load_encoders", "preencoded_fields"
 
 
 MAX_SHAPES_KEPT = 20
-TENSOR_NAMES = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)
 
 
 class LatentStats:
@@ -311,7 +331,8 @@ class PreencodedInspector:
         self.stats = LatentStats()
 
     def inspect(self, sample: Any) -> None:
-        tensors = {name: getattr(sample, name) for name in TENSOR_NAMES}
+        names = [contract.field_stem(name) for name in contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS]
+        tensors = {name: getattr(sample, name) for name in names if getattr(sample, name, None) is not None}
         if self.expected is None:
             self.expected = {
                 # Height and width stay free: without a plan, a variable-size dataset is as valid as a fixed one.

@@ -24,10 +24,11 @@ from diffprep.errors import ConfigError, DatasetValidationError
 from diffprep.output import Output
 from diffprep.shards import UnitManifest
 
-TENSOR_NAMES = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)
+TENSOR_NAMES = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS)
 # plan.json's "expected": a shape per tensor (None for a free dimension), the dtype, and optionally
 # "fields", the fields every sample must have (how a raw plan names its image and caption fields).
 EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "fields")
+TENSOR_FIELD_STEMS = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)  # always in a plan
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,10 @@ def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
         valid = isinstance(shape, (list, tuple)) and all(d is None or isinstance(d, int) for d in shape)
         if shape is not None and not valid:
             raise ConfigError(f"expected {name} from {where} must be a list of ints (None for any size), got {shape!r}")
-        result[name] = None if shape is None else list(shape)
+        if shape is not None:
+            result[name] = list(shape)
+        elif name in TENSOR_FIELD_STEMS:
+            result[name] = None
     if result["latents"] is None:
         result["latents"] = [None, None, None]
     return result
