@@ -29,6 +29,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--hf-streaming": ("source", "hf_streaming"),
     "--image-key": ("source", "image_key"),
     "--caption-key": ("source", "caption_key"),
+    "--caption-template": ("source", "caption_template"),
+    "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),
     "--s3-endpoint-url": ("source", "s3_endpoint_url"),
     "--s3-profile": ("source", "s3_profile"),

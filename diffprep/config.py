@@ -45,6 +45,14 @@ class SourceConfig(_Section):
     hf_streaming: bool = Field(False, description="huggingface: stream rows instead of preparing the dataset locally.")
     image_key: str | None = Field(None, description="Column (or dotted path) holding the image; auto-detected when unset.")
     caption_key: str | None = Field(None, description="Column (or dotted path, e.g. json.prompt) holding the caption; auto-detected when unset.")
+    caption_template: str | None = Field(
+        None, description="huggingface: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
+        "the class name). Unset: the class name alone. Text captions are kept as they are.",
+    )
+    class_names: str | None = Field(
+        None, description="huggingface: a file with one class name per line (label 0 first), for an integer label "
+        "column that is not a datasets ClassLabel (a ClassLabel's own names are used otherwise).",
+    )
     input_path: str | None = Field(
         None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar."
     )

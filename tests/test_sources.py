@@ -195,11 +195,43 @@ def test_hf_save_to_disk_autodetects_keys(saved: Path) -> None:
     check_hf_rows(read_all(source))
     assert source.describe() == {
         "type": "huggingface", "dataset": str(saved), "split": "train", "data_files": None, "revision": None,
-        "streaming": False, "image_key": "image", "caption_key": "text",
+        "streaming": False, "image_key": "image", "caption_key": "text", "caption_template": None,
+        "class_names": None,
     }
     picked = list(source.read(["train/4", "train/0", "train/9"]))
     assert [s.caption for s in picked] == ["last", "a cat", None]
     assert reason(picked[2]) == "source_missing"
+
+
+def test_hf_class_labels_become_captions(tmp_path: Path) -> None:
+    images = [Image.new("RGB", (8, 8), (i * 40, 0, 0)) for i in range(4)]
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["tench", "goldfish", "great white shark"]),
+                                  "coarse": datasets.Value("int64")})
+    path = tmp_path / "imagenet-like"
+    datasets.Dataset.from_dict({"image": images, "label": [2, 0, 1, 2], "coarse": [0, 1, 5, 1]},
+                               features=features).save_to_disk(str(path))
+
+    # A ClassLabel column is found without a name and captioned with its own class names, through the template.
+    source = hf(str(path), caption_template="a photo of a {label}")
+    assert source.caption_key == "label"
+    assert [s.caption for s in read_all(source).values()] == [
+        "a photo of a great white shark", "a photo of a tench", "a photo of a goldfish", "a photo of a great white shark"]
+    assert [s.caption for s in read_all(hf(str(path))).values()][:2] == ["great white shark", "tench"]
+
+    # An integer column takes its names from a file; a label past the names is a named reject.
+    names = tmp_path / "coarse.txt"
+    names.write_text("fish\nshark\n")
+    coarse = read_all(hf(str(path), caption_key="coarse", class_names=str(names), caption_template="{label} in water"))
+    assert [s.caption for s in coarse.values()] == ["fish in water", "shark in water", None, "shark in water"]
+    assert reason(coarse["train/2"]) == "invalid_caption"
+    assert "class label 5 is not one of the 2 class names (0..1)" in coarse["train/2"].reject.detail
+    unnamed = read_all(hf(str(path), caption_key="coarse"))
+    assert {reason(s) for s in unnamed.values()} == {"invalid_caption"}
+    assert "--class-names FILE" in unnamed["train/0"].reject.detail
+    for template in ("a photo", "a {label} of {thing}"):
+        with pytest.raises(SourceError, match="must hold {label}"):
+            hf(str(path), caption_template=template)
 
 
 def test_hf_dotted_json_key_and_list_caption(saved: Path) -> None:

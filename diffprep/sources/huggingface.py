@@ -21,7 +21,13 @@ Keys (``source.image_key`` / ``source.caption_key``) name a column, or a dotted
 path into a column holding a dict or a JSON string (``json.prompt``). Unset,
 the image column is the first ``datasets.Image`` feature, else the first column
 named one of ``IMAGE_COLUMNS``; the caption column is the first named one of
-``CAPTION_COLUMNS``. A list of captions gives its first element.
+``CAPTION_COLUMNS``, else the first ``datasets.ClassLabel`` feature. A list
+of captions gives its first element.
+
+A class label (ImageNet's ``label``: a ``ClassLabel`` feature, or an integer
+column with ``source.class_names``, a file of one name per line) becomes a
+caption through ``source.caption_template`` (``a photo of a {label}``; unset:
+the class name alone). A label with no name is rejected (``invalid_caption``).
 """
 
 from __future__ import annotations
@@ -81,9 +87,18 @@ class HuggingFaceSource:
 
         columns, features = self._columns_and_features(dataset)
         self.image_key = cfg.image_key or self._detect_image_key(columns, features)
-        self.caption_key = cfg.caption_key or self._detect_caption_key(columns)
+        self.caption_key = cfg.caption_key or self._detect_caption_key(columns, features)
         self._image_column, self._image_path = _resolve_key(self.image_key, columns, "image_key")
         self._caption_column, self._caption_path = _resolve_key(self.caption_key, columns, "caption_key")
+        self.class_names = self._class_names(cfg, features)
+        self.caption_template = cfg.caption_template or "{label}"
+        try:
+            usable = "{label}" in self.caption_template and self.caption_template.format(label="x")
+        except (KeyError, IndexError, ValueError):
+            usable = False
+        if not usable:
+            raise SourceError(f"source.caption_template {cfg.caption_template!r} must hold {{label}} (the class name) "
+                              "and no other {...} field, e.g. 'a photo of a {label}'")
 
         if features is not None and isinstance(features.get(self._image_column), datasets.Image):
             dataset = dataset.cast_column(self._image_column, datasets.Image(decode=False))
@@ -152,10 +167,28 @@ class HuggingFaceSource:
             f"set source.image_key to one of the columns {columns}"
         )
 
+    def _class_names(self, cfg: SourceConfig, features: datasets.Features | None) -> list[str] | None:
+        """The class names a label column's integers stand for: a file's lines, else the ClassLabel's own."""
+        if cfg.class_names:
+            path = os.path.expanduser(cfg.class_names)
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    names = [line.strip() for line in handle if line.strip()]
+            except OSError as error:
+                raise SourceError(f"source.class_names {cfg.class_names}: {error.strerror}") from None
+            if not names:
+                raise SourceError(f"source.class_names {cfg.class_names} holds no class name (one per line)")
+            return names
+        feature = features.get(self._caption_column) if features is not None and not self._caption_path else None
+        return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+
     @staticmethod
-    def _detect_caption_key(columns: list[str]) -> str:
+    def _detect_caption_key(columns: list[str], features: datasets.Features | None = None) -> str:
         for name in CAPTION_COLUMNS:
             if name in columns:
+                return name
+        for name, feature in (features or {}).items():
+            if isinstance(feature, datasets.ClassLabel):
                 return name
         raise SourceError(
             f"no caption column found (none named {list(CAPTION_COLUMNS)}); set source.caption_key to one of "
@@ -172,6 +205,8 @@ class HuggingFaceSource:
             "streaming": self.streaming,
             "image_key": self.image_key,
             "caption_key": self.caption_key,
+            "caption_template": self._cfg.caption_template,
+            "class_names": self._cfg.class_names,
         }
 
     def list_ids(self) -> Iterator[str]:
@@ -226,10 +261,22 @@ class HuggingFaceSource:
             value = lookup_path(row[self._caption_column], self._caption_path)
             if is_missing(value):
                 raise reject("missing_caption", f"{where}: no field {self.caption_key!r}")
-            caption = normalize_caption(value, f"{where} {self.caption_key!r}")
+            if isinstance(value, int) and not isinstance(value, bool):
+                caption = self._label_caption(value, where)
+            else:
+                caption = normalize_caption(value, f"{where} {self.caption_key!r}")
         except RejectError as exc:
             return SourceSample(source_id, image, None, exc)
         return SourceSample(source_id, image, caption)
+
+    def _label_caption(self, label: int, where: str) -> str:
+        if self.class_names is None:
+            raise reject("invalid_caption", f"{where}: {self.caption_key!r} holds the class label {label} and no "
+                         "class names are known: pass --class-names FILE (one name per line, label 0 first)")
+        if not 0 <= label < len(self.class_names):
+            raise reject("invalid_caption", f"{where}: class label {label} is not one of the {len(self.class_names)} "
+                         f"class names (0..{len(self.class_names) - 1})")
+        return self.caption_template.format(label=self.class_names[label]).strip()
 
     def _image_bytes(self, value: Any, where: str) -> bytes:
         if isinstance(value, dict) and ("bytes" in value or "path" in value):
