@@ -383,12 +383,14 @@ def test_one_run_at_a_time_per_prefix(admin, proxy, monkeypatch) -> None:
     first.release()
     assert ".diffprep/lock.json" not in objects(admin, str(url))
 
-    # A holder on another machine died without releasing: its lease runs out and the next run takes the lock over.
-    stale = {"host": "another-machine", "pid": 4242, "user": "someone", "run": "run-one", "lease_s": 2}
-    admin.put_object(Bucket=BUCKET, Key=key_of(str(url).rstrip("/"), ".diffprep/lock.json"),
-                     Body=json.dumps(stale).encode())
+    # A holder on another machine: refused while its lease runs (a long one here, whatever the machine's load)...
+    holder = {"host": "another-machine", "pid": 4242, "user": "someone", "run": "run-one", "lease_s": 300}
+    lock_key = key_of(str(url).rstrip("/"), ".diffprep/lock.json")
+    admin.put_object(Bucket=BUCKET, Key=lock_key, Body=json.dumps(holder).encode())
     with pytest.raises(LockedError, match="host another-machine"):
         S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-two").acquire()
+    # ...and when it died without releasing, its lease runs out and the next run takes the lock over.
+    admin.put_object(Bucket=BUCKET, Key=lock_key, Body=json.dumps(holder | {"lease_s": 2}).encode())
     time.sleep(2.5)
     second = S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-two")
     second.acquire()
