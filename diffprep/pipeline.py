@@ -1,5 +1,8 @@
 """The phases of a run as plain Python: fetch -> verify existing -> sanity -> units -> audit -> finalize -> validate.
 
+(Over 400 lines on purpose: every phase and the run that orders them, readable top to bottom in one
+place; each phase is a short function.)
+
 ``run()`` is the whole job with typed results and an ``ask`` callback, usable
 from a test, a torchrun rank or a notebook without Prefect. Each phase is a
 function of its own (``plan_output``, ``verify_output``, ``prepare_output``,

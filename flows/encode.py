@@ -20,7 +20,7 @@ from prefect.runtime import flow_run
 from diffprep import contract
 from diffprep.audit import AuditReport
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
-from diffprep.decode import markdown_image
+from diffprep.pictures import markdown_image
 from diffprep.output import Output, ref_of
 from diffprep.pipeline import Events, Steps, run, settings_output
 from diffprep.plan import Plan
