@@ -22,6 +22,8 @@ def shell_env(api_url: str, home: Path) -> dict[str, str]:
         DO_NOT_TRACK="1",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         HF_HUB_OFFLINE="1",
+        # This checkout's packages, not those of wherever the project is installed from.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     )
     return env
