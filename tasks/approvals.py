@@ -35,6 +35,10 @@ from diffprep.approvals import ABORT, ApprovalRefused, Question, ask_terminal
 log = logging.getLogger("diffprep.approvals")
 
 POLL_SECONDS = 2
+# Flow-run labels naming the question a run waits on: the "waiting for an answer" automation
+# (flows/automations.py) reads them, since a Paused/Suspended state's event carries no question.
+QUESTION_LABEL = "diffprep.question"
+QUESTION_KEY_LABEL = "diffprep.question-key"
 
 
 def _server_run() -> bool:
@@ -52,6 +56,16 @@ def _suspendable_run() -> bool:
     context = FlowRunContext.get()
     run = context.flow_run if context is not None else None
     return run is not None and run.deployment_id is not None and run.parent_task_run_id is None
+
+
+def _label_run(question: Question) -> None:
+    """Name the question on the flow run (labels), for the notification sent when it pauses."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    with get_client(sync_client=True) as client:
+        client.update_flow_run_labels(FlowRunContext.get().flow_run.id,
+                                      {QUESTION_LABEL: question.title, QUESTION_KEY_LABEL: question.key})
 
 
 def _input_model(question: Question):
@@ -77,6 +91,7 @@ def ask(question: Question, preset: str | None = None, *, timeout: int = 3600, r
         return question.check(preset)
     if _server_run():
         model = _input_model(question).with_initial_data(description=question.description)
+        _label_run(question)
         if release and _suspendable_run():
             return question.check(_suspend(question, model, timeout))
         return question.check(_pause(question, model, timeout))
@@ -121,4 +136,4 @@ def _suspend(question: Question, model, timeout: int) -> str:
     return answer.answer
 
 
-__all__ = ["ApprovalRefused", "ask"]
+__all__ = ["QUESTION_KEY_LABEL", "QUESTION_LABEL", "ApprovalRefused", "ask"]
