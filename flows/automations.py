@@ -97,7 +97,11 @@ def create_approval_automation(block: str, *, flows: Sequence[str] = ASKING_FLOW
     ``block``: the saved notification block to send through, ``NAME`` or ``TYPE-SLUG/NAME``.
     """
     from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
 
+    if not get_current_settings().api.url:  # else Prefect starts a throwaway embedded server
+        raise ConfigError("creating the automation needs the Prefect server your runs use: set PREFECT_API_URL "
+                          "(e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api)")
     automation = approval_automation(notification_block_id(block), flows=flows, name=name)
     with get_client(sync_client=True) as client:
         for old in client.read_automations_by_name(name):
@@ -105,5 +109,14 @@ def create_approval_automation(block: str, *, flows: Sequence[str] = ASKING_FLOW
     return automation.create()
 
 
-__all__ = ["AUTOMATION_NAME", "ASKING_FLOWS", "approval_automation", "create_approval_automation",
+def cmd_automation_create(block: str) -> int:
+    """``diffprep automation create --block NAME``: create it and say what it does (ConfigError: exit 2)."""
+    created = create_approval_automation(block)
+    print(f"created automation {created.name!r} ({created.id}): encode-dataset and encode-raw runs that pause or "
+          f"are suspended for an answer notify through block {block!r} with the question and a link to the run.")
+    return 0
+
+
+__all__ = ["AUTOMATION_NAME", "ASKING_FLOWS", "approval_automation", "cmd_automation_create",
+           "create_approval_automation",
            "notification_block_id"]

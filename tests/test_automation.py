@@ -25,7 +25,8 @@ import yaml
 import flows.validate  # noqa: F401
 
 from diffprep.errors import ConfigError
-from flows.automations import ASKING_FLOWS, AUTOMATION_NAME, approval_automation, create_approval_automation
+from flows.automations import (ASKING_FLOWS, AUTOMATION_NAME, approval_automation, cmd_automation_create,
+                               create_approval_automation)
 from prefect_cli import REPO, Process, run, shell_env
 from suspend_flow import QUESTION, units_then_question
 
@@ -185,14 +186,22 @@ def test_the_cli_creates_it_from_the_config_file(automation, tmp_path):
     assert created.actions == expected.actions
 
 
-def test_creating_it_again_replaces_it_and_a_wrong_block_is_named(automation):
+def test_creating_it_again_replaces_it_and_a_wrong_block_is_named(automation, capsys):
     from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    again = create_approval_automation(BLOCK, flows=[units_then_question.name])
+    assert cmd_automation_create(BLOCK) == 0
+    assert f"created automation '{AUTOMATION_NAME}'" in capsys.readouterr().out
+    with get_client(sync_client=True) as client:
+        [replaced] = client.read_automations_by_name(AUTOMATION_NAME)
+    assert replaced.id != automation.id
+    again = create_approval_automation(BLOCK, flows=[units_then_question.name])  # back to the test flow's
     with get_client(sync_client=True) as client:
         assert [a.id for a in client.read_automations_by_name(AUTOMATION_NAME)] == [again.id]
     with pytest.raises(ConfigError, match=f"no notification block named 'nope'.*custom-webhook/{BLOCK}"):
         create_approval_automation("nope")
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), pytest.raises(ConfigError, match="PREFECT_API_URL"):
+        create_approval_automation(BLOCK)
     time.sleep(2)  # the replacement is loaded before later tests pause runs
 
 
