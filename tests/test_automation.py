@@ -86,7 +86,8 @@ def test_the_config_file_is_the_code_definition():
     from prefect.events.schemas.automations import AutomationCore
 
     block_id = uuid.UUID(int=0)
-    from_file = AutomationCore.model_validate(yaml.safe_load((REPO / "configs" / "automation-approval.yaml").read_text()))
+    shipped = yaml.safe_load((REPO / "configs" / "automation-approval.yaml").read_text())
+    from_file = AutomationCore.model_validate(shipped)
     from_code = AutomationCore.model_validate(approval_automation(block_id).model_dump(exclude={"id"}))
     assert from_file == from_code
 
