@@ -381,7 +381,7 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     on_existing = settings.output.on_existing
     if inspection.needs_choice and on_existing is None:
         on_existing = ask(inspection.question())
-    decision = decide(inspection, on_existing, output)
+    decision = decide(inspection, on_existing, output, plan.fingerprint)
     if decision.out_dir != output.uri:
         output = ref_of(output).with_location(decision.out_dir).open()
     log.info("output %s: %s", output.uri, decision.action)

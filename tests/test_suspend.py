@@ -9,8 +9,7 @@ and completes. Without a deployment the same call pauses in-process.
 
 The last test runs encode-dataset itself from prefect.yaml on data with a
 rejected sample: suspended on its rejects question, resumed, it completes
-without writing any shard or manifest again. It is a strict xfail until
-flows/encode.py asks that question with ``release=True``.
+without writing any shard or manifest again.
 """
 
 from __future__ import annotations
@@ -174,8 +173,6 @@ def _committed(out: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(out.rglob("*")) if p.is_file() and (p.suffix == ".tar" or "manifest" in str(p))}
 
 
-@pytest.mark.xfail(strict=True, reason="flows/encode.py asks the rejects question with release=True once integrated: "
-                   "then this passes and this marker goes")
 def test_encode_dataset_suspends_on_rejects_and_finishes_without_encoding_again(encode_deployed, env, tiny_model,
                                                                                 tmp_path):
     from prefect.deployments import run_deployment
