@@ -325,6 +325,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_automation_create(args: argparse.Namespace) -> int:
+    """Notify through a saved notification block whenever a run waits for an answer (flows/automations.py)."""
+    prefect_defaults()
+    from diffprep.flows.automations import cmd_automation_create as create
+
+    return create(args.block)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve encode-dataset and validate-dataset from this process (flows/serve.py) until interrupted."""
     prefect_defaults()  # the served runs are subprocesses of this one and inherit its environment
@@ -389,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default="demo", help="folder for the tiny model, the data and the output")
     demo.add_argument("--samples", type=int, default=24)
     demo.set_defaults(func=cmd_demo)
+
+    automation = sub.add_parser("automation", help="Prefect automations of diffprep (needs PREFECT_API_URL)")
+    automation_sub = automation.add_subparsers(dest="automation_command", required=True)
+    create = automation_sub.add_parser(
+        "create", help="notify through a saved notification block when a run waits for an answer")
+    create.add_argument("--block", required=True,
+                        help="the saved notification block: NAME or TYPE/NAME (e.g. slack-webhook/team)")
+    create.set_defaults(func=cmd_automation_create)
 
     serve = sub.add_parser("serve", help="serve the encode and validate deployments from this process "
                            "(no work pool or worker; needs PREFECT_API_URL)")

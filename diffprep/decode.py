@@ -5,55 +5,36 @@ and validate phases share these pieces:
 
 - :func:`read_samples`: N samples spread evenly over the committed units, read
   straight from their tars (tensors with ``weights_only=True``).
-- :class:`VaeDecoder`: the dataset's VAE alone (no text encoders), found from
-  ``plan.json``'s record of the encoders or a given path. It decodes with
-  ``FluxEncoders.decode_latents`` itself, so undoing the scale and shift is
-  the same code as in the encoders, with the factors of the VAE's own config.
+- each encoding's ``decode_stored``: stored samples back to pixels (the
+  pre-encoded latents through the dataset's own VAE, ``diffprep.encoders.vae``;
+  raw image files as stored);
 - :func:`source_pixels`: the source images re-read through the plan's source
   and prepared with the plan's image settings: exactly the pixels that were
   encoded, so the PSNR measures the VAE round trip (or the jpg/webp loss of a
   raw dataset) and nothing else.
-- :func:`contact_sheet`: a grid of source next to decoded, labelled with the
-  sample key and the PSNR; :func:`markdown_image` embeds it in a Prefect
-  Markdown artifact as a ``data:`` URI.
-
-Raw datasets need no model: their stored image files are decoded as they are.
+- the contact sheet of source next to decoded (``diffprep.pictures``).
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import math
 import os
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
-from PIL import Image, ImageDraw
 
 from diffprep import contract
 from diffprep.config import SourceConfig
-from diffprep.encoders.flux import FluxEncoders, _vae_normalization, resolve_device
-from diffprep.encoders.hub import resolve_component
+from diffprep.encodings import encoding_of_sample, get_encoding
 from diffprep.errors import ConfigError, DatasetValidationError, DiffprepError, RejectError, SourceError
-from diffprep.images import ImageSpec, prepare_image, psnr, to_uint8
+from diffprep.images import ImageSpec, prepare_image
+from diffprep.pictures import CONTACT_SHEET, Preview, png_bytes, write_contact_sheet
 from diffprep.plan import Plan, read_plan
-from diffprep.shards import atomic_write_bytes, load_tensor, read_manifests
+from diffprep.shards import atomic_write_bytes, read_manifests
 from diffprep.sources import SOURCE_TYPES, open_source
-
-CONTACT_SHEET = "contact_sheet.png"
-TILE = 192  # pixels per picture in a contact sheet (small images are enlarged, large ones reduced)
-MAX_EMBED_BYTES = 300_000  # larger sheets go into artifacts as a JPEG preview, not the PNG itself
-_GAP = 8
-_LABEL_HEIGHT = 16  # one line of Pillow's default font
-_BACKGROUND = (48, 48, 48)
-_EMPTY_TILE = (96, 96, 96)
-_TEXT = (235, 235, 235)
 
 
 @dataclass
@@ -73,35 +54,6 @@ class StoredSample:
     def caption(self) -> str:
         data = self.fields.get(contract.CAPTION, self.fields.get(contract.RAW_CAPTION, b""))
         return data.decode("utf-8", errors="replace")
-
-
-@dataclass
-class Preview:
-    """A decoded sample and, when its source could be re-read, the source pixels it was made from."""
-
-    key: str
-    source_id: str | None
-    caption: str
-    decoded: torch.Tensor  # uint8 [3, H, W]
-    source: torch.Tensor | None = None  # uint8 [3, H, W], the prepared source
-    note: str = ""  # why there is no source, or what else is worth knowing
-
-    @property
-    def psnr_db(self) -> float | None:
-        if self.source is None:
-            return None
-        return psnr(self.decoded, self.source)
-
-    def to_json(self) -> dict[str, Any]:
-        value = self.psnr_db
-        return {
-            "key": self.key,
-            "source_id": self.source_id,
-            "size": [int(self.decoded.shape[2]), int(self.decoded.shape[1])],
-            # JSON has no infinity: an exact copy (a png raw dataset) is reported as None with a note.
-            "psnr_db": None if value is None or math.isinf(value) else round(value, 2),
-            "note": self.note or ("identical to the source" if value is not None and math.isinf(value) else ""),
-        }
 
 
 @dataclass
@@ -173,108 +125,7 @@ def read_samples(out_dir: str | os.PathLike, count: int) -> list[StoredSample]:
     return [StoredSample(key, shard, wanted[shard][key]) for shard, key in picked]
 
 
-def stored_image(sample: StoredSample) -> torch.Tensor:
-    """The image file of a raw sample as uint8 RGB [3, H, W] (decoded as stored, not resized)."""
-    names = [name for name in contract.RAW_IMAGE_FIELDS if name in sample.fields]
-    if len(names) != 1:
-        raise DatasetValidationError(
-            f"sample {sample.key} must hold one image field of {list(contract.RAW_IMAGE_FIELDS)}, it has "
-            f"{sorted(sample.fields)}"
-        )
-    return file_pixels(sample.fields[names[0]])
-
-
-def file_pixels(data: bytes) -> torch.Tensor:
-    """An image file's pixels as uint8 RGB [3, H, W], as stored (no resizing)."""
-    with Image.open(io.BytesIO(data)) as image:
-        rgb = np.asarray(image.convert("RGB"))
-    return torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1)))
-
-
 # --- the VAE ---------------------------------------------------------------------------------------
-
-
-class VaeDecoder:
-    """A dataset's VAE, loaded alone: normalized latents -> images, as ``FluxEncoders.decode_latents`` does."""
-
-    # The encoders' own method: it reads only vae, device, dtype, latent_channels and the two factors,
-    # so the inverse of the normalization lives in one place.
-    decode_latents = FluxEncoders.decode_latents
-
-    def __init__(self, vae, *, device: torch.device, dtype: torch.dtype, folder: Path | None = None) -> None:
-        self.vae = vae
-        self.device = device
-        self.dtype = dtype
-        self.folder = folder
-        self.scaling_factor, self.shift_factor = _vae_normalization(vae.config)
-        self.latent_channels: int = vae.config.latent_channels
-
-    @classmethod
-    def load(cls, folder: str | os.PathLike, *, dtype: torch.dtype, device: str = "auto") -> "VaeDecoder":
-        from diffusers import AutoencoderKL
-
-        target = resolve_device(device)
-        vae = AutoencoderKL.from_pretrained(folder, dtype=dtype)
-        vae.eval()
-        vae.requires_grad_(False)
-        vae.to(target)
-        return cls(vae, device=target, dtype=dtype, folder=Path(folder))
-
-    @classmethod
-    def for_plan(cls, plan: Plan, *, model_path: str | None = None, device: str = "auto",
-                 token: str | None = None, local_only: bool = False) -> "VaeDecoder":
-        """The VAE that encoded ``plan``'s dataset (or the one at ``model_path``), in the plan's precision.
-
-        ``local_only``: a hub VAE is taken from the local cache only, never downloaded.
-        Raises ConfigError when it cannot be found or when its scale and shift
-        differ from those the latents were normalized with.
-        """
-        encoders = plan.settings.get("encoders") or {}
-        record = (encoders.get("components") or {}).get("vae")
-        if model_path:
-            local_dir, subfolder = resolve_component(model_path, "vae", revision=None, token=token, encoder="VAE")
-            folder = local_dir / subfolder if subfolder else local_dir
-        elif record:
-            source, subfolder = record["source"], record.get("subfolder")
-            revision = record.get("commit") or record.get("revision")
-            if local_only and not Path(source).is_absolute():  # a hub repo id (plan.json records folders absolute)
-                folder = _cached_component(source, subfolder, revision)
-            else:
-                local_dir, subfolder = resolve_component(source, subfolder, revision=revision, token=token,
-                                                         encoder="VAE")
-                folder = local_dir / subfolder if subfolder else local_dir
-        else:
-            raise ConfigError("plan.json records no VAE for this dataset; pass the VAE with --model-path")
-        dtype = getattr(torch, str(encoders.get("dtype", "float32")), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"plan.json records encoder dtype {encoders.get('dtype')!r}, not a torch dtype")
-        decoder = cls.load(folder, dtype=dtype, device=device)
-        planned = (encoders.get("scaling_factor"), encoders.get("shift_factor"))
-        if planned != (None, None) and planned != (decoder.scaling_factor, decoder.shift_factor):
-            raise ConfigError(
-                f"the VAE at {decoder.folder} has scaling_factor {decoder.scaling_factor} and shift_factor "
-                f"{decoder.shift_factor}, the latents were normalized with {planned[0]} and {planned[1]} "
-                "(plan.json): decode with the VAE that encoded the dataset (--model-path)"
-            )
-        return decoder
-
-    def decode_one(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents [C, h, w] -> uint8 [3, h*f, w*f]."""
-        return to_uint8(self.decode_latents(latents[None]))[0]
-
-
-def _cached_component(repo_id: str, subfolder: str | None, revision: str | None) -> Path:
-    """A hub component's folder in the local Hugging Face cache; ConfigError when it is not there."""
-    from huggingface_hub import try_to_load_from_cache
-
-    config = try_to_load_from_cache(repo_id, f"{subfolder}/config.json" if subfolder else "config.json",
-                                    revision=revision)
-    if not isinstance(config, str):
-        raise ConfigError(
-            f"the VAE of hub repo {repo_id} is not in the local cache and is not downloaded here; "
-            "`diffprep decode OUT` downloads it"
-        )
-    return Path(config).parent
 
 
 # --- the sources -----------------------------------------------------------------------------------
@@ -354,7 +205,7 @@ def decode_dataset(
     model_path: str | None = None,
     device: str = "auto",
     token: str | None = None,
-    decoder: VaeDecoder | None = None,
+    decoder: Any = None,
     local_only: bool = False,
 ) -> DecodeReport:
     """Decode ``samples`` samples of ``out_dir`` and compare them with their sources.
@@ -370,18 +221,9 @@ def decode_dataset(
     out = Path(out_dir)
     plan = read_plan(out)
     stored = read_samples(out, samples)
-    raw = any(name in stored[0].fields for name in contract.RAW_IMAGE_FIELDS)
-    encoding = contract.ENCODING_RAW if raw else contract.ENCODING_PREENCODED
-    if raw:
-        decoded = [stored_image(s) for s in stored]
-    else:
-        if decoder is None:
-            if plan is None and not model_path:
-                raise ConfigError(f"{out} has no plan.json naming its VAE; pass the VAE with --model-path")
-            decoder = VaeDecoder.for_plan(plan or _EMPTY_PLAN, model_path=model_path, device=device, token=token,
-                                          local_only=local_only)
-        decoded = [decoder.decode_one(load_tensor(s.fields[contract.LATENTS], key=s.key, field=contract.LATENTS))
-                   for s in stored]
+    encoding = get_encoding(plan.encoding) if plan is not None else encoding_of_sample(stored[0].fields)
+    decoded, vae = encoding.decode_stored(stored, plan, model_path=model_path, device=device, token=token,
+                                          local_only=local_only, decoder=decoder, where=str(out))
     sources = source_pixels(plan, stored, token=token, local_only=local_only) if plan is not None else {}
     previews = []
     for sample, image in zip(stored, decoded):
@@ -393,8 +235,7 @@ def decode_dataset(
             source=found if isinstance(found, torch.Tensor) else None,
             note="" if isinstance(found, torch.Tensor) else found,
         ))
-    report = DecodeReport(encoding=encoding, previews=previews,
-                          vae=str(decoder.folder) if decoder is not None and decoder.folder else None)
+    report = DecodeReport(encoding=encoding.name, previews=previews, vae=vae)
     if to_dir is not None:
         folder = Path(to_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -410,95 +251,5 @@ def decode_dataset(
     return report
 
 
-_EMPTY_PLAN = Plan(fingerprint="", settings={}, source={}, expected={}, units=[])
-
 
 # --- pictures --------------------------------------------------------------------------------------
-
-
-def png_bytes(pixels: torch.Tensor) -> bytes:
-    """uint8 [3, H, W] -> PNG file bytes."""
-    buffer = io.BytesIO()
-    _to_pil(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _to_pil(pixels: torch.Tensor) -> Image.Image:
-    return Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy(), "RGB")
-
-
-def _tile(pixels: torch.Tensor | None, tile: int) -> Image.Image:
-    cell = Image.new("RGB", (tile, tile), _EMPTY_TILE)
-    if pixels is None:
-        return cell
-    image = _to_pil(pixels)
-    side = max(image.size)
-    if side <= tile:
-        # Enlarge by a whole factor without smoothing: a 32 px sample stays readable pixel by pixel.
-        factor = tile // side
-        image = image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST)
-    else:
-        scale = tile / side
-        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
-        image = image.resize(size, Image.Resampling.LANCZOS)
-    cell.paste(image, ((tile - image.width) // 2, (tile - image.height) // 2))
-    return cell
-
-
-def contact_sheet(previews: Sequence[Preview], *, tile: int = TILE) -> Image.Image:
-    """Source (left, grey when not reachable) next to decoded (right) for every preview, in a grid."""
-    if not previews:
-        raise ValueError("contact_sheet: no previews to show")
-    columns = 1 if len(previews) <= 2 else 2 if len(previews) <= 8 else 4
-    rows = math.ceil(len(previews) / columns)
-    pair_w, pair_h = 2 * tile + _GAP, tile + 2 * _LABEL_HEIGHT
-    width = columns * pair_w + (columns + 1) * _GAP
-    height = _LABEL_HEIGHT + _GAP + rows * (pair_h + _GAP)
-    sheet = Image.new("RGB", (width, height), _BACKGROUND)
-    draw = ImageDraw.Draw(sheet)
-    draw.text((_GAP, 2), "left: source as prepared for encoding   right: decoded from the dataset", fill=_TEXT)
-    for index, preview in enumerate(previews):
-        x = _GAP + (index % columns) * (pair_w + _GAP)
-        y = _LABEL_HEIGHT + _GAP + (index // columns) * (pair_h + _GAP)
-        sheet.paste(_tile(preview.source, tile), (x, y))
-        sheet.paste(_tile(preview.decoded, tile), (x + tile + _GAP, y))
-        value = preview.psnr_db
-        shown = "no source" if value is None else ("identical" if math.isinf(value) else f"PSNR {value:.1f} dB")
-        draw.text((x, y + tile + 2), f"{preview.key}  {shown}", fill=_TEXT)
-        draw.text((x, y + tile + 2 + _LABEL_HEIGHT), _fit(draw, preview.caption, pair_w), fill=_TEXT)
-    return sheet
-
-
-def _fit(draw: ImageDraw.ImageDraw, text: str, width: int) -> str:
-    """``text`` on one line, cut with an ellipsis to ``width`` pixels."""
-    text = " ".join(text.split())
-    if draw.textlength(text) <= width:
-        return text
-    while text and draw.textlength(text + "…") > width:
-        text = text[:-1]
-    return text + "…"
-
-
-def write_contact_sheet(path: str | os.PathLike, previews: Sequence[Preview], *, tile: int = TILE) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    contact_sheet(previews, tile=tile).save(buffer, format="PNG")
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
-
-
-def markdown_image(path: str | os.PathLike, alt: str = "contact sheet") -> str:
-    """Markdown that shows the picture at ``path`` in the Prefect UI (a ``data:`` URI) and names the file.
-
-    Sheets over MAX_EMBED_BYTES are embedded as a JPEG preview to keep the artifact small.
-    """
-    path = Path(path)
-    data, kind = path.read_bytes(), "png"
-    if len(data) > MAX_EMBED_BYTES:
-        buffer = io.BytesIO()
-        with Image.open(path) as image:
-            image.convert("RGB").save(buffer, format="JPEG", quality=80)
-        data, kind = buffer.getvalue(), "jpeg"
-    encoded = base64.b64encode(data).decode("ascii")
-    return f"![{alt}](data:image/{kind};base64,{encoded})\n\n{alt}: `{path}`\n"

@@ -1,5 +1,8 @@
 """Finalize an output folder as a Megatron-Energon dataset.
 
+(Over 400 lines on purpose: split assignment, dataset.yaml and Energon's prepare, with the checks of
+what prepare wrote, are one phase.)
+
 ``finalize`` takes the committed shards (those with a unit manifest), gives
 each new shard a split, writes ``.nv-meta/dataset.yaml`` (a
 ``CrudeWebdataset`` with subflavor ``encoding``), and runs Energon's prepare

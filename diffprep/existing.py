@@ -192,12 +192,13 @@ class Decision:
         return asdict(self)
 
 
-def next_free_dir(output: Output | str | os.PathLike) -> str:
-    """``<out>-v2``, ``-v3``...: the first that does not exist or is empty (a path, or an s3:// URL)."""
-    return as_output(output).next_free().uri
+def next_free_dir(output: Output | str | os.PathLike, fingerprint: str | None = None) -> str:
+    """``<out>-v2``, ``-v3``...: the first that does not exist or is empty, or holds this plan (a path or s3:// URL)."""
+    return as_output(output).next_free(fingerprint).uri
 
 
-def decide(inspection: Inspection, on_existing: str | None, output: Output | None = None) -> Decision:
+def decide(inspection: Inspection, on_existing: str | None, output: Output | None = None,
+           fingerprint: str | None = None) -> Decision:
     """Turn an inspection and the user's explicit choice (or none) into an action.
 
     Raises ExistingOutputError when the output needs a choice that was not given,
@@ -227,7 +228,8 @@ def decide(inspection: Inspection, on_existing: str | None, output: Output | Non
             "choose --on-existing new-dir or overwrite, or run with the settings in its .diffprep/plan.json."
         )
     if on_existing == "new-dir":
-        return Decision("new-dir", next_free_dir(output or inspection.out_dir), summary)
+        # This run's fingerprint: re-run after a question it suspended on, it goes back to the folder it chose.
+        return Decision("new-dir", next_free_dir(output or inspection.out_dir, fingerprint), summary)
     if on_existing == "reuse":
         return Decision("reuse", inspection.out_dir, summary)
     return Decision("overwrite", inspection.out_dir, summary)

@@ -1,5 +1,8 @@
 """The phases of a run as plain Python: fetch -> verify existing -> sanity -> units -> audit -> finalize -> validate.
 
+(Over 400 lines on purpose: every phase and the run that orders them, readable top to bottom in one
+place; each phase is a short function.)
+
 ``run()`` is the whole job with typed results and an ``ask`` callback, usable
 from a test, a torchrun rank or a notebook without Prefect. Each phase is a
 function of its own (``plan_output``, ``verify_output``, ``prepare_output``,
@@ -378,7 +381,7 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     on_existing = settings.output.on_existing
     if inspection.needs_choice and on_existing is None:
         on_existing = ask(inspection.question())
-    decision = decide(inspection, on_existing, output)
+    decision = decide(inspection, on_existing, output, plan.fingerprint)
     if decision.out_dir != output.uri:
         output = ref_of(output).with_location(decision.out_dir).open()
     log.info("output %s: %s", output.uri, decision.action)

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from diffprep import contract
-from diffprep.decode import CONTACT_SHEET, Preview, write_contact_sheet
+from diffprep.pictures import CONTACT_SHEET, Preview, write_contact_sheet
 from diffprep.errors import DiffprepError
 from diffprep.output import Output
 from diffprep.plan import Plan

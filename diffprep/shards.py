@@ -1,5 +1,8 @@
 """Reproducible tar shards with a commit point, and the per-unit manifest.
 
+(Over 400 lines on purpose: the shard writer, the manifest it commits and the readers that check both
+are one on-disk format, read together.)
+
 A shard is written under ``<out>/.diffprep/tmp/``, flushed, fsynced and
 renamed into place; then its manifest is written the same way. The manifest
 is the commit point: a unit without one is not done, whatever files exist.

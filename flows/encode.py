@@ -20,7 +20,7 @@ from prefect.runtime import flow_run
 from diffprep import contract
 from diffprep.audit import AuditReport
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
-from diffprep.decode import markdown_image
+from diffprep.pictures import markdown_image
 from diffprep.output import Output, ref_of
 from diffprep.pipeline import Events, Steps, run, settings_output
 from diffprep.plan import Plan
@@ -83,7 +83,9 @@ def run_flow(settings: Settings, encoding: str) -> dict:
     timeout = settings.output.approval_timeout
 
     def ask_in_ui(question, preset=None, *, release=False):
-        return ask(question, preset, timeout=timeout)
+        # release: a question after encoding suspends a deployment run (its process and GPU go back) instead of
+        # pausing it (tasks.approvals.ask).
+        return ask(question, preset, timeout=timeout, release=release)
 
     result = run(settings, encoding, output=output_of(settings_output(settings)), ask=ask_in_ui,
                  steps=TASK_STEPS, events=ArtifactEvents(), run_id=str(flow_run.get_id() or ""))

@@ -29,7 +29,9 @@ from diffprep import contract
 from diffprep.audit import audit
 from diffprep.cli import main
 from diffprep.config import Settings, SourceConfig, load_settings
-from diffprep.decode import CONTACT_SHEET, VaeDecoder, decode_dataset, read_samples, source_config
+from diffprep.decode import decode_dataset, read_samples, source_config
+from diffprep.encoders.vae import VaeDecoder
+from diffprep.pictures import CONTACT_SHEET
 from diffprep.demo import write_demo_dataset
 from diffprep.encodings.preencoded import preencoded_fields, sanity_check
 from diffprep.units import encode_unit
@@ -283,7 +285,7 @@ def test_validate_without_a_reachable_vae_skips_previews_with_a_note(dataset: Da
 
 
 def test_contact_sheet_png_is_embedded_small(dataset: Dataset, tmp_path: Path) -> None:
-    from diffprep.decode import MAX_EMBED_BYTES, markdown_image
+    from diffprep.pictures import MAX_EMBED_BYTES, markdown_image
 
     report = decode_dataset(dataset.out, 4, sheet=tmp_path / "sheet.png", device="cpu")
     markdown = markdown_image(report.contact_sheet)

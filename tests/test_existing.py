@@ -234,6 +234,17 @@ def test_next_free_dir_skips_used_versions(tmp_path: Path) -> None:
     assert next_free_dir(out) == str(tmp_path / "data-v4")
 
 
+def test_a_new_dir_already_started_by_the_same_plan_is_taken_again(tmp_path: Path, make_plan) -> None:
+    """A run that chose new-dir, then was suspended on a later question, re-runs from the top: same folder."""
+    plan = make_plan((4,))
+    out = tmp_path / "data"
+    (tmp_path / "data-v2").mkdir()
+    write_plan(tmp_path / "data-v2", plan)
+    assert next_free_dir(out, plan.fingerprint) == str(tmp_path / "data-v2")
+    assert next_free_dir(out, "another-fingerprint") == str(tmp_path / "data-v3")
+    assert next_free_dir(out) == str(tmp_path / "data-v3")
+
+
 # clearing an approved overwrite
 
 

@@ -21,7 +21,8 @@ import diffprep.flows.encode  # noqa: F401
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.config import load_settings
-from diffprep.decode import CONTACT_SHEET, decode_dataset, file_pixels
+from diffprep.decode import decode_dataset
+from diffprep.pictures import CONTACT_SHEET, file_pixels
 from diffprep.demo import write_demo_dataset
 from diffprep.units import encode_unit
 from diffprep.energon import read_dataset_encoding

@@ -8,6 +8,14 @@ from diffprep.errors import ConfigError
 ENCODINGS: dict[str, Encoding] = {encoding.name: encoding for encoding in (Preencoded(), Raw())}
 
 
+def encoding_of_sample(fields) -> Encoding:
+    """The encoding whose samples have these fields (a dataset read without its plan)."""
+    for encoding in ENCODINGS.values():
+        if encoding.holds(fields):
+            return encoding
+    raise ConfigError(f"no encoding stores samples with the fields {sorted(fields)}")
+
+
 def get_encoding(name: str) -> Encoding:
     try:
         return ENCODINGS[name]
@@ -15,4 +23,4 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Preencoded", "Raw", "SampleFields", "get_encoding"]
+__all__ = ["ENCODINGS", "Encoding", "Preencoded", "Raw", "SampleFields", "encoding_of_sample", "get_encoding"]

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import Any, Callable, Sequence
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
 
 from diffprep import contract
 from diffprep.config import Settings
@@ -23,6 +26,9 @@ from diffprep.reader import Batch
 from diffprep.sanity import SanityReport
 from diffprep.shards import Reject
 from diffprep.sources import Source
+
+if TYPE_CHECKING:
+    from diffprep.decode import StoredSample
 
 # A batch -> the fields of each sample (a dict, or a Reject); samples kept but worth counting go in the Counter.
 SampleFields = Callable[[Batch, Counter], list[dict | Reject]]
@@ -85,6 +91,19 @@ class Encoding(ABC):
                batch_size: int, units_left: Sequence[int] | None, workers: int,
                staged_samples: int | None) -> SanityReport:
         """One batch written into the state folder (never the dataset), checked, and the run projected."""
+
+    @abstractmethod
+    def holds(self, fields: Mapping[str, bytes]) -> bool:
+        """Whether a stored sample with these fields is one of this encoding's (a dataset without a plan)."""
+
+    @abstractmethod
+    def decode_stored(self, stored: Sequence[StoredSample], plan: Plan | None, **options: Any
+                      ) -> tuple[list[torch.Tensor], str | None]:
+        """Stored samples back to uint8 pixels [3, H, W] (video: [F, 3, H, W]), and the model folder used if any.
+
+        ``options``: ``model_path``, ``device``, ``token``, ``local_only``, ``decoder`` (one already loaded),
+        ``where`` (the dataset, for messages).
+        """
 
     @abstractmethod
     def task_encoder(self) -> Any:

@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ from diffprep.checks import Check, Findings, shape_str
 from diffprep.config import Settings
 from diffprep.cooker import FluxPreencodedTaskEncoder
 from diffprep.encoders import DTYPES, FluxEncoders, describe_flux, resolve_encoders
+from diffprep.encoders.vae import VaeDecoder
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.images import ImageSpec, to_uint8
 from diffprep.output import Output, as_output
@@ -37,7 +39,7 @@ from diffprep.sanity import (
     peak_memory,
     project_run,
 )
-from diffprep.shards import Reject, tensor_bytes, torch_bytes
+from diffprep.shards import Reject, load_tensor, tensor_bytes, torch_bytes
 from diffprep.sources import Source
 from diffprep.workers import claimed_device
 
@@ -272,6 +274,23 @@ class Preencoded(Encoding):
                 f"{settings.model.t5_max_length}), use --precision bf16 (now {settings.model.precision}), "
                 f"or free memory on {loaded.device}")
 
+    def holds(self, fields: Mapping[str, bytes]) -> bool:
+        return contract.LATENTS in fields
+
+    def decode_stored(self, stored: Sequence[Any], plan: Plan | None, *, model_path: str | None = None,
+                      device: str = "auto", token: str | None = None, local_only: bool = False,
+                      decoder: VaeDecoder | None = None, where: str = "the dataset",
+                      ) -> tuple[list[torch.Tensor], str | None]:
+        """The latents through the dataset's VAE (plan.json's, ``model_path``, or ``decoder`` already loaded)."""
+        if decoder is None:
+            if plan is None and not model_path:
+                raise ConfigError(f"{where} has no plan.json naming its VAE; pass the VAE with --model-path")
+            decoder = VaeDecoder.for_plan(plan or Plan("", {}, {}, {}, []), model_path=model_path, device=device,
+                                          token=token, local_only=local_only)
+        images = [decoder.decode_one(load_tensor(s.fields[contract.LATENTS], key=s.key, field=contract.LATENTS))
+                  for s in stored]
+        return images, str(decoder.folder) if decoder.folder else None
+
     def task_encoder(self) -> FluxPreencodedTaskEncoder:
         return FluxPreencodedTaskEncoder()
 
@@ -370,14 +389,13 @@ class PreencodedInspector:
     def summary(self) -> dict[str, Any]:
         return {"fields": self.fields} | ({"expected": self.expected} if self.expected else {})
 
-    def passed(self, output: Output) -> tuple[list[Check], dict[str, Any]]:
-        """Once every check passed: the per-channel latent statistics, saved for training."""
+    def passed(self) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
+        """Once every check passed: (checks, summary, state files): the per-channel latent statistics for training."""
         if not self.stats.samples:
-            return [], {}
+            return [], {}, {}
         stats = self.stats.result()
-        output.state.write_bytes(contract.LATENT_STATS, torch_bytes(stats))
         summary = {"latent_stats": {"mean": [float(v) for v in stats["mean"]], "std": [float(v) for v in stats["std"]],
                                     "samples": self.stats.samples}}
         check = Check("latent stats", True, f"per-channel mean/std over {self.stats.samples} samples saved to "
                                             f"{contract.STATE_DIR}/{contract.LATENT_STATS}")
-        return [check], summary
+        return [check], summary, {contract.LATENT_STATS: torch_bytes(stats)}

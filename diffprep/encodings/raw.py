@@ -20,6 +20,7 @@ import io
 import time
 from collections import Counter
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,10 +31,10 @@ from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.cooker import FluxRawTaskEncoder
-from diffprep.decode import file_pixels
 from diffprep.encodings.base import Encoding, SampleFields
-from diffprep.errors import ConfigError
+from diffprep.errors import ConfigError, DatasetValidationError
 from diffprep.images import ImageSpec
+from diffprep.pictures import file_pixels
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan
 from diffprep.reader import Batch, first_batch
@@ -140,6 +141,16 @@ def raw_sanity_check(
     return finish_sanity(output, report, remaining)
 
 
+def stored_image(key: str, fields: Mapping[str, bytes]) -> torch.Tensor:
+    """The image file of a raw sample as uint8 RGB [3, H, W] (decoded as stored, not resized)."""
+    names = [name for name in contract.RAW_IMAGE_FIELDS if name in fields]
+    if len(names) != 1:
+        raise DatasetValidationError(
+            f"sample {key} must hold one image field of {list(contract.RAW_IMAGE_FIELDS)}, it has {sorted(fields)}"
+        )
+    return file_pixels(fields[names[0]])
+
+
 def image_writer(settings: Settings) -> RawImageWriter:
     return RawImageWriter(settings.raw.image_format, settings.raw.image_quality)
 
@@ -187,6 +198,14 @@ class Raw(Encoding):
     def oom_advice(self, settings: Settings, loaded: RawImageWriter) -> str:
         return f"lower --image-size (now {settings.image.image_size})"
 
+    def holds(self, fields: Mapping[str, bytes]) -> bool:
+        return any(name in fields for name in contract.RAW_IMAGE_FIELDS)
+
+    def decode_stored(self, stored: Sequence[Any], plan: Plan | None, **options: Any
+                      ) -> tuple[list[torch.Tensor], str | None]:
+        """The stored image files as they are (no model)."""
+        return [stored_image(sample.key, sample.fields) for sample in stored], None
+
     def task_encoder(self) -> FluxRawTaskEncoder:
         return FluxRawTaskEncoder()
 
@@ -217,5 +236,5 @@ class RawInspector:
     def summary(self) -> dict[str, Any]:
         return {"images": self.images}
 
-    def passed(self, output: Output) -> tuple[list[Check], dict[str, Any]]:
-        return [], {}
+    def passed(self) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
+        return [], {}, {}

@@ -1,5 +1,8 @@
 """The LTX-2 family: clips to video and audio latents, captions to Gemma features, as the LTX-2 trainer stores them.
 
+(Over 400 lines on purpose: one family, one module: video, audio and text on ltx-core, and the
+trainer's .precomputed records; split by modality when it is wired into the pipeline.)
+
 Everything numerical is Lightricks' ``ltx-core`` (1.0.0): the video VAE encoder
 (``VideoEncoder``: posterior mean, normalized per channel with the checkpoint's
 ``mean-of-means``/``std-of-means``), the audio VAE encoder (``AudioEncoder``,

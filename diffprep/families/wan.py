@@ -1,5 +1,8 @@
 """The Wan 2.x family: clips to AutoencoderKLWan latents, captions to UMT5 embeddings.
 
+(Over 400 lines on purpose: one family, one module, as the families/ layout has it: components,
+encoding, decoding, identity and the tiny set together.)
+
 Layout (diffusers, ``model_index.json`` ``_class_name: WanPipeline``): ``vae/``
 (``AutoencoderKLWan``), ``text_encoder/`` (``UMT5EncoderModel``),
 ``tokenizer/`` (the umT5 tokenizer). The transformer and scheduler are never

@@ -1,5 +1,8 @@
 """Video bytes -> model-ready frames for one resolution bucket, deterministically.
 
+(Over 400 lines on purpose: probing, decoding, resampling, sampling and cropping a clip are one path
+with one set of rejects.)
+
 Decoding uses PyAV (``av``): a maintained FFmpeg binding whose wheels carry
 FFmpeg itself, so no system FFmpeg is needed (torchcodec needs one; this
 project's machines have none).

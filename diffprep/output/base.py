@@ -187,14 +187,27 @@ class Output:
                 removed.append(str(path.relative_to(self.local)))
         return sorted(removed)
 
-    def next_free(self) -> Output:
-        """``<out>-v2``, ``-v3``...: the first that does not exist or is empty."""
+    def next_free(self, fingerprint: str | None = None) -> Output:
+        """``<out>-v2``, ``-v3``...: the first that does not exist or is empty, or that this run's plan
+        (``fingerprint``) already started: a run resumed after a question finds the folder it chose before."""
         version = 2
         while True:
-            candidate = self.local.with_name(f"{self.local.name}-v{version}")
-            if not candidate.exists() or (candidate.is_dir() and not any(candidate.iterdir())):
-                return Output(candidate)
+            candidate = Output(self.local.with_name(f"{self.local.name}-v{version}"))
+            if candidate.free_for(fingerprint):
+                return candidate
             version += 1
+
+    def free_for(self, fingerprint: str | None) -> bool:
+        """Nothing here, or the plan of ``fingerprint`` (a new-dir choice of this very run)."""
+        if not self.exists():
+            return True
+        if not self.remote and not self.local.is_dir():
+            return False  # a file of that name
+        if not self.entries():
+            return True
+        self.state.sync()
+        plan = self.state.plan()
+        return fingerprint is not None and plan is not None and plan.fingerprint == fingerprint
 
     @contextlib.contextmanager
     def energon_access(self) -> Iterator[Any]:

@@ -282,12 +282,13 @@ class S3Output(Output):
             shutil.rmtree(meta)
         return sorted({name.split("/", 1)[0] for name in doomed})
 
-    def next_free(self) -> S3Output:
+    def next_free(self, fingerprint: str | None = None) -> S3Output:
         version = 2
         while True:
             candidate = S3Output(S3Url(self.url.bucket, f"{self.url.key}-v{version}"),
                                  endpoint_url=self.endpoint_url, profile=self.profile)
-            if not candidate.exists():
+            if candidate.free_for(fingerprint):
+                candidate.credentials_block = self.credentials_block
                 return candidate
             version += 1
 

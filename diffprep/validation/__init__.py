@@ -109,7 +109,9 @@ def validate_dataset(
             {"note": "no previews for a bucket prefix: decode a few samples with `diffprep decode` on a copy"}
             if output.remote else _previews(output, previews))
     if inspector is not None and checks and all(check.ok for check in checks):
-        passed_checks, passed_summary = inspector.passed(output)
+        passed_checks, passed_summary, files = inspector.passed()
+        for name, data in files.items():
+            output.state.write_bytes(name, data)
         checks += passed_checks
         summary.update(passed_summary)
     return _report(output, checks, summary)
@@ -130,7 +132,8 @@ def _report(output: Output, checks: list[Check], summary: dict[str, Any]) -> Val
 
 def _previews(output: Output, count: int) -> dict[str, Any]:
     """``count`` samples decoded next to their sources, with a contact sheet; a note when that cannot be done."""
-    from diffprep.decode import CONTACT_SHEET, decode_dataset
+    from diffprep.decode import decode_dataset
+    from diffprep.pictures import CONTACT_SHEET
 
     out = output.local
     try:

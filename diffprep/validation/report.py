@@ -65,7 +65,7 @@ class ValidationReport:
         lines += _previews_markdown(s.get("previews"))
         sheet = (s.get("previews") or {}).get("contact_sheet")
         if pictures and sheet and Path(sheet).is_file():
-            from diffprep.decode import markdown_image
+            from diffprep.pictures import markdown_image
 
             lines += ["", markdown_image(sheet)]
         return "\n".join(lines) + "\n"
