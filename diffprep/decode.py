@@ -18,6 +18,7 @@ and validate phases share these pieces:
 from __future__ import annotations
 
 import json
+import math
 import os
 import tarfile
 from dataclasses import dataclass, field

@@ -20,7 +20,7 @@ TEMPLATE = REPO / "configs" / "k8s-work-pool.json"
 PREFECT_FILE = REPO / "configs" / "prefect-k8s.yaml"
 POOL = "diffprep-k8s"  # the pool configs/prefect-k8s.yaml deploys to
 # What encode-dataset sends an encode-units run (the run is rendered, never executed).
-UNITS_PARAMETERS = {"out_dir": "/data/encoded/my-dataset", "settings": {}, "units": [0, 1]}
+UNITS_PARAMETERS = {"output": {"location": "s3://datasets/encoded/my-dataset"}, "settings": {}, "units": [0, 1]}
 pytestmark = pytest.mark.slow
 
 
