@@ -8,6 +8,12 @@ unit (imports, encoders and one warm-up batch loaded: the floor every run pays).
 
 Target: peak RSS for 4N grows by < 10% over N.
 
+``--allocator`` (default ``both``): every size is measured twice per round,
+children started with ``MALLOC_*`` unset, once with ``diffprep.allocator.tune_malloc()``
+called first (how ``diffprep`` runs) and once with glibc's defaults: what the
+allocator setting costs in peak RSS, same run. ``env``: one measurement per
+size, children inheriting this process's environment (``--malloc``).
+
     python benchmarks/memory.py                    # N = 64 (2 units), 4N = 256 (8 units)
     python benchmarks/memory.py --samples 256 --config compute
 """
@@ -37,6 +43,11 @@ def child(args: argparse.Namespace) -> int:
     config = c.config_from(c.CONFIGS[args.config], args)
     cache = c.cache_dir(args.cache_dir)
     scratch, cleanup = c.work_dir(args.work_dir)
+    if args.tune_malloc:
+        from diffprep.allocator import tune_malloc
+
+        if not tune_malloc().applied:
+            raise RuntimeError(f"tune_malloc did not apply: {tune_malloc().reason}")
     try:
         # The source holds 4N images for both runs, so N and 4N read the same files (max_samples cuts it).
         setup = c.prepare(config, cache, scratch, source_count=args.source_count)
@@ -53,15 +64,23 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_child(args: argparse.Namespace, samples: int, source_count: int) -> dict:
+ALLOCATORS = {"diffprep": "diffprep's tune_malloc", "default": "glibc defaults", "env": "inherited environment"}
+
+
+def run_child(args: argparse.Namespace, samples: int, source_count: int, allocator: str = "env") -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", "--config", args.config,
                "--samples", str(samples), "--source-count", str(source_count), "--malloc", "inherit"]
+    env = dict(os.environ)
+    if allocator != "env":
+        env = {k: v for k, v in env.items() if k not in (*_env.MALLOC_VARS, "DIFFPREP_MALLOC_TUNING")}
+    if allocator == "diffprep":
+        command.append("--tune-malloc")
     for flag in ("cache_dir", "work_dir", "batch_size", "decode_workers", "precision", "image_size", "t5_max_length",
                  "torch_threads"):
         value = getattr(args, flag)
         if value is not None:
             command += [f"--{flag.replace('_', '-')}", str(value)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"child for {samples} samples failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -76,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(rounds=2)  # each round is two fresh processes
     parser.add_argument("--source-count", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tune-malloc", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--allocator", choices=["both", "diffprep", "default", "env"], default="both",
+                        help="children's malloc settings (see the module docstring; default %(default)s)")
     args = parser.parse_args(argv)
     if args.child:
         c.apply_torch_threads(args)
@@ -87,23 +109,38 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== {base.describe()}; N = {n} ({n // base.shard_size} units), 4N = {4 * n} "
           f"({4 * n // base.shard_size} units); one fresh process per run")
     c.jpeg_source(c.cache_dir(args.cache_dir), 4 * n, base.source_px)  # written once, before any timing
-    runs: dict[int, list[dict]] = {n: [], 4 * n: []}
+    allocators = ["diffprep", "default"] if args.allocator == "both" else [args.allocator]
+    runs: dict[tuple[str, int], list[dict]] = {(a, k): [] for a in allocators for k in (n, 4 * n)}
     for r in range(args.rounds):
-        for samples in ([n, 4 * n] if r % 2 == 0 else [4 * n, n]):
-            result = run_child(args, samples, 4 * n)
-            runs[samples].append(result)
-            print(f"    round {r + 1}: {samples:5d} samples ({result['units']} units): "
-                  f"peak {result['peak'] / MIB:7.1f} "
-                  f"MiB, floor {result['floor'] / MIB:7.1f} MiB, {result['seconds']:.1f} s", flush=True)
-    peak = {k: max(r["peak"] for r in v) for k, v in runs.items()}
-    above = {k: max(r["peak"] - r["floor"] for r in v) for k, v in runs.items()}
-    growth = peak[4 * n] / peak[n] - 1
-    print(f"  peak RSS      N: {peak[n] / MIB:8.1f} MiB   4N: {peak[4 * n] / MIB:8.1f} MiB   growth {growth:+.1%}")
-    print(f"  above floor   N: {above[n] / MIB:8.1f} MiB   4N: {above[4 * n] / MIB:8.1f} MiB "
-          "(what encoding added on top of imports, encoders and one batch)")
-    print(f"\nSUMMARY memory: peak RSS {peak[n] / MIB:.0f} MiB for {n} samples, {peak[4 * n] / MIB:.0f} MiB for "
-          f"{4 * n}: {growth:+.1%} (target < {TARGET_GROWTH:.0%}: {c.verdict(growth, TARGET_GROWTH, at_most=True)}) "
-          f"[{_env.malloc_description()}]")
+        order = [(a, k) for a in allocators for k in (n, 4 * n)]
+        for allocator, samples in (order if r % 2 == 0 else order[::-1]):
+            result = run_child(args, samples, 4 * n, allocator)
+            runs[allocator, samples].append(result)
+            print(f"    round {r + 1}: {ALLOCATORS[allocator]:<22} {samples:5d} samples ({result['units']} units): "
+                  f"peak {result['peak'] / MIB:7.1f} MiB, floor {result['floor'] / MIB:7.1f} MiB, "
+                  f"{result['seconds']:.1f} s", flush=True)
+    peak = {key: max(r["peak"] for r in v) for key, v in runs.items()}
+    above = {key: max(r["peak"] - r["floor"] for r in v) for key, v in runs.items()}
+    fastest = {key: min(r["seconds"] for r in v) for key, v in runs.items()}
+    growth = {a: peak[a, 4 * n] / peak[a, n] - 1 for a in allocators}
+    for a in allocators:
+        print(f"  {ALLOCATORS[a]}:")
+        print(f"    peak RSS      N: {peak[a, n] / MIB:8.1f} MiB   4N: {peak[a, 4 * n] / MIB:8.1f} MiB   "
+              f"growth {growth[a]:+.1%}")
+        print(f"    above floor   N: {above[a, n] / MIB:8.1f} MiB   4N: {above[a, 4 * n] / MIB:8.1f} MiB "
+              "(what encoding added on top of imports, encoders and one batch)")
+        print(f"    encode time   N: {fastest[a, n]:8.1f} s     4N: {fastest[a, 4 * n]:8.1f} s (fastest run)")
+    main_side = allocators[0]
+    cost = ""
+    if len(allocators) == 2:
+        extra = peak["diffprep", 4 * n] / peak["default", 4 * n] - 1
+        speed = fastest["default", 4 * n] / fastest["diffprep", 4 * n]
+        print(f"  allocator setting at 4N: peak RSS {extra:+.1%} "
+              f"({(peak['diffprep', 4 * n] - peak['default', 4 * n]) / MIB:+.0f} MiB), encoding {speed:.2f}x as fast")
+        cost = f"; tune_malloc costs {extra:+.1%} peak RSS at 4N for {speed:.2f}x encode speed"
+    print(f"\nSUMMARY memory: peak RSS {peak[main_side, n] / MIB:.0f} MiB for {n} samples, "
+          f"{peak[main_side, 4 * n] / MIB:.0f} MiB for {4 * n}: {growth[main_side]:+.1%} (target < {TARGET_GROWTH:.0%}: "
+          f"{c.verdict(growth[main_side], TARGET_GROWTH, at_most=True)}) [{ALLOCATORS[main_side]}]{cost}")
     return 0
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from diffprep.allocator import tune_malloc
 from diffprep.errors import ConfigError, DiffprepError
 
 # flag -> (section, key); value types come from the settings models.
@@ -122,6 +123,7 @@ def prefect_defaults() -> None:
     # (benchmarks/README.md: 1.39x -> 1.71x over a naive loop, input-bound; compute-bound unchanged).
     # Read when torch first loads, which is after this; worker processes inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    tune_malloc()  # glibc's thresholds for CPU encoders, this process (DIFFPREP_MALLOC_TUNING=0 turns it off)
 
 
 def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw: bool = False) -> dict:

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from diffprep.allocator import tune_malloc
 from diffprep.errors import ConfigError
 
 _claimed: str | None = None
@@ -61,6 +62,7 @@ def claim_device(devices: Sequence[str], claim_dir: str, cpu_threads: int | None
     workers then share the cores; on GPUs this does not matter).
     """
     global _claimed, _claim_fd
+    tune_malloc()  # a worker process: before its encoders load (diffprep/allocator.py)
     if cpu_threads is not None:
         import torch
 

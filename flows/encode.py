@@ -18,6 +18,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.runtime import flow_run
 
 from diffprep import contract
+from diffprep.allocator import tune_malloc
 from diffprep.audit import AuditReport
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
 from diffprep.pictures import markdown_image
@@ -60,6 +61,8 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
         parameters: The run's settings by section. Only the fields given count; the rest comes from the
             config file (``config``), the ``DIFFPREP_*`` environment of the worker, and the defaults.
     """
+    # A run started by a worker or `diffprep serve` is a process of its own: mallopt settings are not inherited.
+    tune_malloc()
     settings = resolve_settings(parameters or EncodeParameters())
     return run_flow(settings, contract.ENCODING_PREENCODED)
 

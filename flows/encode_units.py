@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from diffprep.allocator import tune_malloc
 from diffprep.config import Settings
 from diffprep.output import OutputRef
 from diffprep.flows.runners import ArtifactProgress, run_units
@@ -16,6 +17,7 @@ def encode_units(output: OutputRef, settings: dict, units: list[int]) -> dict:
 
     Units already committed are skipped, so a re-sent chunk only finishes what is left.
     """
+    tune_malloc()  # a work-pool worker's flow process: before the encoders load (diffprep/allocator.py)
     s = Settings(**settings)
     if s.workers.deployment:
         raise ValueError("encode-units runs its units here: workers.deployment must be unset")
