@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact

@@ -173,6 +173,12 @@ def test_decode_without_a_vae_in_the_plan_names_the_flag(dataset: Dataset, tmp_p
         decode_dataset(out, 1, device="cpu")
     decoder = VaeDecoder.for_plan(read_plan(out), model_path=dataset.settings.model.model_path, device="cpu")
     assert decode_dataset(out, 1, decoder=decoder).previews[0].psnr_db is not None
+    # No plan.json at all (a dataset copied without its state): the samples tell the encoding, the VAE is asked for.
+    (out / contract.STATE_DIR / contract.PLAN_JSON).unlink()
+    with pytest.raises(ConfigError, match="has no plan.json naming its VAE; pass the VAE with --model-path"):
+        decode_dataset(out, 1, device="cpu")
+    report = decode_dataset(out, 1, model_path=dataset.settings.model.model_path, device="cpu")
+    assert report.encoding == contract.ENCODING_PREENCODED and report.previews[0].source is None
 
 
 def test_local_only_never_downloads_a_hub_vae(dataset: Dataset, tmp_path: Path) -> None:

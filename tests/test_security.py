@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import io
 import logging
-import tempfile
 import traceback
 from pathlib import Path
 

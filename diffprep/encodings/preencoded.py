@@ -27,6 +27,7 @@ from diffprep.cooker import FluxPreencodedTaskEncoder
 from diffprep.encoders import DTYPES, FluxEncoders, describe_flux, resolve_encoders
 from diffprep.encoders.vae import VaeDecoder
 from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec, to_uint8
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, dtype_name, shape_matches
