@@ -93,6 +93,10 @@ class Encoding(ABC):
         """One batch written into the state folder (never the dataset), checked, and the run projected."""
 
     @abstractmethod
+    def oom_advice(self, settings: Settings, loaded: Any) -> str:
+        """What to change when even a batch of one does not fit in the device's memory."""
+
+    @abstractmethod
     def holds(self, fields: Mapping[str, bytes]) -> bool:
         """Whether a stored sample with these fields is one of this encoding's (a dataset without a plan)."""
 
