@@ -6,7 +6,7 @@ scheduled run does so unseen. This automation reacts to the server's
 ``prefect.flow-run.Paused`` / ``prefect.flow-run.Suspended`` events of the
 flows that ask (encode-dataset, encode-raw) and sends the question's title and
 a link to the run through a notification block the user has saved (Slack,
-email, a custom webhook...). ``configs/automation-approval.yaml`` is the same
+email, a custom webhook...). ``configs/prefect/automation-approval.yaml`` is the same
 definition for ``prefect automation create --from-file``.
 
 The link is ``{{ flow_run|ui_url }}``, built from the server process's

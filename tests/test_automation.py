@@ -86,7 +86,7 @@ def test_the_config_file_is_the_code_definition():
     from prefect.events.schemas.automations import AutomationCore
 
     block_id = uuid.UUID(int=0)
-    shipped = yaml.safe_load((REPO / "configs" / "automation-approval.yaml").read_text())
+    shipped = yaml.safe_load((REPO / "configs" / "prefect" / "automation-approval.yaml").read_text())
     from_file = AutomationCore.model_validate(shipped)
     from_code = AutomationCore.model_validate(approval_automation(block_id).model_dump(exclude={"id"}))
     assert from_file == from_code
@@ -173,7 +173,7 @@ def test_the_cli_creates_it_from_the_config_file(automation, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    definition = yaml.safe_load((REPO / "configs" / "automation-approval.yaml").read_text())
+    definition = yaml.safe_load((REPO / "configs" / "prefect" / "automation-approval.yaml").read_text())
     definition["name"] = "diffprep approval from the file"
     definition["actions"][0]["block_document_id"] = str(automation.actions[0].block_document_id)
     (tmp_path / "automation.yaml").write_text(yaml.safe_dump(definition))

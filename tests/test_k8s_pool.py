@@ -1,4 +1,4 @@
-"""configs/k8s-work-pool.json and configs/prefect-k8s.yaml against a real Prefect server (no cluster).
+"""configs/prefect/k8s-work-pool.json and configs/prefect/prefect-k8s.yaml against a real Prefect server (no cluster).
 
 The pool is created with the Prefect CLI as the README says, the deployments
 with ``prefect deploy --prefect-file``; a flow run's Kubernetes Job is then
@@ -16,9 +16,9 @@ import pytest
 
 from prefect_cli import REPO, run, shell_env
 
-TEMPLATE = REPO / "configs" / "k8s-work-pool.json"
-PREFECT_FILE = REPO / "configs" / "prefect-k8s.yaml"
-POOL = "diffprep-k8s"  # the pool configs/prefect-k8s.yaml deploys to
+TEMPLATE = REPO / "configs" / "prefect" / "k8s-work-pool.json"
+PREFECT_FILE = REPO / "configs" / "prefect" / "prefect-k8s.yaml"
+POOL = "diffprep-k8s"  # the pool configs/prefect/prefect-k8s.yaml deploys to
 # What encode-dataset sends an encode-units run (the run is rendered, never executed).
 UNITS_PARAMETERS = {"output": {"location": "s3://datasets/encoded/my-dataset"}, "settings": {}, "units": [0, 1]}
 pytestmark = pytest.mark.slow
