@@ -291,7 +291,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     if args.family == "wan":
-        from diffprep.families.wan import write_tiny_wan
+        from diffprep.families.wan_tiny import write_tiny_wan
 
         path = write_tiny_wan(args.path, seed=args.seed, vae_variant=args.wan_vae)
         print(f"tiny Wan encoder set (VAE {args.wan_vae}) written to {path} (random weights: for tests and demos only)")

@@ -48,6 +48,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffprep.families import ltx2
+from diffprep.families import ltx2_precomputed as precomputed
+from diffprep.media import audio as clip_audio
 from diffprep.families.ltx2_tiny import TINY_CHECKPOINT_NAME, TINY_GEMMA_FOLDER, write_tiny_ltx2
 
 FPS = 24
@@ -273,8 +275,8 @@ def test_video_latents_are_the_normalized_posterior_mean(encoders, stored):
 def test_video_record_is_what_the_trainer_reads(checkpoint, tmp_path):
     bf16 = ltx2.Ltx2Encoders.load(checkpoint, audio=False, text=False)  # the trainer's precision
     latents = bf16.encode_video(_pixels())
-    record = ltx2.video_latents_record(latents[0], fps=FPS)
-    assert tuple(record) == ltx2.VIDEO_LATENTS_KEYS
+    record = precomputed.video_latents_record(latents[0], fps=FPS)
+    assert tuple(record) == precomputed.VIDEO_LATENTS_KEYS
     assert record["latents"].dtype == torch.bfloat16 and record["latents"].shape == (128, 2, 2, 2)
     assert (record["num_frames"], record["height"], record["width"], record["fps"]) == (2, 2, 2, 24.0)
     assert all(type(record[k]) is int for k in ("num_frames", "height", "width")) and type(record["fps"]) is float
@@ -338,7 +340,7 @@ def test_clip_audio_channels_duration_and_latents(encoders, stored, tmp_path, la
     clip = tmp_path / f"{layout}.mp4"
     written = write_clip(clip, audio_layout=layout)
     duration = FRAMES / FPS
-    audio = ltx2.load_clip_audio(clip, duration=duration)
+    audio = clip_audio.load_clip_audio(clip, duration=duration)
     assert audio.sample_rate == 44100 and audio.source_channels == written.shape[0]
     assert audio.waveform.shape == (2, int(duration * 44100)) and audio.waveform.dtype == torch.float32
     left, right = audio.waveform
@@ -376,8 +378,8 @@ def test_clip_audio_channels_duration_and_latents(encoders, stored, tmp_path, la
     assert latents.latents.shape == (8, t, 16) and t == pytest.approx(duration * 25, abs=2)
     torch.testing.assert_close(latents.latents, expected, rtol=1e-4, atol=1e-4)
 
-    record = ltx2.audio_latents_record(latents)
-    assert tuple(record) == ltx2.AUDIO_LATENTS_KEYS
+    record = precomputed.audio_latents_record(latents)
+    assert tuple(record) == precomputed.AUDIO_LATENTS_KEYS
     assert record["latents"].dtype == torch.float32
     assert (record["num_time_steps"], record["frequency_bins"]) == (t, 16)
     assert record["duration"] == pytest.approx(duration, abs=1 / 44100) and type(record["duration"]) is float
@@ -402,7 +404,7 @@ def test_diffusers_ltx2_audio_vae_gives_the_same_latents(encoders, stored):
     vae.eval()
 
     waveform = torch.sin(torch.arange(12000) / 7.0).expand(1, 2, -1).contiguous()
-    audio = ltx2.ClipAudio(waveform=waveform[0], sample_rate=32000, source_channels=2)
+    audio = clip_audio.ClipAudio(waveform=waveform[0], sample_rate=32000, source_channels=2)
     mel = encoders.audio_processor.waveform_to_mel(Audio(waveform=waveform, sampling_rate=32000))
     with torch.no_grad():
         mode = vae.encode(mel).latent_dist.mode()
@@ -414,31 +416,31 @@ def test_diffusers_ltx2_audio_vae_gives_the_same_latents(encoders, stored):
 
 def test_short_audio_is_padded_and_channels_fold_down():
     audio = torch.ones(1, 100)
-    assert ltx2.fit_duration(audio, 100, 1.5).shape == (1, 150)
-    assert ltx2.fit_duration(audio, 100, 0.5).shape == (1, 50)
-    assert ltx2.fit_duration(audio, 100, 1.5)[0, 100:].abs().sum() == 0
+    assert clip_audio.fit_duration(audio, 100, 1.5).shape == (1, 150)
+    assert clip_audio.fit_duration(audio, 100, 0.5).shape == (1, 50)
+    assert clip_audio.fit_duration(audio, 100, 1.5)[0, 100:].abs().sum() == 0
 
     fl, fr, fc, lfe, bl, br = (torch.full((1, 4), v) for v in (1.0, 2.0, 4.0, 100.0, 8.0, 16.0))
-    stereo = ltx2.to_stereo(torch.cat([fl, fr, fc, lfe, bl, br]))
+    stereo = clip_audio.to_stereo(torch.cat([fl, fr, fc, lfe, bl, br]))
     g = 1 / np.sqrt(2)
     torch.testing.assert_close(stereo[:, 0], torch.tensor([1 + g * 4 + g * 8, 2 + g * 4 + g * 16], dtype=torch.float32))
-    assert ltx2.to_stereo(torch.zeros(8, 3)).shape == (2, 3)
+    assert clip_audio.to_stereo(torch.zeros(8, 3)).shape == (2, 3)
     with pytest.raises(ValueError, match="3-channel"):
-        ltx2.to_stereo(torch.zeros(3, 3))
+        clip_audio.to_stereo(torch.zeros(3, 3))
 
 
 def test_clip_without_audio_is_rejected(tmp_path):
     clip = tmp_path / "silent.mp4"
     write_clip(clip, audio_layout=None)
     with pytest.raises(RejectError) as caught:
-        ltx2.load_clip_audio(clip, duration=FRAMES / FPS, key="000000_000001")
-    assert caught.value.reason == ltx2.REJECT_NO_AUDIO_STREAM == "no_audio_stream"
+        clip_audio.load_clip_audio(clip, duration=FRAMES / FPS, key="000000_000001")
+    assert caught.value.reason == clip_audio.REJECT_NO_AUDIO_STREAM == "no_audio_stream"
     assert "000000_000001" in str(caught.value)
 
 
 def test_audio_that_does_not_decode_is_rejected(tmp_path):
     buffer = io.BytesIO()
-    ltx2.write_test_tone(buffer, seconds=1.0)
+    clip_audio.write_test_tone(buffer, seconds=1.0)
     data = bytearray(buffer.getvalue())
     start, end = data.find(b"mdat"), data.find(b"moov")
     assert 0 < start < end  # the sample data sits before the index: corrupt the data, keep the index
@@ -446,20 +448,20 @@ def test_audio_that_does_not_decode_is_rejected(tmp_path):
     path = tmp_path / "broken.m4a"
     path.write_bytes(bytes(data))
     with pytest.raises(RejectError) as caught:
-        ltx2.load_clip_audio(path)
-    assert caught.value.reason == ltx2.REJECT_AUDIO_DECODE_ERROR == "audio_decode_error"
+        clip_audio.load_clip_audio(path)
+    assert caught.value.reason == clip_audio.REJECT_AUDIO_DECODE_ERROR == "audio_decode_error"
     assert str(path) in str(caught.value)
 
 
 def test_audio_backend_check_passes_and_fails(monkeypatch):
-    ltx2.check_audio_backend()
+    clip_audio.check_audio_backend()
 
     def broken(*args, **kwargs):
-        raise RejectError(ltx2.REJECT_AUDIO_DECODE_ERROR, "decoder missing")
+        raise RejectError(clip_audio.REJECT_AUDIO_DECODE_ERROR, "decoder missing")
 
-    monkeypatch.setattr(ltx2, "load_clip_audio", broken)
+    monkeypatch.setattr(clip_audio, "load_clip_audio", broken)
     with pytest.raises(RuntimeError, match="cannot decode an AAC test tone"):
-        ltx2.check_audio_backend()
+        clip_audio.check_audio_backend()
 
 
 # --------------------------------------------------------------------------- text
@@ -501,8 +503,8 @@ def test_text_conditions_are_the_feature_extractor_output(encoders, gemma, store
         assert mask[-ones:].all() and not mask[:-ones].any()
         assert result.video_prompt_embeds[:-ones].abs().sum() == 0
 
-    record = ltx2.conditions_record(conditions[0])
-    assert set(record) == set(ltx2.CONDITIONS_KEYS)
+    record = precomputed.conditions_record(conditions[0])
+    assert set(record) == set(precomputed.CONDITIONS_KEYS)
     assert record["video_prompt_embeds"].shape == (1024, 32) and record["video_prompt_embeds"].dtype == torch.bfloat16
     assert record["audio_prompt_embeds"].shape == (1024, 32) and record["audio_prompt_embeds"].dtype == torch.bfloat16
     assert record["prompt_attention_mask"].shape == (1024,) and record["prompt_attention_mask"].dtype == torch.int64
@@ -532,7 +534,7 @@ def test_v2_checkpoint_has_separate_audio_features(tmp_path):
     [result] = encoders.encode_text(["a bird flying over the sea"])
     assert type(encoders.feature_extractor).__name__ == "FeatureExtractorV2"
     assert result.video_prompt_embeds.shape == (1024, 32) and result.audio_prompt_embeds.shape == (1024, 16)
-    record = ltx2.conditions_record(result)
+    record = precomputed.conditions_record(result)
     assert record["audio_prompt_embeds"].dtype == torch.bfloat16
 
     # diffusers' LTX-2.3 front half: per_token_rms_norm, mask, sqrt(width / hidden) rescale, per-modality Linears.
@@ -587,23 +589,23 @@ def test_text_encoder_in_8bit_runs_on_cpu(checkpoint, gemma):
     ],
 )
 def test_precomputed_naming(media, expected):
-    relative = ltx2.precomputed_relative_path(media, "/data/set")
+    relative = precomputed.precomputed_relative_path(media, "/data/set")
     assert relative == PurePosixPath(expected)
-    assert ltx2.precomputed_path("/out/.precomputed", "audio_latents", relative) == Path(
+    assert precomputed.precomputed_path("/out/.precomputed", "audio_latents", relative) == Path(
         "/out/.precomputed/audio_latents", expected
     )
 
 
 def test_naming_refuses_empty_and_unknown_kinds():
     with pytest.raises(ValueError, match="empty"):
-        ltx2.precomputed_relative_path("  ", "/data/set")
+        precomputed.precomputed_relative_path("  ", "/data/set")
     with pytest.raises(ValueError, match="kind must be one of"):
-        ltx2.precomputed_path("/out", "latent", PurePosixPath("a.pt"))
+        precomputed.precomputed_path("/out", "latent", PurePosixPath("a.pt"))
 
 
 def test_lora_trigger_and_identity(encoders):
-    assert ltx2.apply_lora_trigger("a cat", " sks ") == "sks a cat"
-    assert ltx2.apply_lora_trigger("a cat", None) == "a cat"
+    assert precomputed.apply_lora_trigger("a cat", " sks ") == "sks a cat"
+    assert precomputed.apply_lora_trigger("a cat", None) == "a cat"
     identity = encoders.describe()
     assert json.loads(json.dumps(identity)) == identity
     # The fetch phase gets the same identity without loading weights.

@@ -24,7 +24,8 @@ from diffprep.contract import LATENTS, PROMPT_EMBEDS
 from diffprep.encoders.flux import noise_seed
 from diffprep.errors import ConfigError
 from diffprep.families import detect_family, family_for_class, get_family
-from diffprep.families.wan import VaeTiling, WanEncoders, clean_caption, vae_factors, write_tiny_wan
+from diffprep.families.wan import VaeTiling, WanEncoders, clean_caption, vae_factors
+from diffprep.families.wan_tiny import write_tiny_wan
 from diffprep.media.buckets import Bucket, parse_buckets
 from diffprep.media.video import prepare_clip
 

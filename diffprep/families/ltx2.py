@@ -1,7 +1,7 @@
 """The LTX-2 family: clips to video and audio latents, captions to Gemma features, as the LTX-2 trainer stores them.
 
-(Over 400 lines on purpose: one family, one module: video, audio and text on ltx-core, and the
-trainer's .precomputed records; split by modality when it is wired into the pipeline.)
+(Over 400 lines on purpose: one family's encoders and their loading on ltx-core. A clip's audio track
+is ``diffprep.media.audio``; the trainer's ``.precomputed/`` records are ``ltx2_precomputed``.)
 
 Everything numerical is Lightricks' ``ltx-core`` (1.0.0): the video VAE encoder
 (``VideoEncoder``: posterior mean, normalized per channel with the checkpoint's
@@ -10,8 +10,8 @@ same normalization over the 128 ``(channel, frequency)`` features), the
 waveform-to-mel step (``AudioProcessor``: resample to the checkpoint's rate, log
 mel) and the Gemma feature extractor (``FeatureExtractorV1``/``V2``). This module
 only loads those pieces, feeds them what the trainer's ``process_dataset.py``
-feeds them, and shapes what they return into the trainer's ``.precomputed/``
-records (reference/consumer-formats.md A1).
+feeds them; ``ltx2_precomputed`` shapes what they return into the trainer's
+``.precomputed/`` records (reference/consumer-formats.md A1).
 
 Loading. The LTX-2 checkpoint is one ``.safetensors`` file whose ``"config"``
 metadata entry describes every component; the video and audio encoders are
@@ -45,19 +45,16 @@ the CPU as well as on CUDA.
 
 from __future__ import annotations
 
-import io
 import logging
-import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from diffprep.errors import ConfigError, RejectError
+from diffprep.errors import ConfigError
+from diffprep.media.audio import ClipAudio
 
 if TYPE_CHECKING:
     from ltx_core.model.audio_vae import AudioEncoder
@@ -69,24 +66,9 @@ logger = logging.getLogger("diffprep.families.ltx2")
 
 FAMILY = "ltx2"
 
-# Reject reasons (counted in the audit).
-REJECT_NO_AUDIO_STREAM = "no_audio_stream"
-REJECT_AUDIO_DECODE_ERROR = "audio_decode_error"
 
-# The trainer's .precomputed/ layout (consumer-formats.md A1/A2).
-PRECOMPUTED_DIR = ".precomputed"
-LATENTS_DIR = "latents"
-CONDITIONS_DIR = "conditions"
-AUDIO_LATENTS_DIR = "audio_latents"
-REFERENCE_LATENTS_DIR = "reference_latents"
-REFERENCE_AUDIO_LATENTS_DIR = "reference_audio_latents"
-PRECOMPUTED_SUFFIX = ".pt"
-
-# What each record holds, and in which dtype (A1). Video latents and text
-# features are bf16, audio latents float32, the mask int64.
-VIDEO_LATENTS_KEYS = ("latents", "num_frames", "height", "width", "fps")
-AUDIO_LATENTS_KEYS = ("latents", "num_time_steps", "frequency_bins", "duration")
-CONDITIONS_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+# The dtypes the trainer stores (consumer-formats.md A1): video latents and text features bf16, audio latents
+# float32, the mask int64.
 VIDEO_LATENTS_DTYPE = torch.bfloat16
 AUDIO_LATENTS_DTYPE = torch.float32
 CONDITIONS_DTYPE = torch.bfloat16
@@ -94,12 +76,6 @@ MASK_DTYPE = torch.int64
 
 # LTXVGemmaTokenizer's length in the trainer (module_ops_from_gemma_root, gemma_8bit.py).
 TEXT_MAX_LENGTH = 1024
-
-# ITU-R BS.775 fold-down of 5.1 / 7.1 to stereo (FFmpeg's default channel order:
-# FL FR FC LFE BL BR [SL SR]); the LFE channel is dropped.
-_CENTER_GAIN = 1.0 / math.sqrt(2.0)
-_SURROUND_GAIN = 1.0 / math.sqrt(2.0)
-
 
 # --------------------------------------------------------------------------- checkpoint
 
@@ -209,170 +185,6 @@ def describe_ltx2(
             "load_in_8bit": text_encoder_8bit,
         }
     return identity
-
-
-# --------------------------------------------------------------------------- audio from a clip
-
-
-@dataclass(frozen=True)
-class ClipAudio:
-    """A clip's audio track as the trainer feeds it to the encoder: stereo float32 at the source rate."""
-
-    waveform: torch.Tensor  # [2, samples], float32
-    sample_rate: int
-    source_channels: int
-
-    @property
-    def duration(self) -> float:
-        return self.waveform.shape[-1] / self.sample_rate
-
-
-def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None = None, key: str = "") -> ClipAudio:
-    """Decode a clip's audio with PyAV (FFmpeg's best audio stream): stereo, at its own rate, fitted to ``duration``.
-
-    Channels: mono is duplicated, stereo kept, 5.1 and 7.1 folded down to stereo
-    (ITU-R BS.775, LFE dropped); other layouts are a decode error. ``duration``
-    (seconds; the trainer uses frames / fps of the encoded video) trims the
-    waveform to ``int(duration * rate)`` samples or pads it with zeros, as the
-    trainer does. Resampling to the checkpoint's rate is left to ltx-core's
-    ``AudioProcessor``, as in the trainer.
-
-    Raises ``RejectError`` ``no_audio_stream`` when the file has no audio stream
-    and ``audio_decode_error`` when it has one that does not decode; ``key``
-    names the sample in the message.
-    """
-    import av
-
-    name = key or str(source)
-    try:
-        container = av.open(source if isinstance(source, io.BytesIO) else str(source))
-    except (av.error.FFmpegError, OSError) as error:
-        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: cannot open the file: {error}") from None
-    with container:
-        if not container.streams.audio:
-            raise RejectError(REJECT_NO_AUDIO_STREAM, f"{name} has no audio stream")
-        # FFmpeg's own choice among several audio streams (av_find_best_stream), as torchaudio.load makes it.
-        stream = container.streams.best("audio")
-        # Planar float32 at the stream's own rate and layout: one row per channel.
-        resampler = av.AudioResampler(format="fltp")
-        chunks: list[np.ndarray] = []
-        try:
-            for frame in container.decode(stream):
-                for converted in resampler.resample(frame):
-                    chunks.append(converted.to_ndarray())
-            for converted in resampler.resample(None):
-                chunks.append(converted.to_ndarray())
-        except (av.error.FFmpegError, ValueError) as error:
-            raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: audio stream does not decode: {error}") from None
-        sample_rate = stream.codec_context.sample_rate or stream.rate
-    if not chunks or sum(chunk.shape[-1] for chunk in chunks) == 0:
-        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream decoded to no samples")
-    if not sample_rate:
-        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream has no sample rate")
-    waveform = torch.from_numpy(np.concatenate(chunks, axis=-1).astype(np.float32, copy=False))
-    source_channels = waveform.shape[0]
-    try:
-        stereo = to_stereo(waveform)
-    except ValueError as error:
-        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: {error}") from None
-    if duration is not None:
-        stereo = fit_duration(stereo, sample_rate, duration)
-    return ClipAudio(waveform=stereo.contiguous(), sample_rate=int(sample_rate), source_channels=source_channels)
-
-
-def to_stereo(waveform: torch.Tensor) -> torch.Tensor:
-    """``[channels, samples]`` -> ``[2, samples]``: mono duplicated, 5.1/7.1 folded down, stereo unchanged."""
-    channels = waveform.shape[0]
-    if channels == 2:
-        return waveform
-    if channels == 1:
-        return waveform.expand(2, -1).clone()
-    if channels in (6, 8):
-        front_left, front_right, center = waveform[0], waveform[1], waveform[2]
-        left = front_left + _CENTER_GAIN * center + _SURROUND_GAIN * waveform[4]
-        right = front_right + _CENTER_GAIN * center + _SURROUND_GAIN * waveform[5]
-        if channels == 8:
-            left = left + _SURROUND_GAIN * waveform[6]
-            right = right + _SURROUND_GAIN * waveform[7]
-        return torch.stack([left, right])
-    raise ValueError(f"{channels}-channel audio is not supported; expected mono, stereo, 5.1 or 7.1")
-
-
-def fit_duration(waveform: torch.Tensor, sample_rate: int, duration: float) -> torch.Tensor:
-    """Trim or zero-pad ``[channels, samples]`` to ``int(duration * sample_rate)`` samples (the trainer's rule)."""
-    if duration <= 0:
-        raise ValueError(f"duration must be > 0 seconds, got {duration}")
-    target = int(duration * sample_rate)
-    current = waveform.shape[-1]
-    if current > target:
-        return waveform[..., :target]
-    if current < target:
-        return torch.nn.functional.pad(waveform, (0, target - current))
-    return waveform
-
-
-def write_test_tone(
-    target: str | Path | io.BytesIO,
-    *,
-    seconds: float = 1.0,
-    sample_rate: int = 48000,
-    frequency: float = 440.0,
-    layout: str = "stereo",
-    codec: str = "aac",
-    container_format: str = "mp4",
-) -> np.ndarray:
-    """Write a sine tone as an audio-only file (AAC in MP4 by default) and return the samples written [channels, n]."""
-    import av
-
-    channels = av.AudioLayout(layout).nb_channels
-    count = int(seconds * sample_rate)
-    time = np.arange(count, dtype=np.float32) / sample_rate
-    tone = (0.5 * np.sin(2 * np.pi * frequency * time)).astype(np.float32)
-    samples = np.stack([tone * (1.0 - 0.1 * channel) for channel in range(channels)])
-    with av.open(target if isinstance(target, io.BytesIO) else str(target), mode="w", format=container_format) as out:
-        stream = out.add_stream(codec, rate=sample_rate, layout=layout)
-        frame_size = 1024
-        for start in range(0, count, frame_size):
-            frame = av.AudioFrame.from_ndarray(
-                np.ascontiguousarray(samples[:, start : start + frame_size]), format="fltp", layout=layout
-            )
-            frame.sample_rate = sample_rate
-            frame.pts = start
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
-    return samples
-
-
-def check_audio_backend(*, tolerance: float = 0.05) -> None:
-    """Sanity check: encode a 440 Hz AAC test tone in memory and decode it back through ``load_clip_audio``.
-
-    Raises ``RuntimeError`` naming what failed when the audio backend cannot
-    decode it (the trainer's failure mode: audio silently missing from a whole
-    run). Run it before an audio run starts.
-    """
-    buffer = io.BytesIO()
-    try:
-        written = write_test_tone(buffer, seconds=1.0)
-    except Exception as error:  # noqa: BLE001 - any encoder failure means the backend is unusable
-        raise RuntimeError(f"the audio backend (PyAV) cannot write an AAC test tone: {error}") from error
-    buffer.seek(0)
-    try:
-        decoded = load_clip_audio(buffer, key="audio-backend-test-tone")
-    except RejectError as error:
-        raise RuntimeError(
-            f"the audio backend (PyAV) cannot decode an AAC test tone ({error}); "
-            "audio latents would be missing from every clip: reinstall `av` and check `python -c 'import av'`"
-        ) from error
-    # AAC adds priming samples and loses a little; compare the tone's level, not sample by sample.
-    expected_rms = float(np.sqrt(np.mean(written[0] ** 2)))
-    got_rms = float(decoded.waveform[0].pow(2).mean().sqrt())
-    if decoded.sample_rate != 48000 or abs(got_rms - expected_rms) > tolerance * 10 * expected_rms:
-        raise RuntimeError(
-            f"the audio backend decoded the test tone wrongly: rate {decoded.sample_rate} Hz (expected 48000), "
-            f"RMS {got_rms:.4f} (expected {expected_rms:.4f})"
-        )
 
 
 # --------------------------------------------------------------------------- encoders
@@ -770,88 +582,3 @@ def _folder_identity(path: Path | None) -> dict[str, Any] | None:
     return {"name": path.name, "files": {str(p.relative_to(path)): p.stat().st_size for p in files}}
 
 
-# --------------------------------------------------------------------------- .precomputed records
-
-
-def video_latents_record(latents: torch.Tensor, *, fps: float) -> dict[str, Any]:
-    """``latents/`` and ``reference_latents/`` record: ``[C, F', H', W']`` bf16 plus the latent sizes and fps.
-
-    ``num_frames``/``height``/``width`` are the latent grid's sizes (the
-    trainer's ``encode_video`` takes them from the latents' shape); ``fps`` is the
-    frame rate of the encoded frames.
-    """
-    if latents.ndim != 4:
-        raise ValueError(f"latents must be [C, F', H', W'] (one clip), got shape {list(latents.shape)}")
-    _, frames, height, width = latents.shape
-    return {
-        "latents": latents.detach().to("cpu", VIDEO_LATENTS_DTYPE).clone().contiguous(),
-        "num_frames": int(frames),
-        "height": int(height),
-        "width": int(width),
-        "fps": float(fps),
-    }
-
-
-def audio_latents_record(audio: AudioLatents) -> dict[str, Any]:
-    """``audio_latents/`` and ``reference_audio_latents/`` record: ``[C, T, F]`` float32, T, F and seconds."""
-    latents = audio.latents
-    if latents.ndim != 3:
-        raise ValueError(f"audio latents must be [C, T, F] (one clip), got shape {list(latents.shape)}")
-    return {
-        "latents": latents.detach().to("cpu", AUDIO_LATENTS_DTYPE).clone().contiguous(),
-        "num_time_steps": int(latents.shape[1]),
-        "frequency_bins": int(latents.shape[2]),
-        "duration": float(audio.duration),
-    }
-
-
-def conditions_record(conditions: TextConditions) -> dict[str, Any]:
-    """``conditions/`` record: video and audio features ``[1024, D]`` bf16 and the left-padded mask ``[1024]`` int64.
-
-    A video-only checkpoint has no audio features; the record then has no
-    ``audio_prompt_embeds`` key, as the trainer writes it.
-    """
-    record = {
-        "video_prompt_embeds": conditions.video_prompt_embeds.detach().to("cpu", CONDITIONS_DTYPE).clone().contiguous(),
-        "prompt_attention_mask": conditions.prompt_attention_mask.detach().to("cpu", MASK_DTYPE).clone().contiguous(),
-    }
-    if conditions.audio_prompt_embeds is not None:
-        record["audio_prompt_embeds"] = (
-            conditions.audio_prompt_embeds.detach().to("cpu", CONDITIONS_DTYPE).clone().contiguous()
-        )
-    return record
-
-
-def apply_lora_trigger(caption: str, trigger: str | None) -> str:
-    """``--lora-trigger T``: the trainer prepends ``"T "`` (the trigger stripped, one space) to each caption."""
-    return f"{trigger.strip()} {caption}" if trigger else caption
-
-
-def precomputed_relative_path(media: str, metadata_dir: str | Path) -> PurePosixPath:
-    """Where a sample's records go under each ``.precomputed/<kind>/`` folder (A1 "Naming").
-
-    ``media`` is the metadata file's main media value (``video``, else
-    ``audio``, else ``caption`` column), resolved against the metadata file's
-    folder; the result is that path relative to the folder with the suffix
-    ``.pt``, subfolders kept. A path outside the folder (absolute, or climbing
-    out with ``..``) is mirrored from the filesystem root, without the root.
-    """
-    if not media or not media.strip():
-        raise ValueError("the media path is empty; every sample needs a video, audio or caption value")
-    base = Path(os.path.normpath(Path(metadata_dir).absolute()))
-    target = Path(os.path.normpath(base / media.strip()))
-    try:
-        relative = target.relative_to(base)
-    except ValueError:
-        relative = Path(*target.parts[1:])
-    if not relative.parts or relative.name in ("", "."):
-        raise ValueError(f"the media path {media!r} names the metadata folder itself, not a file")
-    return PurePosixPath(relative.with_suffix(PRECOMPUTED_SUFFIX).as_posix())
-
-
-def precomputed_path(output_root: str | Path, kind: str, relative: PurePosixPath) -> Path:
-    """``<output_root>/<kind>/<relative>``; ``output_root`` is the ``.precomputed`` folder the trainer is pointed at."""
-    kinds = (LATENTS_DIR, CONDITIONS_DIR, AUDIO_LATENTS_DIR, REFERENCE_LATENTS_DIR, REFERENCE_AUDIO_LATENTS_DIR)
-    if kind not in kinds:
-        raise ValueError(f"kind must be one of {', '.join(kinds)}, got {kind!r}")
-    return Path(output_root) / kind / Path(relative)

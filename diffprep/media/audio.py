@@ -1,0 +1,195 @@
+"""A clip's audio track as the LTX-2 trainer feeds it to its audio encoder, decoded with PyAV.
+
+Stereo float32 at the source rate (mono duplicated, 5.1/7.1 folded down),
+trimmed or zero-padded to the clip's duration; a clip that should have audio
+and has no audio stream, or whose audio does not decode, is a named reject.
+``check_audio_backend`` is the sanity check's test tone.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffprep.errors import RejectError
+
+
+# Reject reasons (counted in the audit).
+REJECT_NO_AUDIO_STREAM = "no_audio_stream"
+REJECT_AUDIO_DECODE_ERROR = "audio_decode_error"
+
+# ITU-R BS.775 fold-down of 5.1 / 7.1 to stereo (FFmpeg's default channel order:
+# FL FR FC LFE BL BR [SL SR]); the LFE channel is dropped.
+_CENTER_GAIN = 1.0 / math.sqrt(2.0)
+_SURROUND_GAIN = 1.0 / math.sqrt(2.0)
+
+
+# --------------------------------------------------------------------------- audio from a clip
+
+
+@dataclass(frozen=True)
+class ClipAudio:
+    """A clip's audio track as the trainer feeds it to the encoder: stereo float32 at the source rate."""
+
+    waveform: torch.Tensor  # [2, samples], float32
+    sample_rate: int
+    source_channels: int
+
+    @property
+    def duration(self) -> float:
+        return self.waveform.shape[-1] / self.sample_rate
+
+
+def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None = None, key: str = "") -> ClipAudio:
+    """Decode a clip's audio with PyAV (FFmpeg's best audio stream): stereo, at its own rate, fitted to ``duration``.
+
+    Channels: mono is duplicated, stereo kept, 5.1 and 7.1 folded down to stereo
+    (ITU-R BS.775, LFE dropped); other layouts are a decode error. ``duration``
+    (seconds; the trainer uses frames / fps of the encoded video) trims the
+    waveform to ``int(duration * rate)`` samples or pads it with zeros, as the
+    trainer does. Resampling to the checkpoint's rate is left to ltx-core's
+    ``AudioProcessor``, as in the trainer.
+
+    Raises ``RejectError`` ``no_audio_stream`` when the file has no audio stream
+    and ``audio_decode_error`` when it has one that does not decode; ``key``
+    names the sample in the message.
+    """
+    import av
+
+    name = key or str(source)
+    try:
+        container = av.open(source if isinstance(source, io.BytesIO) else str(source))
+    except (av.error.FFmpegError, OSError) as error:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: cannot open the file: {error}") from None
+    with container:
+        if not container.streams.audio:
+            raise RejectError(REJECT_NO_AUDIO_STREAM, f"{name} has no audio stream")
+        # FFmpeg's own choice among several audio streams (av_find_best_stream), as torchaudio.load makes it.
+        stream = container.streams.best("audio")
+        # Planar float32 at the stream's own rate and layout: one row per channel.
+        resampler = av.AudioResampler(format="fltp")
+        chunks: list[np.ndarray] = []
+        try:
+            for frame in container.decode(stream):
+                for converted in resampler.resample(frame):
+                    chunks.append(converted.to_ndarray())
+            for converted in resampler.resample(None):
+                chunks.append(converted.to_ndarray())
+        except (av.error.FFmpegError, ValueError) as error:
+            raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: audio stream does not decode: {error}") from None
+        sample_rate = stream.codec_context.sample_rate or stream.rate
+    if not chunks or sum(chunk.shape[-1] for chunk in chunks) == 0:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream decoded to no samples")
+    if not sample_rate:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream has no sample rate")
+    waveform = torch.from_numpy(np.concatenate(chunks, axis=-1).astype(np.float32, copy=False))
+    source_channels = waveform.shape[0]
+    try:
+        stereo = to_stereo(waveform)
+    except ValueError as error:
+        raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: {error}") from None
+    if duration is not None:
+        stereo = fit_duration(stereo, sample_rate, duration)
+    return ClipAudio(waveform=stereo.contiguous(), sample_rate=int(sample_rate), source_channels=source_channels)
+
+
+def to_stereo(waveform: torch.Tensor) -> torch.Tensor:
+    """``[channels, samples]`` -> ``[2, samples]``: mono duplicated, 5.1/7.1 folded down, stereo unchanged."""
+    channels = waveform.shape[0]
+    if channels == 2:
+        return waveform
+    if channels == 1:
+        return waveform.expand(2, -1).clone()
+    if channels in (6, 8):
+        front_left, front_right, center = waveform[0], waveform[1], waveform[2]
+        left = front_left + _CENTER_GAIN * center + _SURROUND_GAIN * waveform[4]
+        right = front_right + _CENTER_GAIN * center + _SURROUND_GAIN * waveform[5]
+        if channels == 8:
+            left = left + _SURROUND_GAIN * waveform[6]
+            right = right + _SURROUND_GAIN * waveform[7]
+        return torch.stack([left, right])
+    raise ValueError(f"{channels}-channel audio is not supported; expected mono, stereo, 5.1 or 7.1")
+
+
+def fit_duration(waveform: torch.Tensor, sample_rate: int, duration: float) -> torch.Tensor:
+    """Trim or zero-pad ``[channels, samples]`` to ``int(duration * sample_rate)`` samples (the trainer's rule)."""
+    if duration <= 0:
+        raise ValueError(f"duration must be > 0 seconds, got {duration}")
+    target = int(duration * sample_rate)
+    current = waveform.shape[-1]
+    if current > target:
+        return waveform[..., :target]
+    if current < target:
+        return torch.nn.functional.pad(waveform, (0, target - current))
+    return waveform
+
+
+def write_test_tone(
+    target: str | Path | io.BytesIO,
+    *,
+    seconds: float = 1.0,
+    sample_rate: int = 48000,
+    frequency: float = 440.0,
+    layout: str = "stereo",
+    codec: str = "aac",
+    container_format: str = "mp4",
+) -> np.ndarray:
+    """Write a sine tone as an audio-only file (AAC in MP4 by default) and return the samples written [channels, n]."""
+    import av
+
+    channels = av.AudioLayout(layout).nb_channels
+    count = int(seconds * sample_rate)
+    time = np.arange(count, dtype=np.float32) / sample_rate
+    tone = (0.5 * np.sin(2 * np.pi * frequency * time)).astype(np.float32)
+    samples = np.stack([tone * (1.0 - 0.1 * channel) for channel in range(channels)])
+    with av.open(target if isinstance(target, io.BytesIO) else str(target), mode="w", format=container_format) as out:
+        stream = out.add_stream(codec, rate=sample_rate, layout=layout)
+        frame_size = 1024
+        for start in range(0, count, frame_size):
+            frame = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(samples[:, start : start + frame_size]), format="fltp", layout=layout
+            )
+            frame.sample_rate = sample_rate
+            frame.pts = start
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return samples
+
+
+def check_audio_backend(*, tolerance: float = 0.05) -> None:
+    """Sanity check: encode a 440 Hz AAC test tone in memory and decode it back through ``load_clip_audio``.
+
+    Raises ``RuntimeError`` naming what failed when the audio backend cannot
+    decode it (the trainer's failure mode: audio silently missing from a whole
+    run). Run it before an audio run starts.
+    """
+    buffer = io.BytesIO()
+    try:
+        written = write_test_tone(buffer, seconds=1.0)
+    except Exception as error:  # noqa: BLE001 - any encoder failure means the backend is unusable
+        raise RuntimeError(f"the audio backend (PyAV) cannot write an AAC test tone: {error}") from error
+    buffer.seek(0)
+    try:
+        decoded = load_clip_audio(buffer, key="audio-backend-test-tone")
+    except RejectError as error:
+        raise RuntimeError(
+            f"the audio backend (PyAV) cannot decode an AAC test tone ({error}); "
+            "audio latents would be missing from every clip: reinstall `av` and check `python -c 'import av'`"
+        ) from error
+    # AAC adds priming samples and loses a little; compare the tone's level, not sample by sample.
+    expected_rms = float(np.sqrt(np.mean(written[0] ** 2)))
+    got_rms = float(decoded.waveform[0].pow(2).mean().sqrt())
+    if decoded.sample_rate != 48000 or abs(got_rms - expected_rms) > tolerance * 10 * expected_rms:
+        raise RuntimeError(
+            f"the audio backend decoded the test tone wrongly: rate {decoded.sample_rate} Hz (expected 48000), "
+            f"RMS {got_rms:.4f} (expected {expected_rms:.4f})"
+        )
+
+
