@@ -159,7 +159,7 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
     manifests = output.state.manifests()
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
-    committed, damaged = output.unit_status(plan.fingerprint)
+    committed, damaged = output.unit_status(plan.fingerprint, manifests)
     done = sorted(u for u in committed if u in planned)
     damaged = sorted(u for u in damaged if u in planned)
     left = [u.unit for u in plan.units if u.unit not in committed and u.unit not in damaged]

@@ -88,7 +88,7 @@ def fan_out(settings: Settings, output: Output, plan: Plan, units: list[int], pr
     with get_client(sync_client=True) as client:
         while True:
             states = [client.read_flow_run(run.id).state for run in runs]
-            committed = wanted & set(output.state.manifests())
+            committed = wanted & output.state.manifest_units()
             if len(committed) != progress.done:
                 progress.done = len(committed)
                 progress.update()
@@ -125,11 +125,11 @@ def ranks(settings: Settings, output: Output, plan: Plan, units: list[int], prog
     reported = set(mine)
     while True:
         finished = met.wait(FAN_OUT_POLL_SECONDS / 5)
-        for unit, manifest in sorted(output.state.manifests().items()):
-            if unit in units and unit not in reported:
-                reported.add(unit)
-                progress.unit_done({"unit": unit, "count": manifest.count, "rejected": len(manifest.rejects),
-                                    "seconds": 0.0, "worker": f"rank {unit % group.ranks.world_size}"})
+        for unit in sorted((output.state.manifest_units() & set(units)) - reported):  # only new manifests are read
+            manifest = output.state.manifest(unit)
+            reported.add(unit)
+            progress.unit_done({"unit": unit, "count": manifest.count, "rejected": len(manifest.rejects),
+                                "seconds": 0.0, "worker": f"rank {unit % group.ranks.world_size}"})
         if finished:
             break
     if failure:

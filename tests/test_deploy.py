@@ -25,6 +25,7 @@ import diffprep.flows.validate  # noqa: F401
 from diffprep.config import EncodeParameters
 from diffprep.demo import write_demo_dataset
 from diffprep.validate import validate_dataset
+from prefect_cli import Process, run, wait_for_state
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -37,49 +38,14 @@ pytestmark = pytest.mark.slow
 
 
 def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> str:
-    """Run a command to completion; fail the test with its output when it fails."""
-    done = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{' '.join(args)} exited with {done.returncode}:\n{output[-4000:]}"
-    return output
+    """Run a command to completion (failing the test with its output when it fails); its output."""
+    done = run(args, env, cwd, timeout=timeout)
+    return done.stdout + done.stderr
 
 
-class _Process:
-    """A background command whose output goes to a file; stopped by its pid."""
-
-    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, log: Path) -> None:
-        self.log = log
-        self._file = log.open("wb")
-        self.popen = subprocess.Popen(args, env=env, cwd=cwd, stdout=self._file, stderr=subprocess.STDOUT)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=30)
-        self._file.close()
-
-
-def _wait_final(flow_run_id: UUID, seconds: float, process: _Process):
+def _wait_final(flow_run_id: UUID, seconds: float, process: Process):
     """The flow run once its state is final; fails after ``seconds`` with the state and the process's output."""
-    from prefect.client.orchestration import get_client
-
-    deadline = time.monotonic() + seconds
-    with get_client(sync_client=True) as client:
-        while True:
-            run = client.read_flow_run(flow_run_id)
-            if run.state is not None and run.state.is_final():
-                return run
-            if time.monotonic() > deadline:
-                pytest.fail(f"flow run {flow_run_id} still {run.state} after {seconds} s; "
-                            f"{process.popen.args[0]} output:\n{process.tail()}")
-            time.sleep(1)
+    return wait_for_state(flow_run_id, lambda state: state.is_final(), seconds, process)
 
 
 def _logs(flow_run_id: UUID) -> list:
@@ -152,7 +118,7 @@ def encoded(deployed, cli_env, tiny_model, tmp_path_factory) -> Encoded:
         "auth": {"hf_credentials_block": "hf-test"},
     }})
     # The worker runs from elsewhere: the deployment's pull step changes into the checkout.
-    worker = _Process(["prefect", "worker", "start", "--pool", POOL, "--run-once"], cli_env, root,
+    worker = Process(["prefect", "worker", "start", "--pool", POOL, "--run-once"], cli_env, root,
                       root / "worker.log")
     try:
         finished = _wait_final(run.id, 240, worker)
@@ -246,7 +212,7 @@ def test_diffprep_serve_runs_validate_dataset(encoded, cli_env, tmp_path):
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
-    serve = _Process(["diffprep", "serve"], cli_env, tmp_path, tmp_path / "serve.log")
+    serve = Process(["diffprep", "serve"], cli_env, tmp_path, tmp_path / "serve.log")
     try:
         deadline = time.monotonic() + 90
         with get_client(sync_client=True) as client:

@@ -98,9 +98,12 @@ class Output:
         """Whether the shard a manifest records is there as written (size; the hash is checked by validate)."""
         return self.size(manifest.shard) == manifest.bytes
 
-    def unit_status(self, fingerprint: str) -> tuple[dict[int, UnitManifest], list[int]]:
-        """(committed units of ``fingerprint`` by unit, units of it whose manifest's shard is missing or changed)."""
-        candidates = [m for m in self.state.manifests().values() if m.fingerprint == fingerprint]
+    def unit_status(self, fingerprint: str, manifests: dict[int, UnitManifest] | None = None,
+                    ) -> tuple[dict[int, UnitManifest], list[int]]:
+        """(committed units of ``fingerprint`` by unit, units of it whose manifest's shard is missing or changed);
+        ``manifests``: the state's, when the caller has just read them."""
+        manifests = self.state.manifests() if manifests is None else manifests
+        candidates = [m for m in manifests.values() if m.fingerprint == fingerprint]
         intact = self._check_shards(candidates)
         return ({m.unit: m for m, ok in zip(candidates, intact) if ok},
                 [m.unit for m, ok in zip(candidates, intact) if not ok])

@@ -66,6 +66,13 @@ class StateStore:
         self.output.sync_manifests()
         return read_manifests(self.output.local)
 
+    def manifest_units(self) -> set[int]:
+        """The units that have a manifest, from the file names alone (cheap enough to poll)."""
+        self.output.sync_manifests()
+        folder = self.root / contract.UNITS_DIR
+        names = (p.name.removesuffix(".json") for p in folder.glob("*.json")) if folder.is_dir() else ()
+        return {int(name) for name in names if name.isdigit()}
+
     def manifest(self, unit: int) -> UnitManifest | None:
         return read_manifest(self.output.local, unit)
 
