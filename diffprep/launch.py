@@ -6,7 +6,7 @@ job (the Prefect flow: plan, questions, sanity, audit, finalize, validate);
 when it has decided where the output goes and which units to encode, it
 broadcasts that decision, and every rank encodes the units ``u % N == rank``.
 Rank 0 follows the others' units as their manifests land, then all meet at a
-barrier and rank 0 audits and finalizes. A rank that dies makes the launcher
+barrier and rank 0 audits and finalizes; the ranks leave the group together. A rank that dies makes the launcher
 stop the others (torchrun's default; ``srun --kill-on-bad-exit``); a re-run
 with any number of ranks finishes the rest, byte-identically (units are
 independent and idempotent).
@@ -117,9 +117,15 @@ class Group:
         self._dist.barrier()
 
     def close(self) -> None:
-        """Rank 0 tells ranks still waiting that nothing will come, then the group ends."""
+        """Rank 0 tells ranks still waiting that nothing will come; then the ranks end the group together.
+
+        The last barrier keeps every rank in the group until rank 0 has
+        audited and finalized: a rank tearing its gloo connections down while
+        a peer still holds them can abort the process at exit.
+        """
         if self.ranks.rank == 0 and not self.sent:
             self.broadcast(STOP)
+        self._dist.barrier()
         self._dist.destroy_process_group()
 
 
