@@ -6,6 +6,7 @@ import getpass
 import json
 import os
 import socket
+import signal
 import sys
 import subprocess
 from pathlib import Path
@@ -334,6 +335,35 @@ def test_lock_of_a_killed_run_is_taken_over(tmp_path: Path, lock_holder) -> None
     assert (holder.host, holder.pid) == (socket.gethostname(), os.getpid())
     lock.release()
     assert not lock.path.exists()
+
+
+HOLD_LOCK_AND_FORK = """
+import os, sys, time
+from diffprep.output import OutputLock
+OutputLock(sys.argv[1], run="flow-run-abc").acquire()
+child = os.fork()
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_child_outliving_a_killed_run_does_not_hold_its_lock(tmp_path: Path) -> None:
+    """Energon's indexing pool and data loader workers are forked; one that outlives a killed run must not
+    keep the output locked (seen in CI: a re-run refused while an orphaned worker lived)."""
+    run = subprocess.Popen([sys.executable, "-c", HOLD_LOCK_AND_FORK, str(tmp_path)], stdout=subprocess.PIPE,
+                           text=True)
+    child = int(run.stdout.readline())
+    try:
+        run.kill()
+        run.wait()
+        os.kill(child, 0)  # the orphan still lives
+        with OutputLock(tmp_path) as lock:
+            assert lock.holder().pid == os.getpid()
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_a_lock_file_nobody_holds_is_free(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ excludes every shard run and the other way round; shard runs share an output.
 
 - ``OutputLock`` (a folder): the kernel releases an ``flock`` when its process
   dies, so a crashed run never leaves a lock behind; the file's content only
-  names the holder.
+  names the holder. A forked child (Energon's indexing pool, a data loader's
+  workers) closes its copy of the descriptor at once, so a child that outlives
+  a killed run cannot keep holding the lock.
 - ``S3Lock`` (a bucket prefix): a lock object created with a conditional PUT
   (``If-None-Match: *``) and kept alive by a heartbeat; a holder silent for
   ``lease_s`` (by the store's own clock), or whose process on this machine is
@@ -96,6 +98,21 @@ def locked_error(where: str, holder: LockRecord | None, *, kind: str = "another 
 
 LOCAL_THEN = "its lock goes away with its process."
 
+_HELD_FDS: set[int] = set()  # this process's flock-ed lock descriptors
+
+
+def _close_in_child() -> None:
+    """After ``fork``: drop the child's copies; the lock stays with the parent's descriptor."""
+    for fd in _HELD_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
 
 def _held(path: Path) -> bool:
     """Whether some process holds the flock on ``path`` (tried without waiting, released at once)."""
@@ -150,6 +167,7 @@ class OutputLock:
             os.write(fd, self.me.to_bytes())
             os.fsync(fd)
             self._fd = fd
+            _HELD_FDS.add(fd)
             conflict = self._conflict()
             if conflict is not None:
                 self.release()
@@ -181,6 +199,7 @@ class OutputLock:
         if self._fd is None:
             return
         self.path.unlink(missing_ok=True)  # before unlocking: a waiting run then sees a fresh file
+        _HELD_FDS.discard(self._fd)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
