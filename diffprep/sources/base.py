@@ -30,6 +30,12 @@ class SourceSample:
     image: bytes | None  # the encoded image file bytes (jpeg/png/webp...), None when absent
     caption: str | None  # decoded caption text, None when absent/undecodable
     reject: RejectError | None = None  # set when the source itself cannot give a usable sample
+    video: bytes | None = None  # the encoded clip file bytes (mp4/webm/mov/mkv...) of a video sample
+
+    @property
+    def media(self) -> bytes | None:
+        """The sample's file bytes: the clip of a video sample, else the image."""
+        return self.video if self.video is not None else self.image
 
 
 @runtime_checkable
