@@ -13,6 +13,7 @@ and a list of captions yields its first element. An empty caption is kept.
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,23 @@ from diffprep.errors import RejectError
 
 READ_PHASE = "read"
 _UTF8_BOM = b"\xef\xbb\xbf"
+
+# File name extensions (lower case, with the dot) that make a file an image or a clip, in every source
+# that goes by file names; a name's extension matches in any letter case.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
+VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mov", ".mkv"})
+
+
+def is_image_name(name: str) -> bool:
+    return _extension(name) in IMAGE_EXTENSIONS
+
+
+def is_video_name(name: str) -> bool:
+    return _extension(name) in VIDEO_EXTENSIONS
+
+
+def _extension(name: str) -> str:
+    return posixpath.splitext(name)[1].lower()
 
 
 @dataclass(frozen=True)
@@ -58,8 +76,8 @@ def reject(reason: str, detail: str) -> RejectError:
 
 
 def rejected(source_id: str, reason: str, detail: str, *, image: bytes | None = None,
-             caption: str | None = None) -> SourceSample:
-    return SourceSample(source_id, image, caption, reject(reason, detail))
+             caption: str | None = None, video: bytes | None = None) -> SourceSample:
+    return SourceSample(source_id, image, caption, reject(reason, detail), video=video)
 
 
 # --- ids -------------------------------------------------------------------

@@ -1,29 +1,38 @@
-"""A folder of images with one caption file per image, on disk or under an ``s3://bucket/prefix``.
+"""A folder of images and/or clips with one caption file per sample, on disk or under an ``s3://bucket/prefix``.
 
 Layout::
 
     <input_dir>/images/<relpath>/<stem>.<ext>     ext: jpg jpeg png webp, any letter case
+    <input_dir>/videos/<relpath>/<stem>.<ext>     ext: mp4 webm mov mkv, any letter case
     <input_dir>/captions/<relpath>/<stem>.txt     UTF-8 (a BOM is dropped), whitespace stripped
 
-Sub-folders under ``images/`` are mirrored under ``captions/``. The id of a
-sample is its image path relative to ``images/`` with forward slashes
-(``sub/cat.JPG``). Two images with the same stem and different extensions
-(``a.jpg`` and ``a.png``) are two samples, both captioned by ``a.txt``.
-A caption with no image of its stem is listed as ``caption-only:<relpath>.txt``
-and read as a ``missing_image`` reject; an image without a caption file is a
-``missing_caption`` reject. An empty caption file is a valid empty caption.
+A dataset holds ``images/``, ``videos/`` or both, and ``captions/``. Sub-folders
+under ``images/`` and ``videos/`` are mirrored under ``captions/``. The id of a
+sample is its file's path relative to ``images/`` or ``videos/`` with forward
+slashes (``sub/cat.JPG``, ``clips/walk.mp4``): an image id ends in an image
+extension and a clip id in a video extension, so the two never collide, and
+image ids are what they were before clips were read. Files with the same stem
+and different extensions (``a.jpg``, ``a.png``, ``a.mp4``) are separate
+samples, all captioned by ``a.txt``; a clip sample carries the file bytes in
+``SourceSample.video``. A caption with neither an image nor a clip of its stem
+is listed as ``caption-only:<relpath>.txt`` and read as a ``missing_image``
+reject (its detail names both folders); an image or clip without a caption file
+is a ``missing_caption`` reject. An empty caption file is a valid empty caption.
 
 Ids are listed in bytewise order of the id, walking one directory at a time:
 each directory's entries are sorted (sub-folders as ``name/``), which gives the
-global order without collecting the whole tree. Other files (``.gif``,
-``notes.md``...) are not samples and are ignored, and so are symlinked
-sub-folders (they could loop) and dangling symlinks; symlinked files are read.
+global order without collecting the whole tree; the image, clip and
+caption-only streams are each in that order and merged lazily. Other files
+(``.gif``, ``notes.md``...) are not samples and are ignored, and so are
+symlinked sub-folders (they could loop) and dangling symlinks; symlinked files
+are read.
 
 In a bucket the same files give the same ids; they come in the store's key
 order, which is the same order unless a key holds ``%`` or a control
-character. A bucket has no folders: ``images/`` and ``captions/`` must each
-hold at least one object. Listing costs two listings of ``images/`` and one
-of ``captions/`` (1000 keys a request), whatever the number of sub-folders.
+character. A bucket has no folders: ``captions/`` must hold at least one
+object, and so must ``images/`` or ``videos/``. Listing costs two listings of
+``images/``, two of ``videos/`` (each only when it holds objects) and one of
+``captions/`` (1000 keys a request), whatever the number of sub-folders.
 """
 
 from __future__ import annotations
@@ -35,9 +44,13 @@ from collections.abc import Iterator, Sequence
 
 from diffprep.errors import RejectError, SourceError
 from diffprep.sources.base import (
+    IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
     SourceSample,
     decode_caption_bytes,
     escape_id,
+    is_video_name,
+    reject,
     rejected,
     unescape_id,
 )
@@ -53,15 +66,24 @@ from diffprep.storage import (
     s3_client,
 )
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
 CAPTION_EXTENSION = ".txt"
 IMAGES_DIR = "images"
+VIDEOS_DIR = "videos"
 CAPTIONS_DIR = "captions"
 CAPTION_ONLY_PREFIX = "caption-only:"
+# The media folders and the file extensions each one's samples have.
+MEDIA_EXTENSIONS = {IMAGES_DIR: IMAGE_EXTENSIONS, VIDEOS_DIR: VIDEO_EXTENSIONS}
+_LAYOUT_HINT = ("a directory source needs images/<name>.jpg|png|webp and/or videos/<name>.mp4|webm|mov|mkv, "
+                "with captions/<name>.txt side by side")
 
 
-def _is_image_name(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+def _is_media_name(name: str, sub: str) -> bool:
+    return os.path.splitext(name)[1].lower() in MEDIA_EXTENSIONS[sub]
+
+
+def _media_folder(rel: str) -> str:
+    """The folder an id (or its unescaped path) lies in: ``videos/`` for a clip name, ``images/`` otherwise."""
+    return VIDEOS_DIR if is_video_name(rel) else IMAGES_DIR
 
 
 def _walk_files(top: str, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -87,25 +109,23 @@ def _walk_files(top: str, prefix: str = "") -> Iterator[tuple[str, str]]:
 
 
 class _LocalFolder:
-    """``images/`` and ``captions/`` on disk."""
+    """``images/``, ``videos/`` and ``captions/`` on disk."""
 
     def __init__(self, input_dir: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(input_dir))
-        self.images_root = os.path.join(self.root, IMAGES_DIR)
         self.captions_root = os.path.join(self.root, CAPTIONS_DIR)
         if not os.path.isdir(self.root):
             raise SourceError(f"source.input_dir {input_dir!r} is not a folder (resolved to {self.root})")
-        for sub in (self.images_root, self.captions_root):
-            if not os.path.isdir(sub):
-                raise SourceError(
-                    f"source.input_dir {self.root} has no {os.path.basename(sub)}/ folder; a directory source "
-                    f"needs images/<name>.jpg|png|webp and captions/<name>.txt side by side"
-                )
+        self.media = [sub for sub in MEDIA_EXTENSIONS if os.path.isdir(os.path.join(self.root, sub))]
+        if not self.media:
+            raise SourceError(f"source.input_dir {self.root} has no images/ or videos/ folder; {_LAYOUT_HINT}")
+        if not os.path.isdir(self.captions_root):
+            raise SourceError(f"source.input_dir {self.root} has no captions/ folder; {_LAYOUT_HINT}")
         self.extra: dict = {}
 
-    def image_ids(self) -> Iterator[str]:
-        for rel, name in _walk_files(self.images_root):
-            if _is_image_name(name):
+    def media_ids(self, sub: str) -> Iterator[str]:
+        for rel, name in _walk_files(os.path.join(self.root, sub)):
+            if _is_media_name(name, sub):
                 yield rel
 
     def caption_only_ids(self) -> Iterator[str]:
@@ -116,21 +136,22 @@ class _LocalFolder:
                 continue
             reldir = rel.rpartition("/")[0]
             if reldir not in stems_by_dir:
-                stems_by_dir[reldir] = self._image_stems(reldir)
+                stems_by_dir[reldir] = self._media_stems(reldir)
                 if len(stems_by_dir) > 64:  # a folder's files can be split by its sub-folders; keep a few
                     stems_by_dir.popitem(last=False)
             if stem not in stems_by_dir[reldir]:
                 yield CAPTION_ONLY_PREFIX + rel
 
-    def _image_stems(self, escaped_reldir: str) -> frozenset[str]:
-        folder = os.path.join(self.images_root, unescape_id(escaped_reldir))
-        try:
-            with os.scandir(folder) as it:
-                return frozenset(
-                    os.path.splitext(e.name)[0] for e in it if _is_image_name(e.name) and e.is_file()
-                )
-        except (FileNotFoundError, NotADirectoryError):
-            return frozenset()
+    def _media_stems(self, escaped_reldir: str) -> frozenset[str]:
+        stems: set[str] = set()
+        for sub in self.media:
+            folder = os.path.join(self.root, sub, unescape_id(escaped_reldir))
+            try:
+                with os.scandir(folder) as it:
+                    stems.update(os.path.splitext(e.name)[0] for e in it if _is_media_name(e.name, sub) and e.is_file())
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return frozenset(stems)
 
     def where(self, sub: str, rel: str) -> str:
         if any(part in ("", ".", "..") for part in rel.split("/")):
@@ -145,16 +166,23 @@ class _LocalFolder:
             return f.read()
 
 
-class _S3Folder:
-    """``images/`` and ``captions/`` under an ``s3://`` prefix.
+def _extension_range(extensions: frozenset[str]) -> tuple[str, str]:
+    """Bounds of every letter-case spelling of ``extensions`` (without dots): (just below the least, the greatest)."""
+    least = min(ext[1:].upper() for ext in extensions)
+    return least[:-1], max(ext[1:].lower() for ext in extensions)
 
-    Both listings come in key order, and a caption ``<stem>.txt`` sorts where
-    the images ``<stem>.<ext>`` do, so one forward walk over a second image
-    listing finds each caption's image with nothing held in memory. The one
-    exception, a stem that is another stem plus a dot (``a`` and ``a.b``), can
-    make the walk step past an image: a caption it finds no image for is
-    checked by a listing of ``images/<stem>.`` (rare: only captions without an
-    image, or with such stems, cost that request).
+
+class _S3Folder:
+    """``images/``, ``videos/`` and ``captions/`` under an ``s3://`` prefix.
+
+    The listings come in key order, and a caption ``<stem>.txt`` sorts where
+    the media files ``<stem>.<ext>`` do, so one forward walk over a second
+    listing of the media folders finds each caption's image or clip with
+    nothing held in memory. The one exception, a stem that is another stem plus
+    a dot (``a`` and ``a.b``), can make the walk step past a file: a caption it
+    finds no media file for is checked by a listing of ``images/<stem>.`` and
+    ``videos/<stem>.`` (rare: only captions without media, or with such stems,
+    cost those requests).
     """
 
     def __init__(self, input_dir: str, endpoint_url: str | None, profile: str | None) -> None:
@@ -162,68 +190,76 @@ class _S3Folder:
         self._client = s3_client(endpoint_url, profile)
         top = S3Url(url.bucket, url.key.rstrip("/"))
         self.root = str(top).rstrip("/")
-        self._images = top.join(IMAGES_DIR + "/")
-        self._captions = top.join(CAPTIONS_DIR + "/")
-        for folder in (self._images, self._captions):
-            if not has_objects(self._client, folder):
-                raise SourceError(
-                    f"source.input_dir {self.root} has no object under {folder}; a directory source needs "
-                    f"images/<name>.jpg|png|webp and captions/<name>.txt side by side"
-                )
+        self._folders = {sub: top.join(sub + "/") for sub in (*MEDIA_EXTENSIONS, CAPTIONS_DIR)}
+        if not has_objects(self._client, self._folders[CAPTIONS_DIR]):
+            raise SourceError(
+                f"source.input_dir {self.root} has no object under {self._folders[CAPTIONS_DIR]}; {_LAYOUT_HINT}"
+            )
+        self.media = [sub for sub in MEDIA_EXTENSIONS if has_objects(self._client, self._folders[sub])]
+        if not self.media:
+            raise SourceError(
+                f"source.input_dir {self.root} has no object under {self._folders[IMAGES_DIR]} or "
+                f"{self._folders[VIDEOS_DIR]}; {_LAYOUT_HINT}"
+            )
         self.extra = {"s3_endpoint_url": endpoint_url, "s3_profile": profile}
 
-    def _image_rels(self) -> Iterator[str]:
-        start = len(self._images.key)
-        for info in list_objects(self._client, self._images):
+    def _media_rels(self, sub: str) -> Iterator[str]:
+        folder = self._folders[sub]
+        start = len(folder.key)
+        for info in list_objects(self._client, folder):
             rel = info.key[start:]
-            if _is_image_name(rel):
+            if _is_media_name(rel, sub):
                 yield rel
 
-    def image_ids(self) -> Iterator[str]:
-        return (escape_id(rel) for rel in self._image_rels())
+    def media_ids(self, sub: str) -> Iterator[str]:
+        if sub not in self.media:
+            return iter(())
+        return (escape_id(rel) for rel in self._media_rels(sub))
 
     def caption_only_ids(self) -> Iterator[str]:
-        images = (os.path.splitext(rel)[0] + "." for rel in self._image_rels())
-        image = next(images, None)
-        start = len(self._captions.key)
-        for info in list_objects(self._client, self._captions):
+        media = heapq.merge(*((os.path.splitext(rel)[0] + "." for rel in self._media_rels(sub)) for sub in self.media))
+        current = next(media, None)
+        folder = self._folders[CAPTIONS_DIR]
+        start = len(folder.key)
+        for info in list_objects(self._client, folder):
             rel = info.key[start:]
             stem, ext = os.path.splitext(rel)
             if ext != CAPTION_EXTENSION:
                 continue
             target = stem + "."
-            while image is not None and image < target:
-                image = next(images, None)
-            if image != target and not self._has_image(stem):
+            while current is not None and current < target:
+                current = next(media, None)
+            if current != target and not self._has_media(stem):
                 yield CAPTION_ONLY_PREFIX + escape_id(rel)
 
-    def _has_image(self, stem: str) -> bool:
-        prefix = self._images.join(stem + ".")
-        # Image names sort between "<stem>.JPEG" and "<stem>.webp" (the largest, in any letter case).
-        last = prefix.key + "webp"
-        for info in list_objects(self._client, prefix, start_after=prefix.key + "JPE"):
+    def _has_media(self, stem: str) -> bool:
+        return any(self._has_media_in(sub, stem) for sub in self.media)
+
+    def _has_media_in(self, sub: str, stem: str) -> bool:
+        prefix = self._folders[sub].join(stem + ".")
+        # The names sort between every letter-case spelling of the folder's extensions.
+        below, greatest = _extension_range(MEDIA_EXTENSIONS[sub])
+        last = prefix.key + greatest
+        for info in list_objects(self._client, prefix, start_after=prefix.key + below):
             if info.key > last:
                 return False
             ext = info.key[len(prefix.key):]
-            if "/" not in ext and "." not in ext and "." + ext.lower() in IMAGE_EXTENSIONS:
+            if "/" not in ext and "." not in ext and "." + ext.lower() in MEDIA_EXTENSIONS[sub]:
                 return True
         return False
 
     def where(self, sub: str, rel: str) -> str:
-        return str(self._url(sub, rel))
-
-    def _url(self, sub: str, rel: str) -> S3Url:
-        return (self._images if sub == IMAGES_DIR else self._captions).join(rel)
+        return str(self._folders[sub].join(rel))
 
     def exists(self, sub: str, rel: str) -> bool:
-        return object_exists(self._client, self._url(sub, rel))
+        return object_exists(self._client, self._folders[sub].join(rel))
 
     def read_bytes(self, sub: str, rel: str) -> bytes:
-        return read_object(self._client, self._url(sub, rel))
+        return read_object(self._client, self._folders[sub].join(rel))
 
 
 class DirectorySource:
-    """Reads ``images/`` + ``captions/`` paired by file stem, on disk or in a bucket (see the module docstring)."""
+    """Reads ``images/`` and ``videos/`` + ``captions/`` paired by file stem, on disk or in a bucket (see the module docstring)."""
 
     def __init__(self, input_dir: str, *, s3_endpoint_url: str | None = None, s3_profile: str | None = None) -> None:
         if is_s3_url(input_dir):
@@ -236,15 +272,15 @@ class DirectorySource:
         return {"type": "directory", "input_dir": self.root} | self._folder.extra
 
     def list_ids(self) -> Iterator[str]:
-        # Both streams are in order, so the merge is lazy.
-        return heapq.merge(self._folder.image_ids(), self._folder.caption_only_ids())
+        # Every stream is in order, so the merge is lazy.
+        return heapq.merge(*(self._folder.media_ids(sub) for sub in MEDIA_EXTENSIONS), self._folder.caption_only_ids())
 
     def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
         for source_id in ids:
             if source_id.startswith(CAPTION_ONLY_PREFIX):
                 yield self._read_caption_only(source_id)
             else:
-                yield self._read_image(source_id)
+                yield self._read_media(source_id)
 
     def _read_caption_only(self, source_id: str) -> SourceSample:
         rel = unescape_id(source_id[len(CAPTION_ONLY_PREFIX):])
@@ -255,20 +291,28 @@ class DirectorySource:
         return rejected(
             source_id,
             "missing_image",
-            f"{caption_path} has no image {IMAGES_DIR}/{stem}.{{jpg,jpeg,png,webp}}",
+            f"{caption_path} has no image {IMAGES_DIR}/{stem}.{{jpg,jpeg,png,webp}} and no clip "
+            f"{VIDEOS_DIR}/{stem}.{{mp4,webm,mov,mkv}}",
         )
 
-    def _read_image(self, source_id: str) -> SourceSample:
+    def _read_media(self, source_id: str) -> SourceSample:
         rel = unescape_id(source_id)
-        image_path = self._folder.where(IMAGES_DIR, rel)
+        sub = _media_folder(rel)
+        media_path = self._folder.where(sub, rel)
+
+        def sample(media: bytes, caption: str | None, error: RejectError | None = None) -> SourceSample:
+            if sub == VIDEOS_DIR:
+                return SourceSample(source_id, None, caption, error, video=media)
+            return SourceSample(source_id, media, caption, error)
+
         try:
-            image = self._folder.read_bytes(IMAGES_DIR, rel)
+            media = self._folder.read_bytes(sub, rel)
         except StorageUnavailableError:
             raise  # the store, not the sample: the unit fails and its task can run again
         except FileNotFoundError:
-            return rejected(source_id, "source_missing", f"{image_path} no longer exists")
+            return rejected(source_id, "source_missing", f"{media_path} no longer exists")
         except OSError as exc:
-            return rejected(source_id, "source_read_error", f"{image_path}: {exc}")
+            return rejected(source_id, "source_read_error", f"{media_path}: {exc}")
 
         caption_rel = os.path.splitext(rel)[0] + CAPTION_EXTENSION
         caption_path = self._folder.where(CAPTIONS_DIR, caption_rel)
@@ -277,11 +321,11 @@ class DirectorySource:
         except StorageUnavailableError:
             raise
         except FileNotFoundError:
-            return rejected(source_id, "missing_caption", f"no caption file {caption_path}", image=image)
+            return sample(media, None, reject("missing_caption", f"no caption file {caption_path}"))
         except OSError as exc:
-            return rejected(source_id, "source_read_error", f"{caption_path}: {exc}", image=image)
+            return sample(media, None, reject("source_read_error", f"{caption_path}: {exc}"))
         try:
             caption = decode_caption_bytes(data, caption_path)
         except RejectError as exc:
-            return SourceSample(source_id, image, None, exc)
-        return SourceSample(source_id, image, caption)
+            return sample(media, None, exc)
+        return sample(media, caption)
