@@ -1,7 +1,7 @@
 """Settings: defaults < YAML file < environment (``DIFFPREP_SECTION__FIELD``) < explicit parameters.
 
 The YAML file has the sections ``source``, ``output``, ``model``, ``image``,
-``raw``, ``finalize``, ``auth`` and ``workers``; an unknown section or key is an error that names it.
+``video``, ``raw``, ``finalize``, ``auth`` and ``workers``; an unknown section or key is an error that names it.
 Parameters passed explicitly (CLI flags, flow parameters) win even when they
 equal the default: the CLI only passes the flags the user typed.
 """
@@ -25,6 +25,8 @@ LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
+FamilyName = Literal["flux", "wan"]
+FrameSampling = Literal["head", "uniform"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
 
@@ -98,7 +100,13 @@ class OutputConfig(_Section):
 
 
 class ModelConfig(_Section):
-    model_path: str = Field(DEFAULT_MODEL, description="Hub repo or local folder in the FLUX.1-dev layout.")
+    model_path: str = Field(
+        DEFAULT_MODEL, description="Hub repo or local folder in the model family's diffusers layout (FLUX.1-dev, "
+        "Wan2.1-T2V-...-Diffusers)."
+    )
+    family: FamilyName | None = Field(
+        None, description="Model family: flux | wan. Unset: read from model_path's model_index.json (_class_name)."
+    )
     revision: str | None = Field(None, description="Hub revision of model_path (branch, tag or commit).")
     vae_path: str | None = Field(None, description="Override for the VAE (a folder holding the AutoencoderKL).")
     t5_path: str | None = Field(None, description="Override for T5 (a folder with text_encoder_2/ and tokenizer_2/, or the model itself).")
@@ -141,6 +149,25 @@ class ImageConfig(_Section):
         if self.max_size % 16:
             raise ValueError(f"max_size must be a multiple of 16, got {self.max_size}")
         return self
+
+
+class VideoConfig(_Section):
+    resolution_buckets: str = Field(
+        "832x480x81;480x832x81",
+        description="Video families: output sizes WxHxF separated by ';' (the LTX trainer's syntax). W and H must "
+        "be multiples of the VAE's spatial factor, F = 4k+1 for Wan. A clip goes to the bucket of nearest aspect "
+        "ratio among those it has enough frames for; an image to an F = 1 bucket.",
+    )
+    target_fps: float | None = Field(
+        None, gt=0, description="Resample clips to this frame rate by timestamp. Unset: keep the source frames."
+    )
+    frame_sampling: FrameSampling = Field(
+        "head", description="Which F frames of a longer clip: head (the first F) | uniform (spread over the clip)."
+    )
+    vae_tiling: bool = Field(
+        False, description="Encode each frame in overlapping tiles (long 720p clips on a small GPU); the latents "
+        "differ slightly from untiled ones.",
+    )
 
 
 class RawConfig(_Section):
@@ -206,6 +233,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "output": OutputConfig,
     "model": ModelConfig,
     "image": ImageConfig,
+    "video": VideoConfig,
     "raw": RawConfig,
     "finalize": FinalizeConfig,
     "auth": AuthConfig,
@@ -238,6 +266,7 @@ class Settings(BaseSettings):
     output: OutputConfig = OutputConfig()
     model: ModelConfig = ModelConfig()
     image: ImageConfig = ImageConfig()
+    video: VideoConfig = VideoConfig()
     raw: RawConfig = RawConfig()
     finalize: FinalizeConfig = FinalizeConfig()
     auth: AuthConfig = AuthConfig()
@@ -276,6 +305,7 @@ class EncodeParameters(_RunParameters):
         None, description="Name of a saved diffprep encoder-spec block; its settings apply under the model fields given here."
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Encoders, precision, batch size.")
+    video: VideoConfig = Field(default_factory=VideoConfig, description="Video families: buckets, frame rate.")
     workers: WorkersConfig = Field(default_factory=WorkersConfig, description="Encode processes, devices, fan-out.")
 
 

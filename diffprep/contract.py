@@ -19,6 +19,8 @@ CAPTION = "caption.txt"
 META = "meta.json"
 PREENCODED_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, CAPTION, META)
 TENSOR_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
+# A video family's sample (Wan): latents [C, F', H/s, W/s] and the text sequence [L, D]; no pooled embedding.
+VIDEO_FIELDS = (LATENTS, PROMPT_EMBEDS, CAPTION, META)
 # latent_mode "posterior" adds the VAE's raw posterior (no shift, no scale; logvar clamped to [-30, 20]).
 MEAN = "mean.pth"
 LOGVAR = "logvar.pth"
@@ -37,7 +39,8 @@ CLIP_EMPTY = "clip_empty.npy"
 # Energon subflavor values.
 ENCODING_PREENCODED = "preencoded"
 ENCODING_RAW = "raw"
-ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW)
+ENCODING_WAN = "wan"  # pre-encoded with a Wan 2.x model (video)
+ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN)
 
 # Energon's metadata folder and the files in it.
 NV_META = ".nv-meta"

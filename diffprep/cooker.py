@@ -114,13 +114,7 @@ def cook_preencoded(sample: dict) -> FluxPreencodedSample:
         for name in contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS
         if name in sample or name in contract.TENSOR_FIELDS
     }
-    try:
-        meta = json.loads(_text(sample, contract.META))
-    except json.JSONDecodeError as error:
-        raise SampleLoadError(f"sample {key!r} field {contract.META!r} is not valid JSON: {error}") from None
-    if not isinstance(meta, dict):
-        kind = type(meta).__name__
-        raise SampleLoadError(f"sample {key!r} field {contract.META!r} holds a {kind}, expected an object")
+    meta = _meta_of(sample)
     return FluxPreencodedSample(
         **basic_sample_keys(sample),
         latents=tensors["latents"],
@@ -151,9 +145,62 @@ def cook_raw(sample: dict) -> FluxRawSample:
     )
 
 
+@edataclass
+class VideoPreencodedSample(Sample):
+    """One pre-encoded clip of a video family (Wan): latents of its bucket and its caption's text sequence."""
+
+    #: [C, 1 + (F - 1) / t, H / s, W / s], normalized per channel with the VAE's latents_mean / latents_std.
+    latents: torch.Tensor
+    #: [L, D] (umT5: [512, 4096]), zero after the caption's tokens.
+    prompt_embeds: torch.Tensor
+    caption: str
+    meta: dict
+    #: "WxHxF": the resolution bucket (samples of one bucket batch together).
+    bucket: str
+
+
+@edataclass
+class VideoPreencodedBatch(Batch):
+    latents: torch.Tensor
+    prompt_embeds: torch.Tensor
+    caption: list[str]
+    meta: list[dict]
+    bucket: list[str]
+
+
+def _meta_of(sample: dict) -> dict:
+    key = sample.get("__key__", "?")
+    try:
+        meta = json.loads(_text(sample, contract.META))
+    except json.JSONDecodeError as error:
+        raise SampleLoadError(f"sample {key!r} field {contract.META!r} is not valid JSON: {error}") from None
+    if not isinstance(meta, dict):
+        raise SampleLoadError(f"sample {key!r} field {contract.META!r} holds a {type(meta).__name__}, expected an object")
+    return meta
+
+
+@stateless
+def cook_video(sample: dict) -> VideoPreencodedSample:
+    """Turn a crude pre-encoded clip into a ``VideoPreencodedSample`` (its bucket from meta.json)."""
+    key = sample.get("__key__", "?")
+    meta = _meta_of(sample)
+    bucket = meta.get("bucket")
+    if not (isinstance(bucket, list) and len(bucket) == 3):
+        raise SampleLoadError(f"sample {key!r} meta.json has no bucket [W, H, F]")
+    return VideoPreencodedSample(
+        **basic_sample_keys(sample),
+        latents=load_tensor(_field(sample, contract.LATENTS), key=key, field=contract.LATENTS),
+        prompt_embeds=load_tensor(_field(sample, contract.PROMPT_EMBEDS), key=key, field=contract.PROMPT_EMBEDS),
+        caption=_text(sample, contract.CAPTION),
+        meta=meta,
+        bucket="x".join(str(v) for v in bucket),
+    )
+
+
 PREENCODED_COOKER = Cooker(cook_preencoded, has_subflavors={"encoding": contract.ENCODING_PREENCODED})
 RAW_COOKER = Cooker(cook_raw, has_subflavors={"encoding": contract.ENCODING_RAW})
-COOKERS = [PREENCODED_COOKER, RAW_COOKER]
+WAN_COOKER = Cooker(cook_video, has_subflavors={"encoding": contract.ENCODING_WAN})
+COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER]
 
 
 def _stack(samples: list[Any], name: str) -> torch.Tensor:
@@ -197,3 +244,31 @@ class FluxRawTaskEncoder(DefaultTaskEncoder[FluxRawSample, FluxRawSample, Any, A
 
     decoder = None
     cookers = [RAW_COOKER]
+
+
+class VideoSampleTaskEncoder(
+    DefaultTaskEncoder[VideoPreencodedSample, VideoPreencodedSample, VideoPreencodedBatch, VideoPreencodedBatch]
+):
+    """Loads a pre-encoded video dataset (``encoding: wan``) sample by sample (``batch_size=None``: validation)."""
+
+    decoder = None
+    cookers = [WAN_COOKER]
+
+
+class VideoPreencodedTaskEncoder(VideoSampleTaskEncoder):
+    """Loads a pre-encoded video dataset for training: a batch holds samples of one bucket only (Energon's
+    ``batch_group_criterion``), so clips of different sizes are never stacked together. Needs a ``batch_size``."""
+
+    def batch_group_criterion(self, sample: VideoPreencodedSample) -> tuple[str, None]:
+        return sample.bucket, None  # None: the loader's batch_size for every bucket
+
+    @stateless
+    def batch(self, samples: list[VideoPreencodedSample]) -> VideoPreencodedBatch:
+        return VideoPreencodedBatch.from_samples(
+            samples,
+            latents=_stack(samples, "latents"),
+            prompt_embeds=_stack(samples, "prompt_embeds"),
+            caption=[sample.caption for sample in samples],
+            meta=[sample.meta for sample in samples],
+            bucket=[sample.bucket for sample in samples],
+        )

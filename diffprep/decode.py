@@ -32,7 +32,9 @@ from diffprep.config import SourceConfig
 from diffprep.encodings import encoding_of_sample, get_encoding
 from diffprep.errors import ConfigError, DatasetValidationError, DiffprepError, RejectError, SourceError
 from diffprep.images import ImageSpec, prepare_image
-from diffprep.pictures import CONTACT_SHEET, Preview, png_bytes, write_contact_sheet
+from diffprep.media.buckets import Bucket
+from diffprep.media.video import ClipSpec, mp4_bytes
+from diffprep.pictures import CONTACT_SHEET, Preview, frame_strip, png_bytes, write_contact_sheet
 from diffprep.plan import Plan, read_plan
 from diffprep.shards import atomic_write_bytes, read_manifests
 from diffprep.sources import SOURCE_TYPES, open_source
@@ -161,7 +163,7 @@ def source_pixels(plan: Plan, samples: Sequence[StoredSample], *, token: str | N
         return {s.key: f"source not re-read: hub dataset {plan.source['dataset']} (`diffprep decode` reads it)"
                 for s in samples}
     try:
-        spec = ImageSpec(**plan.settings["image"])
+        spec = get_encoding(plan.encoding).media_spec(None, plan)
         source = open_source(source_config(plan.source), token=token)
     except (DiffprepError, KeyError, TypeError, OSError) as error:
         return {s.key: f"source not reachable: {error}" for s in samples}
@@ -176,22 +178,38 @@ def source_pixels(plan: Plan, samples: Sequence[StoredSample], *, token: str | N
             read = next(iter(source.read([source_id])))
             if read.reject is not None:
                 raise read.reject
-            if read.image is None:
+            if read.media is None:
                 raise RejectError("missing_image", "the source gave no image")
-            prepared = prepare_image(read.image, spec)
+            prepared = _prepare(read, spec, meta)
         except RejectError as error:
             result[sample.key] = f"source {error.reason}: {error.detail}"
             continue
         except (DiffprepError, OSError, StopIteration) as error:
             result[sample.key] = f"source not readable: {type(error).__name__}: {error}"
             continue
+        pixels, original_size, crop_box = prepared
         recorded = (meta.get("original_size"), meta.get("crop_box"))
-        if recorded != (None, None) and recorded != (list(prepared.original_size), list(prepared.crop_box)):
-            result[sample.key] = (f"the source changed since encoding (original size {prepared.original_size}, "
+        if recorded != (None, None) and recorded != (original_size, crop_box):
+            result[sample.key] = (f"the source changed since encoding (original size {original_size}, "
                                   f"recorded {recorded[0]})")
             continue
-        result[sample.key] = prepared.pixels
+        result[sample.key] = pixels
     return result
+
+
+def _prepare(read: Any, spec: ImageSpec | ClipSpec, meta: dict) -> tuple[torch.Tensor, list[int], list[int]]:
+    """A re-read source sample prepared as it was encoded: (pixels, original size, crop box).
+
+    A clip is prepared in the bucket its meta.json records.
+    """
+    if isinstance(spec, ClipSpec):
+        bucket = Bucket(*meta["bucket"]) if meta.get("bucket") else None
+        clip = spec.prepare(read.media, video=read.video is not None, bucket=bucket)
+        return clip.pixels, clip.meta["original_size"], clip.meta["crop_box"]
+    if read.image is None:
+        raise RejectError("missing_image", "the source gave no image")
+    prepared = prepare_image(read.image, spec)
+    return prepared.pixels, list(prepared.original_size), list(prepared.crop_box)
 
 
 # --- putting it together ---------------------------------------------------------------------------
@@ -212,7 +230,7 @@ def decode_dataset(
     """Decode ``samples`` samples of ``out_dir`` and compare them with their sources.
 
     Writes ``<key>.png`` (decoded) and ``<key>.source.png`` into ``to_dir``
-    when given, and the contact sheet to ``sheet`` (default
+    when given (a clip: its frames side by side in the PNGs, and ``<key>.mp4``), and the contact sheet to ``sheet`` (default
     ``<to_dir>/contact_sheet.png``; none without either). Pre-encoded datasets
     need their VAE (from plan.json, ``model_path`` or an already loaded
     ``decoder``; with ``local_only`` a hub VAE must be cached already, and a
@@ -227,10 +245,15 @@ def decode_dataset(
                                           local_only=local_only, decoder=decoder, where=str(out))
     sources = source_pixels(plan, stored, token=token, local_only=local_only) if plan is not None else {}
     previews = []
+    clips: dict[str, torch.Tensor] = {}
     for sample, image in zip(stored, decoded):
         found = sources.get(sample.key, "plan.json is missing: the source is unknown")
         if isinstance(found, torch.Tensor) and found.shape != image.shape:
             found = f"decoded {list(image.shape)} but the source prepares to {list(found.shape)}"
+        if image.ndim == 4:  # a clip [F, 3, H, W]: its frames side by side, the PSNR over all of them
+            clips[sample.key] = image
+            image = frame_strip(image)
+            found = frame_strip(found) if isinstance(found, torch.Tensor) else found
         previews.append(Preview(
             key=sample.key, source_id=sample.meta.get("source_id"), caption=sample.caption, decoded=image,
             source=found if isinstance(found, torch.Tensor) else None,
@@ -244,6 +267,8 @@ def decode_dataset(
             path = folder / f"{preview.key}.png"
             atomic_write_bytes(path, png_bytes(preview.decoded))
             report.images.append(str(path))
+            if preview.key in clips:
+                atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(clips[preview.key]))
             if preview.source is not None:
                 atomic_write_bytes(folder / f"{preview.key}.source.png", png_bytes(preview.source))
         sheet = sheet or folder / CONTACT_SHEET

@@ -1,8 +1,8 @@
-"""A deterministic synthetic demo dataset: coloured shapes with captions that describe them.
+"""Deterministic synthetic demo datasets: coloured shapes with captions that describe them.
 
-Written in the ``directory`` source layout (images/ + captions/), mixed
-formats and sizes, so the demo exercises decoding, cropping and batching the
-way a real folder does.
+Written in the ``directory`` source layout (images/ + captions/; clips:
+videos/ + captions/), mixed formats and sizes, so the demo exercises
+decoding, cropping, bucketing and batching the way a real folder does.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 COLOURS = {
@@ -63,5 +64,48 @@ def write_demo_dataset(path: str | Path, samples: int = 24, seed: int = 0) -> Pa
             image.save(root / "images" / f"{stem}.png", format="PNG")
         thing = f"{fg_name} stripes" if shape == "stripes" else f"a {fg_name} {shape}"
         caption = f"{thing} on a {bg_name} background"
+        (root / "captions" / f"{stem}.txt").write_text(caption + "\n", encoding="utf-8")
+    return root
+
+
+# (width, height, frames, fps) of the demo clips: two aspect ratios, two lengths, one too short for any bucket.
+CLIP_SHAPES = ((64, 48, 9, 8), (48, 64, 9, 8), (64, 48, 13, 12), (64, 64, 9, 8), (64, 48, 3, 8))
+MOVES = ("left", "right", "up", "down")
+
+
+def write_demo_clips(path: str | Path, samples: int = 10, seed: int = 0) -> Path:
+    """Write ``samples`` mp4 clips (a shape moving across a background) with captions under ``path``.
+
+    Every fifth clip has 3 frames: shorter than the usual buckets, so the
+    demo shows a named ``too_few_frames`` reject. Same files for the same arguments.
+    """
+    import av
+
+    root = Path(path)
+    (root / "videos").mkdir(parents=True, exist_ok=True)
+    (root / "captions").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    names = list(COLOURS)
+    for i in range(samples):
+        width, height, frames, fps = CLIP_SHAPES[i % len(CLIP_SHAPES)]
+        shape, move = SHAPES[i % 3], MOVES[i % len(MOVES)]
+        fg_name, bg_name = rng.sample(names, 2)
+        stem = f"{i:05d}"
+        with av.open(str(root / "videos" / f"{stem}.mp4"), "w") as container:
+            stream = container.add_stream("libx264", rate=fps, options={"crf": "18"})
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for k in range(frames):
+                step = (k * 4) % (width // 2)
+                image = Image.new("RGB", (width, height), COLOURS[bg_name])
+                tile = _draw(shape, COLOURS[fg_name], COLOURS[bg_name], (width // 2, height // 2))
+                dx, dy = {"left": (width // 2 - step, height // 4), "right": (step, height // 4),
+                          "up": (width // 4, height // 2 - step % (height // 2)),
+                          "down": (width // 4, step % (height // 2))}[move]
+                image.paste(tile, (dx, dy))
+                frame = av.VideoFrame.from_ndarray(np.asarray(image), format="rgb24")
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode())
+        thing = f"a {fg_name} {shape}"
+        caption = f"{thing} moving {move} on a {bg_name} background"
         (root / "captions" / f"{stem}.txt").write_text(caption + "\n", encoding="utf-8")
     return root

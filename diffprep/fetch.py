@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.encoders import resolve_token
-from diffprep.encodings import get_encoding
+from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import SourceError
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, fingerprint, plan_units
@@ -37,17 +38,20 @@ def fetch(
     """
     output = as_output(output if output is not None else settings.output.output_dir)
     token = token or resolve_token(settings.auth.hf_token_file)
+    encoding = encoding_for(settings, encoding, token)
     byte, expected = get_encoding(encoding).plan_settings(settings, token)
     fp = fingerprint(byte)
     source = open_source(settings.source, token=token)
     previous = output.state.plan() if output.local.is_dir() else None
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do
+    ids, bucket_of = _bucketed(settings, encoding, source, previous, byte)
     units, missing, missing_count = plan_units(
-        source.list_ids(),
+        ids,
         shard_size=settings.output.shard_size,
         max_samples=settings.output.max_samples,
         previous=previous,
+        bucket_of=bucket_of,
     )
     if not units:
         raise SourceError(f"the source holds no samples: {json.dumps(source.describe())}")
@@ -62,3 +66,18 @@ def fetch(
         missing_count=missing_count,
     )
     return plan, source
+
+
+def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict
+              ) -> tuple[Iterable[str], Callable[[str], str | None] | None]:
+    """The source's ids, and for a bucketing encoding (video) the bucket of each id the plan will add."""
+    ids: Iterable[str] = source.list_ids()
+    if not get_encoding(encoding).bucketed:
+        return ids, None
+    ids = list(ids)
+    planned = {sid for unit in previous.units for sid in unit.source_ids} if previous else set()
+    new = [sid for sid in ids if sid not in planned]
+    if settings.output.max_samples is not None:
+        new = new[:max(0, settings.output.max_samples - len(planned))]
+    buckets = get_encoding(encoding).probe_buckets(settings, source, new, byte)
+    return ids, buckets.get

@@ -70,6 +70,12 @@ def file_pixels(data: bytes) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1)))
 
 
+def frame_strip(frames: torch.Tensor) -> torch.Tensor:
+    """A clip's frames ``[F, 3, H, W]`` side by side, ``[3, H, F * W]``: one picture, one PSNR over every frame."""
+    f, c, h, w = frames.shape
+    return frames.permute(1, 2, 0, 3).reshape(c, h, f * w)
+
+
 def png_bytes(pixels: torch.Tensor) -> bytes:
     """uint8 [3, H, W] -> PNG file bytes."""
     buffer = io.BytesIO()

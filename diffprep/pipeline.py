@@ -34,13 +34,12 @@ from diffprep.approvals import ABORT, Question, ask_terminal
 from diffprep.audit import AuditReport, audit, rejects_accepted, rejects_question
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
 from diffprep.encoders import resolve_token
-from diffprep.encodings import get_encoding
+from diffprep.encodings import encoding_for, get_encoding
 from diffprep.energon import FinalizeResult, finalize, split_question
 from diffprep.errors import DiffprepError
 from diffprep.existing import Decision, Inspection, decide, inspect_output
 from diffprep.fetch import fetch
 from diffprep.launch import STOP, Group, my_units
-from diffprep.images import ImageSpec
 from diffprep.output import Output, OutputRef, ref_of
 from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
@@ -123,7 +122,7 @@ def sanity_phase(settings: Settings, output: Output, plan: Plan, units_left: lis
     """Phase 3: one batch at the run's batch size (smaller when out of memory), checked; the run projected."""
     encoding = get_encoding(plan.encoding)
     loaded = encoding.load(settings, token)
-    source, spec = open_source(settings.source, token=token), ImageSpec.from_config(settings.image)
+    source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
     return with_smaller_batches_on_oom(
         lambda batch_size: encoding.sanity(output, plan, loaded, source, spec, settings=settings,
                                            batch_size=batch_size, units_left=units_left, workers=1,
@@ -142,7 +141,7 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     encoding = get_encoding(plan.encoding)
     loaded = encoding.load(settings, token)
     fields = encoding.sample_fields(settings, loaded)
-    source, spec = open_source(settings.source, token=token), ImageSpec.from_config(settings.image)
+    source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
     start = min(_WORKING_BATCH.get(loaded, encoding.batch_size(settings)), encoding.batch_size(settings))
 
     def attempt(batch_size: int) -> UnitResult:
@@ -317,7 +316,7 @@ def follow_rank(settings: Settings, encoding: str, group: Group, token: str | No
     message = group.broadcast()
     if message == STOP:
         return {"rank": group.ranks.rank, "units": [], "out_dir": None}
-    mine_fp = fingerprint(get_encoding(encoding).plan_settings(settings, token)[0])
+    mine_fp = fingerprint(get_encoding(encoding_for(settings, encoding, token)).plan_settings(settings, token)[0])
     if mine_fp != message["fingerprint"]:
         raise DiffprepError(f"rank {group.ranks.rank} has settings of fingerprint {mine_fp}, rank 0 planned "
                             f"{message['fingerprint']}: every rank must run the same command")
@@ -373,6 +372,7 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     events = events or Events()
     output = output or settings_output(settings).open()
     plan = steps.plan(settings, output, encoding)
+    encoding = plan.encoding  # a pre-encoded run writes its model family's encoding (Wan: "wan")
     if plan.missing_count:
         log.warning("%d planned samples are no longer in the source; nothing is removed from the dataset",
                     plan.missing_count)

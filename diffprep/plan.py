@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from diffprep import contract
 from diffprep.shards import atomic_write_json
@@ -25,6 +25,7 @@ MISSING_PREVIEW = 20
 class UnitPlan:
     unit: int
     source_ids: list[str]
+    bucket: str | None = None  # a video run's WxHxF bucket: one shard holds one bucket (None: not bucketed)
 
     @property
     def shard(self) -> str:
@@ -56,7 +57,11 @@ class Plan:
         raise KeyError(f"unit {index} is not in the plan (units 0..{len(self.units) - 1})")
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        for unit in data["units"]:
+            if unit["bucket"] is None:  # image runs: plan.json exactly as before buckets existed
+                del unit["bucket"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Plan":
@@ -87,20 +92,24 @@ def plan_units(
     shard_size: int,
     max_samples: int | None = None,
     previous: Plan | None = None,
+    bucket_of: Callable[[str], str | None] | None = None,
 ) -> tuple[list[UnitPlan], list[str], int]:
     """Cut the source listing into units.
 
     With a ``previous`` plan of the same fingerprint, its units stay exactly as
     they are (a partly filled last unit included: its shard may be written
-    already) and only ids it does not hold get new units. Returns the units, a
-    preview of planned ids that disappeared from the source, and their count.
+    already) and only ids it does not hold get new units. ``bucket_of`` (video
+    runs): the bucket of a new id; each unit then holds one bucket, its ids in
+    source order, and an id with no bucket (it cannot be read; the encode phase
+    records why) goes to units of their own. Returns the units, a preview of
+    planned ids that disappeared from the source, and their count.
     """
-    units = [UnitPlan(u.unit, list(u.source_ids)) for u in previous.units] if previous else []
+    units = [UnitPlan(u.unit, list(u.source_ids), u.bucket) for u in previous.units] if previous else []
     planned = {sid for u in units for sid in u.source_ids}
     seen_planned: set[str] = set()
     total = len(planned)
     next_unit = (max(u.unit for u in units) + 1) if units else 0
-    current: list[str] = []
+    groups: dict[str | None, list[str]] = {}  # bucket -> its ids not yet in a unit (one group when not bucketed)
     seen_new: set[str] = set()
     for sid in ids:
         if sid in planned:
@@ -113,14 +122,18 @@ def plan_units(
         if sid in seen_new:
             raise ValueError(f"the source listed the sample id {sid!r} twice; source ids must be unique")
         seen_new.add(sid)
+        bucket = bucket_of(sid) if bucket_of is not None else None
+        current = groups.setdefault(bucket, [])
         current.append(sid)
         total += 1
         if len(current) == shard_size:
-            units.append(UnitPlan(next_unit, current))
+            units.append(UnitPlan(next_unit, list(current), bucket))
             next_unit += 1
-            current = []
-    if current:
-        units.append(UnitPlan(next_unit, current))
+            current.clear()
+    for bucket, current in groups.items():  # the partly filled units, in order of their buckets' first sample
+        if current:
+            units.append(UnitPlan(next_unit, current, bucket))
+            next_unit += 1
     missing = sorted(planned - seen_planned)
     return units, missing[:MISSING_PREVIEW], len(missing)
 

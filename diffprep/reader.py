@@ -4,6 +4,10 @@ A unit is read and decoded in a background thread (images decoded by a small
 thread pool, a bounded queue of ready batches in between) while the encoders
 work on the previous batch. A sample that cannot be used becomes a reject with
 a reason; it never stops the unit.
+
+``spec`` says how: an ``ImageSpec`` (images, ``[B, 3, H, W]`` batches) or a
+``ClipSpec`` (clips in their unit's bucket, ``[B, F, 3, H, W]`` batches; an
+image is a one-frame clip).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from diffprep import contract
 from diffprep.errors import DiffprepError, RejectError
 from diffprep.failpoints import failpoint
 from diffprep.images import ImageSpec, PreparedImage, prepare_image
+from diffprep.media.buckets import parse_bucket
+from diffprep.media.video import ClipSpec, PreparedClip
 from diffprep.plan import Plan, UnitPlan
 from diffprep.shards import Reject
 from diffprep.sources import Source, SourceSample
@@ -31,24 +37,34 @@ class Batch:
     keys: list[str]
     source_ids: list[str]
     captions: list[str]
-    pixels: torch.Tensor  # uint8 [B, 3, H, W]
+    pixels: torch.Tensor  # uint8 [B, 3, H, W] (clips: [B, F, 3, H, W])
     metas: list[dict]
 
 
-def _prepare(sample: SourceSample, spec: ImageSpec) -> PreparedImage:
+Spec = ImageSpec | ClipSpec
+Prepared = PreparedImage | PreparedClip
+
+
+def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Prepared:
     if sample.reject is not None:
         raise sample.reject
-    if sample.image is None:
+    if sample.media is None:
         raise RejectError("missing_image", "the source gave no image for this sample", phase="read")
     if sample.caption is None:
         raise RejectError("missing_caption", "the source gave no caption for this sample", phase="read")
     failpoint("decode")
+    if isinstance(spec, ClipSpec):
+        return spec.prepare(sample.media, video=sample.video is not None,
+                            bucket=parse_bucket(bucket) if bucket else None)
+    if sample.image is None:
+        raise RejectError("unexpected_video", "a clip in an image run: encode it with a video model family",
+                          phase="read")
     return prepare_image(sample.image, spec)
 
 
 def iter_prepared(
-    source: Source, unit: UnitPlan, spec: ImageSpec, *, workers: int = 2, depth: int = 16
-) -> Iterator[tuple[int, SourceSample, PreparedImage | RejectError]]:
+    source: Source, unit: UnitPlan, spec: Spec, *, workers: int = 2, depth: int = 16
+) -> Iterator[tuple[int, SourceSample, Prepared | RejectError]]:
     """Yield ``(index, sample, prepared-or-reject)`` in unit order, decoding ``depth`` images ahead."""
     pending: deque[tuple[int, SourceSample, Future]] = deque()
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="diffprep-decode") as pool:
@@ -59,7 +75,8 @@ def iter_prepared(
             except RejectError as exc:
                 return index, sample, exc
             except Exception as exc:  # noqa: BLE001 - a sample PIL chokes on is a reject, not a crash
-                return index, sample, RejectError("image_decode_error", f"{type(exc).__name__}: {exc}")
+                kind = "video" if sample.video is not None else "image"
+                return index, sample, RejectError(f"{kind}_decode_error", f"{type(exc).__name__}: {exc}")
 
         count = 0
         for index, sample in enumerate(source.read(unit.source_ids)):
@@ -69,7 +86,7 @@ def iter_prepared(
                     f"the source returned {sample.source_id!r} where unit {unit.unit} planned "
                     f"{unit.source_ids[index]!r}; the source must read ids in the order given"
                 )
-            pending.append((index, sample, pool.submit(_prepare, sample, spec)))
+            pending.append((index, sample, pool.submit(_prepare, sample, spec, unit.bucket)))
             while len(pending) > depth:
                 yield resolve(pending.popleft())
         while pending:
@@ -78,7 +95,9 @@ def iter_prepared(
         raise DiffprepError(f"the source returned {count} samples for unit {unit.unit}, planned {len(unit.source_ids)}")
 
 
-def _meta(sample: SourceSample, image: PreparedImage) -> dict:
+def _meta(sample: SourceSample, image: Prepared) -> dict:
+    if isinstance(image, PreparedClip):
+        return {"source_id": sample.source_id, **image.meta}
     return {
         "source_id": sample.source_id,
         "original_size": list(image.original_size),
@@ -91,14 +110,14 @@ def _meta(sample: SourceSample, image: PreparedImage) -> dict:
 def iter_batches(
     source: Source,
     unit: UnitPlan,
-    spec: ImageSpec,
+    spec: Spec,
     batch_size: int,
     rejects: list[Reject],
     *,
     workers: int = 2,
 ) -> Iterator[Batch]:
     """Batches of consecutive samples of the same size; rejects are appended to ``rejects`` as they come."""
-    items: list[tuple[int, SourceSample, PreparedImage]] = []
+    items: list[tuple[int, SourceSample, Prepared]] = []
 
     def flush() -> Batch:
         batch = Batch(
@@ -162,10 +181,11 @@ def prefetch(batches: Iterator[Batch], depth: int = 2) -> Iterator[Batch]:
                 thread.join(timeout=0.1)
 
 
-def first_batch(plan: Plan, source: Source, spec: ImageSpec, batch_size: int) -> Batch:
-    """The first batch that decodes, from the first units: at most a few units are read."""
+def first_batch(plan: Plan, source: Source, spec: Spec, batch_size: int, *,
+                units: list[UnitPlan] | None = None) -> Batch:
+    """The first batch that decodes, from the first ``units`` (default: the plan's): at most a few are read."""
     rejects: list[Reject] = []
-    for unit in plan.units:
+    for unit in units if units is not None else plan.units:
         batch = next(iter_batches(source, unit, spec, batch_size, rejects), None)
         if batch is not None:
             return batch

@@ -48,9 +48,13 @@ class SanityReport:
     min_psnr: float = 0.0  # the median of psnr_db must reach this; 0: not checked
     contact_sheet: str | None = None  # the batch's images next to their round trip
     local_bytes: int | None = None  # needed on this disk when less than projected_bytes (a bucket output)
+    buckets: dict[str, dict] | None = None  # video runs: per bucket, samples left and their projected s and bytes
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["buckets"] is None:
+            del data["buckets"]
+        return data
 
 
 def sanity_markdown(report: dict) -> str:

@@ -55,21 +55,7 @@ class VaeDecoder:
         differ from those the latents were normalized with.
         """
         encoders = plan.settings.get("encoders") or {}
-        record = (encoders.get("components") or {}).get("vae")
-        if model_path:
-            local_dir, subfolder = resolve_component(model_path, "vae", revision=None, token=token, encoder="VAE")
-            folder = local_dir / subfolder if subfolder else local_dir
-        elif record:
-            source, subfolder = record["source"], record.get("subfolder")
-            revision = record.get("commit") or record.get("revision")
-            if local_only and not Path(source).is_absolute():  # a hub repo id (plan.json records folders absolute)
-                folder = _cached_component(source, subfolder, revision)
-            else:
-                local_dir, subfolder = resolve_component(source, subfolder, revision=revision, token=token,
-                                                         encoder="VAE")
-                folder = local_dir / subfolder if subfolder else local_dir
-        else:
-            raise ConfigError("plan.json records no VAE for this dataset; pass the VAE with --model-path")
+        folder = planned_vae_folder(plan, model_path=model_path, token=token, local_only=local_only)
         dtype = getattr(torch, str(encoders.get("dtype", "float32")), None)
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"plan.json records encoder dtype {encoders.get('dtype')!r}, not a torch dtype")
@@ -100,3 +86,21 @@ def _cached_component(repo_id: str, subfolder: str | None, revision: str | None)
             "`diffprep decode OUT` downloads it"
         )
     return Path(config).parent
+
+
+def planned_vae_folder(plan: Plan, *, model_path: str | None = None, token: str | None = None,
+                       local_only: bool = False) -> Path:
+    """The folder of the VAE that encoded ``plan``'s dataset (plan.json's record), or the one at ``model_path``."""
+    encoders = plan.settings.get("encoders") or {}
+    record = (encoders.get("components") or {}).get("vae")
+    if model_path:
+        local_dir, subfolder = resolve_component(model_path, "vae", revision=None, token=token, encoder="VAE")
+        return local_dir / subfolder if subfolder else local_dir
+    if not record:
+        raise ConfigError("plan.json records no VAE for this dataset; pass the VAE with --model-path")
+    source, subfolder = record["source"], record.get("subfolder")
+    revision = record.get("commit") or record.get("revision")
+    if local_only and not Path(source).is_absolute():  # a hub repo id (plan.json records folders absolute)
+        return _cached_component(source, subfolder, revision)
+    local_dir, subfolder = resolve_component(source, subfolder, revision=revision, token=token, encoder="VAE")
+    return local_dir / subfolder if subfolder else local_dir

@@ -1,11 +1,24 @@
-"""What a pipeline stores per sample: the pre-encoded (Flux) and the raw encoding, by Energon subflavor name."""
+"""What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw, pre-encoded Wan (video)."""
 
+from diffprep import contract
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.encodings.preencoded import Preencoded
 from diffprep.encodings.raw import Raw
+from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 
-ENCODINGS: dict[str, Encoding] = {encoding.name: encoding for encoding in (Preencoded(), Raw())}
+ENCODINGS: dict[str, Encoding] = {encoding.name: encoding for encoding in (Preencoded(), Raw(), Wan())}
+
+
+def encoding_for(settings, kind: str, token: str | None = None) -> str:
+    """The encoding a run of ``kind`` (``preencoded``, ``raw``) writes: a pre-encoded run writes its model
+    family's (``--family``, or the model's ``model_index.json``)."""
+    if kind != contract.ENCODING_PREENCODED:
+        return kind
+    from diffprep.families import family_of_model
+
+    model = settings.model
+    return family_of_model(model.model_path, model.family, revision=model.revision, token=token).encoding
 
 
 def encoding_of_sample(fields) -> Encoding:
@@ -23,4 +36,5 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Preencoded", "Raw", "SampleFields", "encoding_of_sample", "get_encoding"]
+__all__ = ["ENCODINGS", "Encoding", "Preencoded", "Raw", "SampleFields", "Wan", "encoding_for", "encoding_of_sample",
+           "get_encoding"]

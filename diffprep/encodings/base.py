@@ -38,6 +38,7 @@ class Encoding(ABC):
     """One kind of dataset (its Energon subflavor ``encoding: <name>``)."""
 
     name: str
+    bucketed = False  # whether the plan puts each sample in a bucket (``probe_buckets``), one bucket per unit
 
     def byte_settings(self, settings: Settings, identity: dict[str, Any]) -> dict[str, Any]:
         """The settings that change the bytes of a shard, and so the fingerprint."""
@@ -60,6 +61,18 @@ class Encoding(ABC):
     @abstractmethod
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the fingerprinted byte settings, ``expected``: what every sample holds) for plan.json."""
+
+    def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> Any:
+        """How the reader prepares a sample: ``ImageSpec`` (a video encoding: ``ClipSpec``), from the settings,
+        or without them from the ``plan`` (re-reading a dataset's sources)."""
+        if settings is None:
+            return ImageSpec(**plan.settings["image"])
+        return ImageSpec.from_config(settings.image)
+
+    def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
+                      ) -> dict[str, str | None]:
+        """The bucket name of each new id (None: no bucket; the encode phase names why), for a ``bucketed`` one."""
+        raise NotImplementedError(f"the {self.name} encoding does not bucket its samples")
 
     @abstractmethod
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:

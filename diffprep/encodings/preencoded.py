@@ -280,7 +280,7 @@ class Preencoded(Encoding):
                 f"or free memory on {loaded.device}")
 
     def holds(self, fields: Mapping[str, bytes]) -> bool:
-        return contract.LATENTS in fields
+        return contract.LATENTS in fields and contract.POOLED_PROMPT_EMBEDS in fields
 
     def decode_stored(self, stored: Sequence[Any], plan: Plan | None, *, model_path: str | None = None,
                       device: str = "auto", token: str | None = None, local_only: bool = False,
@@ -381,8 +381,8 @@ class PreencodedInspector:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 bad = int((~torch.isfinite(tensor)).sum())
                 self.finite.add(f"{sample.__key__} {name} has {bad} NaN/Inf values")
-        latents = tensors["latents"]
-        if latents.ndim == 3 and (self.stats.mean is None or self.stats.mean.shape[0] == latents.shape[0]):
+        latents = tensors["latents"]  # [C, H, W], or a clip's [C, F, H, W]
+        if latents.ndim >= 3 and (self.stats.mean is None or self.stats.mean.shape[0] == latents.shape[0]):
             self.stats.add(latents)
 
     def checks(self) -> list[Check]:

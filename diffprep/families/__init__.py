@@ -16,7 +16,7 @@ from typing import Any
 
 from diffprep.errors import ConfigError
 
-__all__ = ["FAMILIES", "Family", "detect_family", "family_for_class", "get_family"]
+__all__ = ["FAMILIES", "Family", "detect_family", "family_for_class", "family_of_model", "get_family"]
 
 MODEL_INDEX = "model_index.json"
 
@@ -28,6 +28,7 @@ class Family:
     name: str
     pipeline_classes: tuple[str, ...]
     module: str  # import path of the module that implements it
+    encoding: str  # the diffprep.encodings name of its pre-encoded datasets (Energon subflavor)
 
     def load_module(self):
         import importlib
@@ -36,8 +37,8 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("flux", ("FluxPipeline",), "diffprep.encoders.flux"),
-    Family("wan", ("WanPipeline",), "diffprep.families.wan"),
+    Family("flux", ("FluxPipeline",), "diffprep.encoders.flux", "preencoded"),
+    Family("wan", ("WanPipeline",), "diffprep.families.wan", "wan"),
 )
 
 
@@ -79,3 +80,26 @@ def detect_family(model: str | Path | Mapping[str, Any]) -> Family:
     if not isinstance(class_name, str):
         raise ConfigError(f"{MODEL_INDEX} has no _class_name string; cannot tell the model family")
     return family_for_class(class_name)
+
+
+def family_of_model(model_path: str, family: str | None = None, *, revision: str | None = None,
+                    token: str | None = None) -> Family:
+    """The family a run encodes with: ``family`` when given, else ``model_path``'s ``model_index.json``.
+
+    A hub repo's ``model_index.json`` is fetched alone (or read from the cache).
+    A folder without one, or a hub index that cannot be fetched, is Flux: the
+    layout diffprep read before families existed (its own loader then says
+    what is missing).
+    """
+    if family is not None:
+        return get_family(family)
+    folder = Path(model_path).expanduser()
+    if folder.is_dir():
+        return detect_family(folder) if (folder / MODEL_INDEX).is_file() else get_family("flux")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        index = hf_hub_download(model_path, MODEL_INDEX, revision=revision, token=token)
+    except Exception:  # noqa: BLE001 - offline, gated or no such file: the Flux resolver reports the real problem
+        return get_family("flux")
+    return detect_family(Path(index).parent)

@@ -67,7 +67,9 @@ __all__ = [
     "WanEncoders",
     "WanTextEmbeddings",
     "clean_caption",
+    "decode_normalized",
     "describe_wan",
+    "load_wan_vae",
     "resolve_wan",
     "vae_factors",
 ]
@@ -242,10 +244,8 @@ class WanEncoders:
 
         self.latent_channels, self.spatial_factor, self.temporal_factor = vae_factors(vae.config)
         self.text_hidden: int = text_encoder.config.d_model
-        shape = (1, self.latent_channels, 1, 1, 1)
         # As diffusers' Wan pipelines build them: float32 tensors cast to the latents' dtype.
-        self._latents_mean = torch.tensor(vae.config.latents_mean).view(shape)
-        self._latents_inv_std = (1.0 / torch.tensor(vae.config.latents_std)).view(shape)
+        self._latents_mean, self._latents_inv_std = _normalization(vae.config)
         if tiling is None:
             vae.disable_tiling()
         else:
@@ -351,11 +351,7 @@ class WanEncoders:
         undoing the normalization exactly as ``WanPipeline`` does before its VAE decode."""
         if latents.ndim != 5 or latents.shape[1] != self.latent_channels:
             raise ValueError(f"latents must be [B, {self.latent_channels}, F', h, w], got {list(latents.shape)}")
-        latents = latents.to(self.device, self.vae_dtype)
-        mean = self._latents_mean.to(latents.device, latents.dtype)
-        inv_std = self._latents_inv_std.to(latents.device, latents.dtype)
-        video = self.vae.decode(latents / inv_std + mean).sample  # AutoencoderKLWan clamps to [-1, 1]
-        return video.float().permute(0, 2, 1, 3, 4).contiguous().to("cpu")
+        return decode_normalized(self.vae, latents.to(self.device, self.vae_dtype))
 
     def _check_size(self, frames: int, height: int, width: int) -> None:
         t, s = self.temporal_factor, self.spatial_factor
@@ -402,6 +398,33 @@ class WanEncoders:
     def empty_prompt_embeds(self) -> torch.Tensor:
         """``[L, D]`` embedding of the empty caption, for classifier-free-guidance dropout at training time."""
         return self.encode_text([""]).prompt_embeds[0]
+
+
+def _normalization(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latents_mean`` and ``1 / latents_std`` shaped ``[1, C, 1, 1, 1]``, float32, as diffusers' Wan pipelines
+    build them."""
+    channels = len(config.latents_mean)
+    shape = (1, channels, 1, 1, 1)
+    return torch.tensor(config.latents_mean).view(shape), (1.0 / torch.tensor(config.latents_std)).view(shape)
+
+
+@torch.no_grad()
+def decode_normalized(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    """Normalized latents ``[B, C, F', h, w]`` (on the VAE's device and dtype) -> float32 frames
+    ``[B, F, 3, H, W]`` in [-1, 1] on the CPU: ``latents / (1 / latents_std) + latents_mean``, then the VAE."""
+    mean, inv_std = (t.to(latents.device, latents.dtype) for t in _normalization(vae.config))
+    video = vae.decode(latents / inv_std + mean).sample  # AutoencoderKLWan clamps to [-1, 1]
+    return video.float().permute(0, 2, 1, 3, 4).contiguous().to("cpu")
+
+
+def load_wan_vae(folder: str | Path, *, device: str = "auto", dtype: torch.dtype = torch.float32) -> AutoencoderKLWan:
+    """A Wan VAE alone (decode-and-verify: no text encoder), in eval mode on ``device``."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(folder, dtype=dtype)
+    vae.eval()
+    vae.requires_grad_(False)
+    return vae.to(resolve_device(device))
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from diffprep.errors import ConfigError, RejectError
 
-__all__ = ["Bucket", "parse_buckets", "choose_bucket", "nearest_frame_counts", "nearest_multiples"]
+__all__ = ["Bucket", "parse_bucket", "parse_buckets", "choose_bucket", "nearest_frame_counts", "nearest_multiples"]
 
 
 @dataclass(frozen=True, order=True)
@@ -42,6 +42,12 @@ class Bucket:
     @property
     def area(self) -> int:
         return self.width * self.height
+
+
+def parse_bucket(name: str) -> Bucket:
+    """A bucket's own name (``str(bucket)``, as plan.json records it) back to the bucket."""
+    width, height, frames = (int(part) for part in name.split("x"))
+    return Bucket(width, height, frames)
 
 
 def nearest_frame_counts(frames: int, temporal_factor: int) -> list[int]:

@@ -58,7 +58,9 @@ from diffprep.media.buckets import Bucket, choose_bucket
 
 __all__ = [
     "FRAME_SAMPLINGS",
+    "mp4_bytes",
     "ClipInfo",
+    "ClipSpec",
     "PreparedClip",
     "probe",
     "prepare_clip",
@@ -210,6 +212,47 @@ def prepare_image_clip(data: bytes, buckets: Sequence[Bucket], *, max_pixels: in
     return PreparedClip(pixels=pixels, bucket=bucket, info=None, meta=meta)
 
 
+@dataclass(frozen=True)
+class ClipSpec:
+    """How a video run prepares its samples: the buckets, the frame rate and which frames to keep.
+
+    A clip (``video`` bytes) goes through :func:`prepare_clip`, an image through
+    :func:`prepare_image_clip` (a one-frame clip where an ``F = 1`` bucket exists).
+    """
+
+    buckets: tuple[Bucket, ...]
+    target_fps: float | None = None
+    frame_sampling: FrameSampling = "head"
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def prepare(self, data: bytes, *, video: bool, bucket: Bucket | None = None) -> PreparedClip:
+        """The sample's frames, in ``bucket`` when its unit has one (the plan chose it), else in its own."""
+        buckets = (bucket,) if bucket is not None else self.buckets
+        if video:
+            return prepare_clip(data, buckets, target_fps=self.target_fps, frame_sampling=self.frame_sampling,
+                                max_pixels=self.max_pixels)
+        return prepare_image_clip(data, buckets)
+
+    def bucket_of(self, data: bytes, *, video: bool) -> Bucket:
+        """The bucket a sample goes to, from its container's index alone (no frame beyond the first decoded).
+
+        Raises :class:`~diffprep.errors.RejectError` as :meth:`prepare` would (``too_few_frames``...).
+        """
+        if not video:
+            from diffprep import images
+
+            if not data:
+                raise RejectError("empty_file", "the image file is 0 bytes", phase="decode")
+            with images._open(data, images.ImageSpec()) as img:
+                width, height = img.size
+                if img.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF orientations that swap the sides
+                    width, height = height, width
+            return choose_bucket(width, height, 1, self.buckets)
+        with _open(data) as container:
+            info = _index(container, max_pixels=self.max_pixels)
+        return choose_bucket(info.width, info.height, len(_resample(info, self.target_fps)), self.buckets)
+
+
 def sample_indices(available: int, frames: int, sampling: FrameSampling) -> list[int]:
     """Which ``frames`` of ``available`` to keep: ``head`` the first ones, ``uniform`` evenly spread
     from the first to the last (exact integer rounding, half up)."""
@@ -232,6 +275,20 @@ def cover_box(width: int, height: int, bucket: Bucket) -> tuple[int, int, int, i
         box_w, box_h = width, max(1, (2 * width * bucket.height + bucket.width) // (2 * bucket.width))
     left, top = (width - box_w) // 2, (height - box_h) // 2
     return (left, top, left + box_w, top + box_h)
+
+
+def mp4_bytes(frames: torch.Tensor, fps: float = 16.0) -> bytes:
+    """uint8 RGB frames ``[F, 3, H, W]`` (even H and W) as an H.264 mp4 at ``fps`` (crf 18: for looking at)."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(str(fps)).limit_denominator(1001),
+                                      options={"crf": "18"})
+        stream.height, stream.width = int(frames.shape[2]), int(frames.shape[3])
+        stream.pix_fmt = "yuv420p"
+        for frame in frames.permute(0, 2, 3, 1).contiguous().numpy():
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
 
 
 # --- opening and indexing ---------------------------------------------------------------------

@@ -26,8 +26,9 @@ from diffprep.shards import UnitManifest
 
 TENSOR_NAMES = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS)
 # plan.json's "expected": a shape per tensor (None for a free dimension), the dtype, and optionally
-# "fields", the fields every sample must have (how a raw plan names its image and caption fields).
-EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "fields")
+# "fields", the fields every sample must have (how a raw plan names its image and caption fields), and for a
+# video plan "buckets", the latents' shape per resolution bucket ("WxHxF").
+EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "fields", "buckets")
 TENSOR_FIELD_STEMS = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)  # always in a plan
 
 
@@ -58,6 +59,13 @@ def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
     if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise ConfigError(f"expected fields from {where} must be a list of field names, got {fields!r}")
     result: dict[str, Any] = {"dtype": dtype, "fields": fields}
+    buckets = expected.get("buckets")
+    if buckets is not None:
+        valid = isinstance(buckets, dict) and all(
+            isinstance(shape, list) and all(isinstance(d, int) for d in shape) for shape in buckets.values())
+        if not valid:
+            raise ConfigError(f"expected buckets from {where} must map 'WxHxF' to a latents shape, got {buckets!r}")
+        result["buckets"] = {name: list(shape) for name, shape in buckets.items()}
     for name in TENSOR_NAMES:
         shape = expected.get(name)
         valid = isinstance(shape, (list, tuple)) and all(d is None or isinstance(d, int) for d in shape)

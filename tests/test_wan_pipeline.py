@@ -1,0 +1,168 @@
+"""Wan (video) through the whole pipeline: clips planned into buckets, encoded, audited, finalized, validated,
+loaded through Energon one bucket per batch, and equal to diffusers' own Wan code.
+
+Real mp4 clips written by ``write_demo_clips``, the tiny Wan set in its diffusers layout, real Energon.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import WanPipeline
+
+from diffprep import contract
+from diffprep.config import load_settings
+from diffprep.demo import write_demo_clips
+from diffprep.encodings import encoding_for, get_encoding
+from diffprep.errors import ConfigError
+from diffprep.families.wan_tiny import write_tiny_wan
+from diffprep.media.buckets import Bucket
+from diffprep.media.video import prepare_clip
+from diffprep.pipeline import run
+from diffprep.plan import Plan, UnitPlan, plan_units, read_plan
+from diffprep.shards import load_tensor
+
+BUCKETS = "32x24x5;24x32x5;24x24x5"
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory) -> Path:
+    return write_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> Path:
+    return write_demo_clips(tmp_path_factory.mktemp("clips") / "data", samples=6)
+
+
+def _settings(out: Path, data: Path, model: Path, **video):
+    return load_settings(overrides={
+        "source": {"type": "directory", "input_dir": str(data)},
+        "output": {"output_dir": str(out), "shard_size": 2, "on_existing": "resume", "accept_rejects": 0.5},
+        "model": {"model_path": str(model), "precision": "fp32", "device": "cpu", "batch_size": 2,
+                  "t5_max_length": 16, "latent_mode": "mode", "min_psnr": 0.0},
+        "video": {"resolution_buckets": BUCKETS, **video},
+        "finalize": {"train_split": 1.0},
+    })
+
+
+def _samples(out: Path) -> dict[str, dict[str, bytes]]:
+    samples: dict[str, dict[str, bytes]] = {}
+    for tar in sorted(out.glob("*.tar")):
+        with tarfile.open(tar) as archive:
+            for member in archive.getmembers():
+                key, field = member.name.split(".", 1)
+                samples.setdefault(key, {})[field] = archive.extractfile(member).read()
+    return samples
+
+
+def test_units_hold_one_bucket_each_and_appends_keep_old_units():
+    buckets = {"a": "8x8x5", "b": "16x8x5", "c": "8x8x5", "d": None, "e": "8x8x5", "f": "16x8x5"}
+    units, _, _ = plan_units(list(buckets), shard_size=2, bucket_of=buckets.get)
+    assert [(u.source_ids, u.bucket) for u in units] == [
+        (["a", "c"], "8x8x5"), (["b", "f"], "16x8x5"), (["e"], "8x8x5"), (["d"], None)]
+
+    previous = Plan("fp", {}, {}, {}, units)
+    more = buckets | {"g": "16x8x5"}
+    again, _, _ = plan_units(list(more), shard_size=2, previous=previous, bucket_of=more.get)
+    assert again[:4] == units and again[4] == UnitPlan(4, ["g"], "16x8x5")
+    assert "bucket" not in Plan("fp", {}, {}, {}, [UnitPlan(0, ["x"])]).to_json()["units"][0]  # image plans as before
+
+
+def test_family_is_detected_and_part_of_the_plan(tiny_wan, tiny_model, tmp_path):
+    settings = _settings(tmp_path / "out", tmp_path, tiny_wan)
+    assert encoding_for(settings, "preencoded") == "wan"
+    assert encoding_for(settings.model_copy(update={"model": settings.model.model_copy(update={"family": "flux"})}),
+                        "preencoded") == "preencoded"
+    flux = settings.model_copy(update={"model": settings.model.model_copy(update={"model_path": str(tiny_model)})})
+    assert encoding_for(flux, "preencoded") == "preencoded"
+    byte, expected = get_encoding("wan").plan_settings(settings, None)
+    assert byte["encoders"]["family"] == "wan" and byte["video"]["buckets"] == BUCKETS.split(";")
+    assert expected["buckets"] == {"32x24x5": [16, 2, 3, 4], "24x32x5": [16, 2, 4, 3], "24x24x5": [16, 2, 3, 3]}
+    assert expected["prompt_embeds"] == [16, 32]
+    with pytest.raises(ConfigError, match="4k\\+1.*nearest: 5 or 9"):
+        get_encoding("wan").plan_settings(_settings(tmp_path, tmp_path, tiny_wan, resolution_buckets="32x24x7"), None)
+
+
+def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan, clips, tmp_path):
+    out = tmp_path / "out"
+    result = run(_settings(out, clips, tiny_wan), "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert plan["encoding"] == "wan"
+    assert result.samples == 5 and result.rejects_by_reason == {"too_few_frames": 1}
+    assert result.validation["ok"]
+
+    # One bucket per shard, as planned; the short clip in a unit of its own, named with its frame count.
+    assert [(len(u["source_ids"]), u.get("bucket")) for u in plan["units"]] == [
+        (2, "32x24x5"), (1, "32x24x5"), (1, "24x32x5"), (1, "24x24x5"), (1, None)]
+    for unit in plan["units"]:
+        with tarfile.open(out / contract.shard_name(unit["unit"])) as archive:
+            buckets = {"x".join(map(str, json.loads(archive.extractfile(m).read())["bucket"]))
+                       for m in archive.getmembers() if m.name.endswith(".meta.json")}
+        assert buckets == ({unit["bucket"]} if unit.get("bucket") else set())
+    rejects = [r for p in sorted((out / contract.STATE_DIR / contract.UNITS_DIR).glob("*.json"))
+               for r in json.loads(p.read_text())["rejects"]]
+    assert {r["reason"] for r in rejects} == {"too_few_frames"}
+    assert all("3 frames" in r["detail"] and "shortest" in r["detail"] for r in rejects)
+
+    # Each sample equals diffusers' WanPipeline: the VAE posterior mode, normalized; encode_prompt's text. The
+    # reference runs the pipeline's batches (a unit's samples two at a time): CPU float bits depend on the batch.
+    pipe = WanPipeline.from_pretrained(tiny_wan, transformer=None, dtype=torch.float32)
+    shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(shape)
+    stored = _samples(out)
+    batches: dict[tuple[str, int], list[str]] = {}
+    for key in sorted(stored):
+        unit, index = key.split("_")
+        batches.setdefault((unit, int(index) // 2), []).append(key)
+    for keys in batches.values():
+        videos, captions = [], []
+        for key in keys:
+            meta = json.loads(stored[key]["meta.json"])
+            bucket = Bucket(*meta["bucket"])
+            assert meta["frame_indices"] == list(range(bucket.frames))
+            source = clips / "videos" / meta["source_id"]
+            frames = prepare_clip(source.read_bytes(), [bucket]).pixels
+            videos.append(frames.permute(1, 0, 2, 3).float() / 255.0 * 2.0 - 1.0)
+            captions.append(stored[key]["caption.txt"].decode())
+        with torch.no_grad():
+            want = (pipe.vae.encode(torch.stack(videos)).latent_dist.mode() - mean) * inv_std
+            text, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=16,
+                                         device="cpu")
+        for i, key in enumerate(keys):
+            assert torch.equal(load_tensor(stored[key]["latents.pth"]), want[i])
+            assert torch.equal(load_tensor(stored[key]["prompt_embeds.pth"]), text[i])
+
+    # Energon: batches never mix buckets.
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    from diffprep.cooker import VideoPreencodedTaskEncoder
+
+    dataset = get_train_dataset(out, batch_size=2, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                                task_encoder=VideoPreencodedTaskEncoder(), repeat=False,
+                                worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    seen = 0
+    for batch in get_loader(dataset):
+        assert len(set(batch.bucket)) == 1
+        assert batch.latents.shape[0] == len(batch.bucket) and batch.prompt_embeds.shape[1:] == (16, 32)
+        seen += len(batch.bucket)
+    assert seen == 5
+
+    # Decode-and-verify: the stored latents back to frames of their bucket.
+    from diffprep.decode import read_samples
+
+    stored = read_samples(out, 2)
+    frames, _ = get_encoding("wan").decode_stored(stored, read_plan(out), device="cpu")
+    buckets = [Bucket(*json.loads(s.fields["meta.json"])["bucket"]) for s in stored]
+    assert [tuple(f.shape) for f in frames] == [(b.frames, 3, b.height, b.width) for b in buckets]
+    assert all(f.dtype == torch.uint8 for f in frames)
+
+    # A re-run finds everything done and changes nothing.
+    before = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    again = run(_settings(out, clips, tiny_wan), "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert again.action == "complete" and {p.name: p.read_bytes() for p in out.glob("*.tar")} == before
