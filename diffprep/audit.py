@@ -66,7 +66,8 @@ def rejects_accepted(report: AuditReport, accept: float | None) -> bool:
     return report.rejected == 0 or (accept is not None and report.rejected_fraction <= accept)
 
 
-def rejects_question(report: AuditReport, out_dir: str | os.PathLike) -> Question:
+def rejects_question(report: AuditReport, out_dir: str | os.PathLike, advice: str = "") -> Question:
+    """Whether to finalize without the rejected samples; ``advice``: the encoding's way to keep them."""
     shown = report.rejected_ids[:50]
     lines = [
         f"**{report.rejected} of {report.inputs} samples** ({report.rejected_fraction:.2%}) were rejected: "
@@ -80,6 +81,8 @@ def rejects_question(report: AuditReport, out_dir: str | os.PathLike) -> Questio
     ]
     if report.rejected > len(shown):
         lines.append(f"\n...and {report.rejected - len(shown)} more in `{out_dir}/{contract.STATE_DIR}/{contract.AUDIT_JSON}`")
+    if advice:
+        lines += ["", advice]
     lines += [
         "",
         "**Choices:** `accept`: finalize without them (the encoded shards are kept) · `abort`: stop here; "

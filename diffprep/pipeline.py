@@ -426,7 +426,8 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
         if report.problems:
             raise DiffprepError("audit failed:\n  " + "\n  ".join(report.problems))
         if not rejects_accepted(report, settings.output.accept_rejects):
-            ask(rejects_question(report, output.uri), release=True)
+            advice = get_encoding(plan.encoding).rejects_advice(report, plan)
+            ask(rejects_question(report, output.uri, advice), release=True)
         result.samples, result.rejected = report.written, report.rejected
         result.rejects_by_reason, result.notes = report.by_reason, report.notes
         if settings.finalize.enabled:

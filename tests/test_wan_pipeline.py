@@ -18,6 +18,7 @@ from diffprep import contract
 from diffprep.config import load_settings
 from diffprep.demo import write_demo_clips
 from diffprep.encodings import encoding_for, get_encoding
+from diffprep.approvals import ApprovalRefused
 from diffprep.errors import ConfigError
 from diffprep.families.wan_tiny import write_tiny_wan
 from diffprep.media.buckets import Bucket
@@ -166,3 +167,20 @@ def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan
     before = {p.name: p.read_bytes() for p in out.glob("*.tar")}
     again = run(_settings(out, clips, tiny_wan), "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
     assert again.action == "complete" and {p.name: p.read_bytes() for p in out.glob("*.tar")} == before
+
+
+def test_too_short_clips_are_asked_about_with_the_exact_bucket_flag(tiny_wan, clips, tmp_path):
+    asked = []
+    settings = _settings(tmp_path / "out", clips, tiny_wan)
+    settings.output.accept_rejects = None
+
+    def ask(question, preset=None, *, release=False):
+        asked.append(question)
+        return question.check("abort")
+
+    with pytest.raises(ApprovalRefused, match="aborted"):
+        run(settings, "preencoded", ask=ask)
+    [question] = asked
+    assert question.key == "rejected-samples"
+    assert '--resolution-buckets "32x24x5;24x32x5;24x24x5;32x24x1;24x32x1;24x24x1"' in question.description
+    assert "shortest has 3 frames" in question.description

@@ -105,6 +105,10 @@ class Encoding(ABC):
                staged_samples: int | None) -> SanityReport:
         """One batch written into the state folder (never the dataset), checked, and the run projected."""
 
+    def rejects_advice(self, report: Any, plan: Plan) -> str:
+        """How a re-run could keep some of an ``AuditReport``'s rejected samples, in Markdown; '' if nothing."""
+        return ""
+
     @abstractmethod
     def oom_advice(self, settings: Settings, loaded: Any) -> str:
         """What to change when even a batch of one does not fit in the device's memory."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import threading
 import time
@@ -54,7 +55,8 @@ log = logging.getLogger(__name__)
 
 _LOADED: dict[str, WanEncoders] = {}
 _LOCK = threading.Lock()
-PROBE_CHUNK = 64  # samples read from the source at a time while planning
+PROBE_CHUNK = 64
+_CLIP_FRAMES = re.compile(r"a clip of (\d+) frames")  # samples read from the source at a time while planning
 
 
 def clip_spec(settings: Settings, spatial: int, temporal: int) -> ClipSpec:
@@ -296,6 +298,23 @@ class Wan(Encoding):
         output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
                                  torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
         return finish_sanity(output, report, remaining)
+
+    def rejects_advice(self, report: Any, plan: Plan) -> str:
+        """Clips too short for every bucket: the exact --resolution-buckets that would keep them."""
+        counts = [int(m.group(1)) for r in report.rejected_ids if r.get("reason") == "too_few_frames"
+                  for m in [_CLIP_FRAMES.search(r.get("detail", ""))] if m]
+        if not counts:
+            return ""
+        temporal = plan.settings["encoders"]["temporal_factor"]
+        frames = 1 + (min(counts) - 1) // temporal * temporal
+        buckets = list(plan.settings["video"]["buckets"])
+        sizes = dict.fromkeys(name.rsplit("x", 1)[0] for name in buckets)
+        added = [f"{size}x{frames}" for size in sizes if f"{size}x{frames}" not in buckets]
+        spec = ";".join(buckets + added)
+        short = report.by_reason.get("too_few_frames", len(counts))
+        return (f"`add a shorter bucket`: {short} clips are shorter than every bucket (the shortest has "
+                f"{min(counts)} frames). To keep them, re-run with `--resolution-buckets \"{spec}\"` and "
+                "`--on-existing overwrite` (other settings: a new fingerprint), or accept and train without them.")
 
     def oom_advice(self, settings: Settings, loaded: WanEncoders) -> str:
         return (f"use smaller or shorter --resolution-buckets (now {settings.video.resolution_buckets}), "
