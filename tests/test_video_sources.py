@@ -432,3 +432,84 @@ def test_metadata_flags_reach_the_settings() -> None:
     assert Settings(source=overrides_from(args)["source"]).source.video_key == "clip"
     assert overrides_from(build_parser().parse_args(["encode", "--video-key", "webm"])) == {
         "source": {"video_key": "webm"}}
+
+
+# --- webdataset: clip members -----------------------------------------------------------------------
+
+
+def make_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+JPG = image_bytes(1, "JPEG")
+MOV, MKV = clip("mov", 20), clip("mkv", 30)
+
+
+def write_clip_shards(folder: Path) -> Path:
+    make_tar(folder / "clips-000.tar", [
+        ("a.mp4", MP4), ("a.txt", b" clip a \n"),
+        ("b.WEBM", WEBM), ("b.json", b'{"prompt": "from json"}'),
+        ("thumb.jpg", JPG), ("thumb.mp4", MP4), ("thumb.txt", b"clip with a thumbnail"),
+        ("d/c.mov", MOV), ("d/c.txt", b"nested mov"),
+        ("e.mkv", MKV), ("e.caption", b"mkv"),
+        ("pic.jpg", JPG), ("pic.txt", b"still an image"),
+        ("nocap.mp4", MP4), ("bad.webm", WEBM), ("bad.txt", b"ok\xc3("), ("nomedia.txt", b"text only"),
+        ("dup.mp4", MP4), ("dup.MP4", MP4), ("dup.txt", b"d"),
+        ("x.001.mp4", MP4), ("x.001.txt", b"dotted"),
+    ])
+    make_tar(folder / "clips-001.tar", [("a.mp4", clip("mp4", 200)), ("a.txt", b"second shard")])
+    return folder
+
+
+def wds(pattern: str, **fields) -> Source:
+    return open_source(SourceConfig(type="webdataset", input_path=pattern, **fields))
+
+
+def test_webdataset_clip_members(tmp_path: Path) -> None:
+    folder = write_clip_shards(tmp_path / "shards")
+    source = wds(str(folder / "*.tar"))
+    samples = read_all(source)
+    s0 = "clips-000.tar/"
+    assert [(s.video, s.image, s.caption) for s in (samples[s0 + "a"], samples[s0 + "b"], samples[s0 + "e"])] == [
+        (MP4, None, "clip a"), (WEBM, None, "from json"), (MKV, None, "mkv")]
+    assert (samples[s0 + "d/c"].video, samples[s0 + "d/c"].caption) == (MOV, "nested mov")
+    assert (samples[s0 + "thumb"].video, samples[s0 + "thumb"].image) == (MP4, None)  # the clip, not its thumbnail
+    assert (samples[s0 + "pic"].image, samples[s0 + "pic"].video) == (JPG, None)  # image samples are unchanged
+    assert samples["clips-001.tar/a"].caption == "second shard"
+    assert {k[len(s0):]: reason(s) for k, s in samples.items() if reason(s)} == {
+        "nocap": "missing_caption", "bad": "caption_decode_error", "nomedia": "missing_image",
+        "dup": "duplicate_member", "x": "missing_image",
+    }
+    assert samples[s0 + "nocap"].video == MP4 and samples[s0 + "bad"].video == WEBM  # kept for the report
+    assert "no image or clip member; members are ['txt']" in samples[s0 + "nomedia"].reject.detail
+    assert source.describe()["video_key"] is None
+
+    # Named members: only those are looked at, the clip's first.
+    dotted = read_all(wds(str(folder / "clips-000.tar"), video_key="001.MP4", caption_key="001.txt"))
+    assert (dotted[s0 + "x"].video, dotted[s0 + "x"].caption) == (MP4, "dotted")
+    assert "no '001.mp4' member" in dotted[s0 + "a"].reject.detail
+    thumbs = read_all(wds(str(folder / "clips-000.tar"), image_key="jpg"))
+    assert (thumbs[s0 + "thumb"].image, thumbs[s0 + "thumb"].video) == (JPG, None)
+    assert reason(thumbs[s0 + "a"]) == "missing_image"
+    both = read_all(wds(str(folder / "clips-000.tar"), video_key="mp4", image_key="jpg"))
+    assert (both[s0 + "thumb"].video, both[s0 + "pic"].image, reason(both[s0 + "b"])) == (MP4, JPG, "missing_image")
+    assert wds(str(folder / "clips-000.tar"), video_key="MP4").describe()["video_key"] == "mp4"
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_webdataset_clips_from_a_bucket_equal_local(admin, proxy, tmp_path: Path) -> None:
+    folder = write_clip_shards(tmp_path / "shards")
+    prefix = unique_prefix()
+    upload(admin, folder, prefix)
+    local = read_all(wds(str(folder / "*.tar")))
+    remote = read_all(wds(f"s3://{BUCKET}/{prefix}*.tar", s3_endpoint_url=proxy.url))
+    assert list(remote) == list(local)
+    assert {i: outcome(s) for i, s in remote.items()} == {i: outcome(s) for i, s in local.items()}
+    assert remote["clips-000.tar/thumb"].video == MP4

@@ -40,7 +40,8 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
                 "s3://bucket/shards/*.tar"
             )
         return WebDatasetSource(cfg.input_path, image_key=cfg.image_key, caption_key=cfg.caption_key,
-                                s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
+                                video_key=cfg.video_key, s3_endpoint_url=cfg.s3_endpoint_url,
+                                s3_profile=cfg.s3_profile)
     if cfg.type == "metadata":
         if not cfg.metadata_file:
             raise SourceError(
