@@ -513,3 +513,99 @@ def test_webdataset_clips_from_a_bucket_equal_local(admin, proxy, tmp_path: Path
     assert list(remote) == list(local)
     assert {i: outcome(s) for i, s in remote.items()} == {i: outcome(s) for i, s in local.items()}
     assert remote["clips-000.tar/thumb"].video == MP4
+
+
+# --- huggingface: a Video column --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+def hf_video_dataset(tmp_path: Path):
+    """Rows of clips (bytes, a local path, none) with a thumbnail Image column beside them."""
+    import datasets
+
+    write(tmp_path / "files/b.webm", WEBM)
+    features = datasets.Features({"video": datasets.Video(), "thumb": datasets.Image(),
+                                  "text": datasets.Value("string")})
+    rows = {
+        "video": [{"bytes": MP4, "path": None}, str(tmp_path / "files/b.webm"), None, {"bytes": MKV, "path": None}],
+        "thumb": [Image.new("RGB", (8, 8), (i * 50, 0, 0)) for i in range(4)],
+        "text": [" clip a ", "clip b", "no clip", None],
+    }
+    return datasets.Dataset.from_dict(rows, features=features)
+
+
+def hf(dataset: str, **fields) -> Source:
+    return open_source(SourceConfig(type="huggingface", hf_dataset=dataset, **fields))
+
+
+def check_hf_clips(samples: dict[str, SourceSample]) -> None:
+    assert [(s.video, s.image, s.caption, reason(s)) for s in samples.values()] == [
+        (MP4, None, "clip a", None), (WEBM, None, "clip b", None), (None, None, None, "missing_video"),
+        (MKV, None, None, "missing_caption")]
+
+
+@pytest.mark.usefixtures("hf_cache")
+def test_hf_video_column_is_read_undecoded(tmp_path: Path) -> None:
+    hf_video_dataset(tmp_path).save_to_disk(str(tmp_path / "saved"))
+    source = hf(str(tmp_path / "saved"))
+    # The Video feature is read as {bytes, path}: no video decoder (torchcodec) is needed, or made.
+    assert (source.video_key, source.image_key, source.caption_key) == ("video", None, "text")
+    samples = read_all(source)
+    check_hf_clips(samples)
+    assert "no video in 'video'" in samples["train/2"].reject.detail
+    assert source.describe()["video_key"] == "video" and source.describe()["image_key"] is None
+    # The image column is read instead when named.
+    thumbs = read_all(hf(str(tmp_path / "saved"), image_key="thumb"))
+    assert thumbs["train/2"].image is not None and thumbs["train/2"].video is None
+    assert Image.open(io.BytesIO(thumbs["train/1"].image)).getpixel((0, 0)) == (50, 0, 0)
+
+
+@pytest.mark.usefixtures("hf_cache")
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_video_parquet_mapped_and_streaming(tmp_path: Path, streaming: bool) -> None:
+    hf_video_dataset(tmp_path).to_parquet(str(tmp_path / "rows.parquet"))
+    source = hf("parquet", hf_data_files=str(tmp_path / "rows.parquet"), hf_streaming=streaming)
+    assert source.describe()["streaming"] is streaming and source.video_key == "video"
+    check_hf_clips(read_all(source))
+    assert [s.video for s in source.read(["train/3", "train/0"])] == [MKV, MP4]
+
+
+@pytest.mark.usefixtures("hf_cache")
+def test_hf_video_columns_by_name_and_path(tmp_path: Path) -> None:
+    import datasets
+
+    write(tmp_path / "c.mov", MOV)
+    plain = tmp_path / "plain"
+    datasets.Dataset.from_dict({"mp4": [str(tmp_path / "c.mov"), str(tmp_path / "gone.mp4"), None],
+                                "clip": [MP4, None, b""], "n": [1, 2, 3],
+                                "caption": ["c", "gone", "none"]}).save_to_disk(str(plain))
+    samples = read_all(hf(str(plain)))  # a column named mp4 holding paths
+    assert [(s.video, reason(s)) for s in samples.values()] == [
+        (MOV, None), (None, "missing_video"), (None, "missing_video")]
+    assert "video path" in samples["train/1"].reject.detail and "is not a file" in samples["train/1"].reject.detail
+    by_bytes = read_all(hf(str(plain), video_key="clip"))  # a named column of bytes
+    assert [(s.video, s.caption) for s in by_bytes.values()][0] == (MP4, "c")
+    numbers = read_all(hf(str(plain), video_key="n"))
+    assert reason(numbers["train/0"]) == "unsupported_video_value"
+    assert "datasets.Video feature" in numbers["train/0"].reject.detail
+    with pytest.raises(SourceError, match=r"source.video_key 'movie' matches no column"):
+        hf(str(plain), video_key="movie")
+
+
+@pytest.mark.usefixtures("hf_cache")
+def test_hf_videofolder_reads_clip_files_by_path(tmp_path: Path) -> None:
+    import json
+
+    root = tmp_path / "videofolder"
+    write(root / "0.mp4", MP4)
+    write(root / "1.mov", MOV)  # (datasets takes .webm files for audio)
+    write(root / "metadata.jsonl", "".join(json.dumps({"file_name": name, "text": f"t{i}"}) + "\n"
+                                           for i, name in enumerate(["0.mp4", "1.mov"])))
+    samples = read_all(hf(str(root)))
+    assert sorted((s.caption, s.video) for s in samples.values()) == [("t0", MP4), ("t1", MOV)]
