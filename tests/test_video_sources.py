@@ -278,8 +278,8 @@ def test_metadata_json_jsonl_and_csv_give_the_same_samples(tmp_path: Path) -> No
     assert "dataset.json row 6: the row" not in json_samples["clips/b.webm#6"].reject.detail
     assert f"{folder / 'dataset.json'} row 6 column 'caption'" in json_samples["clips/b.webm#6"].reject.detail
     assert source.describe() == {"type": "metadata", "metadata_file": str(folder / "dataset.json"),
-                                 "caption_key": "caption", "video_key": "media_path", "s3_endpoint_url": None,
-                                 "s3_profile": None}
+                                 "caption_key": "caption", "image_key": None, "video_key": "media_path",
+                                 "s3_endpoint_url": None, "s3_profile": None}
     jsonl = read_all(metadata(folder / "dataset.jsonl"))
     check_rows(jsonl, folder)
     assert "row 6 (line 11)" in jsonl["clips/b.webm#6"].reject.detail
@@ -311,6 +311,8 @@ def test_metadata_columns_default_and_rename(tmp_path: Path) -> None:
     images = read_all(metadata(folder / "image.json"))
     assert images["pics/raw"].image == image_bytes(3) and images["pics/raw"].video is None
     assert images["clips/b.webm"].video == WEBM
+    description = metadata(folder / "image.json").describe()
+    assert (description["image_key"], description["video_key"]) == ("image", None)  # reopens as an image column
     # `video` wins over `media_path` and `image` when the file has several; an explicit column wins over all.
     both = [{"video": "clips/a.mp4", "media_path": "clips/b.webm", "image": "pics/p.png", "text": "t",
              "caption": "c"}]

@@ -175,10 +175,12 @@ class HuggingFaceSource:
         """``(image_key, video_key)``: the column the media come from is the video one when it is not None."""
         if cfg.video_key or cfg.image_key:
             return cfg.image_key, cfg.video_key
-        for kind, names in ((datasets.Video, VIDEO_COLUMNS), (datasets.Image, IMAGE_COLUMNS)):
-            for name, feature in (features or {}).items():
-                if isinstance(feature, kind):
-                    return (None, name) if kind is datasets.Video else (name, None)
+        for name, feature in (features or {}).items():  # a Video feature first: an Image beside it is a thumbnail
+            if isinstance(feature, datasets.Video):
+                return None, name
+        for name, feature in (features or {}).items():
+            if isinstance(feature, datasets.Image):
+                return name, None
         for name in VIDEO_COLUMNS:
             if name in columns:
                 return None, name

@@ -203,19 +203,19 @@ class MetadataSource:
         if records or columns:
             self.caption_key = _column(caption_key, "caption_key", (CAPTION_COLUMN,), columns, where, "caption",
                                        "--caption-column")
-            self.video_key = _column(video_key or image_key, "video_key" if video_key else "image_key", MEDIA_COLUMNS,
-                                     columns, where, "media path", "--video-column")
+            self.media_key = _column(video_key or image_key, "video_key" if video_key else "image_key",
+                                     MEDIA_COLUMNS, columns, where, "media path", "--video-column")
         else:  # an empty list: no rows, nothing to check
-            self.caption_key, self.video_key = caption_key or CAPTION_COLUMN, video_key or image_key or MEDIA_COLUMNS[0]
+            self.caption_key, self.media_key = caption_key or CAPTION_COLUMN, video_key or image_key or MEDIA_COLUMNS[0]
         self.columns = columns
         # Paths with neither an image nor a video extension are images only in an image column.
-        self._column_is_image = not video_key and (bool(image_key) or self.video_key == IMAGE_COLUMN)
+        self._column_is_image = not video_key and (bool(image_key) or self.media_key == IMAGE_COLUMN)
 
         self._rows: list[_Row] = []
         self._by_id: dict[str, int] = {}
         self._ids: list[str] = []
         for number, (line, record) in enumerate(records, start=1):
-            row = _Row(number, line, record.get(self.video_key, _ABSENT), record.get(self.caption_key, _ABSENT))
+            row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT))
             source_id = self._id_of(row)
             self._by_id[source_id] = len(self._rows)
             self._rows.append(row)
@@ -248,7 +248,9 @@ class MetadataSource:
             "type": "metadata",
             "metadata_file": self.metadata_file,
             "caption_key": self.caption_key,
-            "video_key": self.video_key,
+            # The media column under the setting that reopens it as the same kind of column.
+            "image_key": self.media_key if self._column_is_image else None,
+            "video_key": None if self._column_is_image else self.media_key,
             "s3_endpoint_url": self._endpoint_url,
             "s3_profile": self._profile,
         }
@@ -269,10 +271,10 @@ class MetadataSource:
         where = _where_row(self.metadata_file, row)
         media = row.media
         if media is _ABSENT or media is None or media == "":
-            return rejected(source_id, "missing_media", f"{where}: no path in column {self.video_key!r}")
+            return rejected(source_id, "missing_media", f"{where}: no path in column {self.media_key!r}")
         if not isinstance(media, str):
             return rejected(source_id, "invalid_media_path",
-                            f"{where}: column {self.video_key!r} holds a {type(media).__name__}, not a path")
+                            f"{where}: column {self.media_key!r} holds a {type(media).__name__}, not a path")
         is_video = is_video_name(media) or (not is_image_name(media) and not self._column_is_image)
         try:
             data = self._read_media(media, where)

@@ -35,7 +35,9 @@ is a clip sample (``SourceSample.video``), even beside an image member, which is
 then taken for a thumbnail; else the first of jpg, jpeg, png, webp is its image.
 ``source.video_key`` / ``source.image_key`` (extensions) name the members
 instead: only the named ones are looked at, the clip's first. A sample with
-none of them is a ``missing_image`` reject naming its members. Caption: ``source.caption_key`` (an extension such as ``txt``, or
+none of them is a ``missing_image`` reject naming its members.
+
+Caption: ``source.caption_key`` (an extension such as ``txt``, or
 ``json.prompt`` for a field of the json member), else txt, then caption, then
 the json member's caption, text or prompt field.
 """
@@ -325,8 +327,7 @@ class WebDatasetSource:
         if media is None:
             return rejected(source_id, "missing_image",
                             f"{where}: no {self._media_wanted()} member; members are {sorted(parts)}")
-        ext, data = media
-        is_video = ext == self.video_key or (not self.image_key and ext in VIDEO_EXTENSIONS)
+        is_video, data = media
 
         def sample_of(caption: str | None, error: RejectError | None = None) -> SourceSample:
             if is_video:
@@ -338,14 +339,13 @@ class WebDatasetSource:
         except RejectError as exc:
             return sample_of(None, exc)
 
-    def _media(self, parts: dict[str, bytes]) -> tuple[str, bytes] | None:
-        """``(extension, bytes)`` of the sample's clip or image member: the named ones, else clips, then images."""
+    def _media(self, parts: dict[str, bytes]) -> tuple[bool, bytes] | None:
+        """``(is a clip, bytes)`` of the sample's clip or image member: the named ones, else clips, then images."""
         if self.video_key or self.image_key:
-            wanted = [key for key in (self.video_key, self.image_key) if key]
+            wanted = [(key, is_video) for key, is_video in ((self.video_key, True), (self.image_key, False)) if key]
         else:
-            wanted = [*VIDEO_EXTENSIONS, *IMAGE_EXTENSIONS]
-        ext = next((e for e in wanted if e in parts), None)
-        return None if ext is None else (ext, parts[ext])
+            wanted = [(ext, True) for ext in VIDEO_EXTENSIONS] + [(ext, False) for ext in IMAGE_EXTENSIONS]
+        return next(((is_video, parts[ext]) for ext, is_video in wanted if ext in parts), None)
 
     def _media_wanted(self) -> str:
         if self.video_key or self.image_key:
