@@ -302,8 +302,10 @@ def test_metadata_columns_default_and_rename(tmp_path: Path) -> None:
     import json
 
     folder = write_media(tmp_path)
-    (folder / "video.jsonl").write_text(json.dumps({"video": "clips/a.mp4", "caption": "v"}) + "\n")
-    assert read_all(metadata(folder / "video.jsonl"))["clips/a.mp4"].video == MP4
+    (folder / "video.jsonl").write_bytes(
+        (json.dumps({"video": "clips/a.mp4", "caption": "v\u2028w"}, ensure_ascii=False) + "\r\n").encode())
+    video = read_all(metadata(folder / "video.jsonl"))["clips/a.mp4"]
+    assert (video.video, video.caption) == (MP4, "v\u2028w")  # CRLF lines; a U+2028 inside a caption is text
     # An image column: its paths are images, even without a known extension.
     write(folder / "pics/raw", image_bytes(3))
     (folder / "image.json").write_text(json.dumps([{"image": "pics/raw", "caption": "i"},

@@ -117,7 +117,8 @@ def _parse_json(text: str, where: str) -> Iterator[tuple[int | None, dict]]:
 
 
 def _parse_jsonl(text: str, where: str) -> Iterator[tuple[int | None, dict]]:
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Split on newlines only: str.splitlines() also splits at U+2028 and others, which JSON strings may hold.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
