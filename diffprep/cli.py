@@ -30,6 +30,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--hf-streaming": ("source", "hf_streaming"),
     "--image-key": ("source", "image_key"),
     "--caption-key": ("source", "caption_key"),
+    "--metadata-file": ("source", "metadata_file"),
+    "--video-key": ("source", "video_key"),
     "--caption-template": ("source", "caption_template"),
     "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),
@@ -85,6 +87,8 @@ RAW_FLAGS: dict[str, tuple[str, str]] = {
 }
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling"}
 LIST_FLAGS = {"--hf-data-files"}
+# Second names of a flag: the LTX trainer's names for the metadata file's columns.
+FLAG_ALIASES = {"--caption-key": ("--caption-column",), "--video-key": ("--video-column",)}
 
 
 def _add_encode_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str]] = ENCODE_FLAGS) -> None:
@@ -96,13 +100,14 @@ def _add_encode_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[st
         info = SECTIONS[section].model_fields[key]
         help_text = f"{info.description} [{section}.{key}]".replace("%", "%%")  # argparse formats help with %
         dest = f"{section}.{key}"
+        names = (flag, *FLAG_ALIASES.get(flag, ()))
         if flag in BOOLEAN_FLAGS:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)
         elif flag in LIST_FLAGS:
             parser.add_argument(flag, dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=help_text)
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from diffprep.errors import ConfigError
 
-SourceType = Literal["directory", "huggingface", "webdataset"]
+SourceType = Literal["directory", "huggingface", "webdataset", "metadata"]
 Precision = Literal["bf16", "fp16", "fp32"]
 LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
@@ -36,9 +36,12 @@ class _Section(BaseModel):
 
 
 class SourceConfig(_Section):
-    type: SourceType | None = Field(None, description="Where samples come from: directory | huggingface | webdataset.")
+    type: SourceType | None = Field(
+        None, description="Where samples come from: directory | huggingface | webdataset | metadata."
+    )
     input_dir: str | None = Field(
-        None, description="directory: a folder (or s3://bucket/prefix) with images/ and captions/ paired by file stem."
+        None, description="directory: a folder (or s3://bucket/prefix) with images/ and/or videos/, and captions/, "
+        "paired by file stem."
     )
     hf_dataset: str | None = Field(None, description="huggingface: hub name or local path of the dataset.")
     hf_split: str = Field("train", description="huggingface: split to read.")
@@ -47,6 +50,15 @@ class SourceConfig(_Section):
     hf_streaming: bool = Field(False, description="huggingface: stream rows instead of preparing the dataset locally.")
     image_key: str | None = Field(None, description="Column (or dotted path) holding the image; auto-detected when unset.")
     caption_key: str | None = Field(None, description="Column (or dotted path, e.g. json.prompt) holding the caption; auto-detected when unset.")
+    # Video sources: a metadata file (the LTX trainer's dataset.json convention) and the clip's column or member.
+    metadata_file: str | None = Field(
+        None, description="metadata: a JSON list, JSONL or CSV file (local or s3://) with a caption column and a "
+        "video / media_path / image column; paths are relative to the file's folder.",
+    )
+    video_key: str | None = Field(
+        None, description="Column (metadata, huggingface) or tar extension (webdataset) holding the clip; "
+        "auto-detected when unset.",
+    )
     caption_template: str | None = Field(
         None, description="huggingface: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
         "the class name). Unset: the class name alone. Text captions are kept as they are.",

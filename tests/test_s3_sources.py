@@ -141,7 +141,7 @@ def test_webdataset_from_bucket_equals_local(shards, proxy: FaultProxy) -> None:
     description = source.describe()
     assert description == {
         "type": "webdataset", "input_path": url + "*.tar", "base": url, "num_shards": 2, "image_key": None,
-        "caption_key": None, "s3_endpoint_url": proxy.url, "s3_profile": None,
+        "video_key": None, "caption_key": None, "s3_endpoint_url": proxy.url, "s3_profile": None,
     }
     no_secrets(json.dumps(description))
     # Listing streamed each shard once, and so did reading every id.

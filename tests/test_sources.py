@@ -195,7 +195,7 @@ def test_hf_save_to_disk_autodetects_keys(saved: Path) -> None:
     check_hf_rows(read_all(source))
     assert source.describe() == {
         "type": "huggingface", "dataset": str(saved), "split": "train", "data_files": None, "revision": None,
-        "streaming": False, "image_key": "image", "caption_key": "text", "caption_template": None,
+        "streaming": False, "image_key": "image", "video_key": None, "caption_key": "text", "caption_template": None,
         "class_names": None,
     }
     picked = list(source.read(["train/4", "train/0", "train/9"]))
@@ -248,7 +248,7 @@ def test_hf_unknown_keys_list_the_columns(saved: Path, tmp_path: Path) -> None:
         hf(str(saved), caption_key="prompt")
     plain = tmp_path / "plain"
     datasets.Dataset.from_dict({"pic": [b"x"], "words": ["w"]}).save_to_disk(str(plain))
-    with pytest.raises(SourceError, match=r"no image column found.*\['pic', 'words'\]"):
+    with pytest.raises(SourceError, match=r"no image or video column found.*\['pic', 'words'\]"):
         hf(str(plain))
     with pytest.raises(SourceError, match=r"no caption column found.*\['pic', 'words'\]"):
         hf(str(plain), image_key="pic")

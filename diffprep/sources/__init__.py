@@ -3,7 +3,8 @@
 ``open_source(cfg)`` picks the reader for ``cfg.type``. Every reader lists ids
 lazily and reads a contiguous run of them at a time, so memory stays bounded by
 one work unit, never the dataset. The directory and webdataset readers also
-read ``s3://`` URLs (``diffprep.storage``), streamed, never copied to disk.
+read ``s3://`` URLs (``diffprep.storage``), streamed, never copied to disk; so
+does the metadata-file reader, for the file and the media it names.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from diffprep.config import SourceConfig
 from diffprep.errors import SourceError
 from diffprep.sources.base import Source, SourceSample
 from diffprep.sources.directory import DirectorySource
+from diffprep.sources.metadata import MetadataSource
 from diffprep.sources.webdataset import WebDatasetSource
 
-SOURCE_TYPES = ("directory", "huggingface", "webdataset")
+SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata")
 
 
 def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
@@ -38,13 +40,23 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
                 "s3://bucket/shards/*.tar"
             )
         return WebDatasetSource(cfg.input_path, image_key=cfg.image_key, caption_key=cfg.caption_key,
-                                s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
+                                video_key=cfg.video_key, s3_endpoint_url=cfg.s3_endpoint_url,
+                                s3_profile=cfg.s3_profile)
+    if cfg.type == "metadata":
+        if not cfg.metadata_file:
+            raise SourceError(
+                "source.metadata_file is not set: give a JSON, JSONL or CSV file listing media paths and captions, "
+                "e.g. /data/dataset.json or s3://bucket/dataset.json"
+            )
+        return MetadataSource(cfg.metadata_file, caption_key=cfg.caption_key, video_key=cfg.video_key,
+                              image_key=cfg.image_key, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
     raise SourceError(f"source.type is {cfg.type!r}; set it to one of {list(SOURCE_TYPES)}")
 
 
 __all__ = [
     "SOURCE_TYPES",
     "DirectorySource",
+    "MetadataSource",
     "Source",
     "SourceSample",
     "WebDatasetSource",

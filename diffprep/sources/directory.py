@@ -259,7 +259,7 @@ class _S3Folder:
 
 
 class DirectorySource:
-    """Reads ``images/`` and ``videos/`` + ``captions/`` paired by file stem, on disk or in a bucket (see the module docstring)."""
+    """``images/`` and ``videos/`` with ``captions/`` paired by file stem, on disk or in a bucket (module docstring)."""
 
     def __init__(self, input_dir: str, *, s3_endpoint_url: str | None = None, s3_profile: str | None = None) -> None:
         if is_s3_url(input_dir):

@@ -5,6 +5,14 @@ Ids are ``<split>/<row index>``. The image column is read undecoded
 bytes; when a row stores only a path (or the column holds path strings), that
 local file is read.
 
+A dataset of clips has a video column instead: ``source.video_key``, else the
+first ``datasets.Video`` feature, else the first column named one of
+``VIDEO_COLUMNS``; its rows become clip samples (``SourceSample.video``). It is
+read undecoded too (``datasets.Video(decode=False)``: the file's bytes or its
+path, never a torchcodec decoder), so no video decoder is needed to list or read
+it. When a dataset has both, the video column is the media (an image beside a
+clip is taken for a thumbnail); ``source.image_key`` alone picks the image column.
+
 Non-streaming (the default) the split is a memory-mapped Arrow table: listing
 is ``range(num_rows)`` and ``read`` selects the requested rows by index,
 never the whole table. A ``save_to_disk`` folder is always read this way (it is
@@ -17,7 +25,7 @@ before ``a`` (row groups may be skipped for parquet), so reading a whole
 dataset unit by unit costs up to units/2 passes over the data; prefer the
 non-streaming mode when the dataset fits on local disk.
 
-Keys (``source.image_key`` / ``source.caption_key``) name a column, or a dotted
+Keys (``source.image_key`` / ``source.video_key`` / ``source.caption_key``) name a column, or a dotted
 path into a column holding a dict or a JSON string (``json.prompt``). Unset,
 the image column is the first ``datasets.Image`` feature, else the first column
 named one of ``IMAGE_COLUMNS``; the caption column is the first named one of
@@ -50,6 +58,7 @@ from diffprep.sources.base import (
 )
 
 IMAGE_COLUMNS = ("image", "img", "jpg", "jpeg", "png", "webp")
+VIDEO_COLUMNS = ("video", "mp4", "webm", "clip")
 CAPTION_COLUMNS = ("text", "caption", "prompt", "txt", "captions", "prompts", "texts", "description", "alt_text")
 
 
@@ -86,9 +95,13 @@ class HuggingFaceSource:
         self.streaming = isinstance(dataset, datasets.IterableDataset)
 
         columns, features = self._columns_and_features(dataset)
-        self.image_key = cfg.image_key or self._detect_image_key(columns, features)
+        self.image_key, self.video_key = self._media_keys(cfg, columns, features)
         self.caption_key = cfg.caption_key or self._detect_caption_key(columns, features)
-        self._image_column, self._image_path = _resolve_key(self.image_key, columns, "image_key")
+        self.is_video = self.video_key is not None
+        media_key = self.video_key or self.image_key
+        assert media_key is not None
+        self._media_name = "video" if self.is_video else "image"
+        self._media_column, self._media_path = _resolve_key(media_key, columns, f"{self._media_name}_key")
         self._caption_column, self._caption_path = _resolve_key(self.caption_key, columns, "caption_key")
         self.class_names = self._class_names(cfg, features)
         self.caption_template = cfg.caption_template or "{label}"
@@ -100,9 +113,12 @@ class HuggingFaceSource:
             raise SourceError(f"source.caption_template {cfg.caption_template!r} must hold {{label}} (the class name) "
                               "and no other {...} field, e.g. 'a photo of a {label}'")
 
-        if features is not None and isinstance(features.get(self._image_column), datasets.Image):
-            dataset = dataset.cast_column(self._image_column, datasets.Image(decode=False))
-        self._dataset = dataset.select_columns(list(dict.fromkeys([self._image_column, self._caption_column])))
+        feature = features.get(self._media_column) if features is not None else None
+        if isinstance(feature, datasets.Image):
+            dataset = dataset.cast_column(self._media_column, datasets.Image(decode=False))
+        elif isinstance(feature, datasets.Video):  # decoding would need torchcodec and give a decoder, not bytes
+            dataset = dataset.cast_column(self._media_column, datasets.Video(decode=False))
+        self._dataset = dataset.select_columns(list(dict.fromkeys([self._media_column, self._caption_column])))
 
     def _load_from_disk(self, path: str) -> datasets.Dataset:
         if self._cfg.hf_revision or self._cfg.hf_data_files:
@@ -154,17 +170,27 @@ class HuggingFaceSource:
         return list(first), None
 
     @staticmethod
-    def _detect_image_key(columns: list[str], features: datasets.Features | None) -> str:
-        if features is not None:
-            for name, feature in features.items():
-                if isinstance(feature, datasets.Image):
-                    return name
+    def _media_keys(cfg: SourceConfig, columns: list[str],
+                    features: datasets.Features | None) -> tuple[str | None, str | None]:
+        """``(image_key, video_key)``: the column the media come from is the video one when it is not None."""
+        if cfg.video_key or cfg.image_key:
+            return cfg.image_key, cfg.video_key
+        for name, feature in (features or {}).items():  # a Video feature first: an Image beside it is a thumbnail
+            if isinstance(feature, datasets.Video):
+                return None, name
+        for name, feature in (features or {}).items():
+            if isinstance(feature, datasets.Image):
+                return name, None
+        for name in VIDEO_COLUMNS:
+            if name in columns:
+                return None, name
         for name in IMAGE_COLUMNS:
             if name in columns:
-                return name
+                return name, None
         raise SourceError(
-            f"no image column found (no datasets.Image feature, none named {list(IMAGE_COLUMNS)}); "
-            f"set source.image_key to one of the columns {columns}"
+            f"no image or video column found (no datasets.Image or datasets.Video feature, none named "
+            f"{list(IMAGE_COLUMNS)} or {list(VIDEO_COLUMNS)}); set source.image_key or source.video_key to one of "
+            f"the columns {columns}"
         )
 
     def _class_names(self, cfg: SourceConfig, features: datasets.Features | None) -> list[str] | None:
@@ -204,6 +230,7 @@ class HuggingFaceSource:
             "revision": self._cfg.hf_revision,
             "streaming": self.streaming,
             "image_key": self.image_key,
+            "video_key": self.video_key,
             "caption_key": self.caption_key,
             "caption_template": self._cfg.caption_template,
             "class_names": self._cfg.class_names,
@@ -254,9 +281,15 @@ class HuggingFaceSource:
     def _sample(self, source_id: str, row: dict) -> SourceSample:
         where = f"{self.dataset_name} {source_id}"
         try:
-            image = self._image_bytes(lookup_path(row[self._image_column], self._image_path), where)
+            media = self._media_bytes(lookup_path(row[self._media_column], self._media_path), where)
         except RejectError as exc:
             return SourceSample(source_id, None, None, exc)
+
+        def sample_of(caption: str | None, error: RejectError | None = None) -> SourceSample:
+            if self.is_video:
+                return SourceSample(source_id, None, caption, error, video=media)
+            return SourceSample(source_id, media, caption, error)
+
         try:
             value = lookup_path(row[self._caption_column], self._caption_path)
             if is_missing(value):
@@ -266,8 +299,8 @@ class HuggingFaceSource:
             else:
                 caption = normalize_caption(value, f"{where} {self.caption_key!r}")
         except RejectError as exc:
-            return SourceSample(source_id, image, None, exc)
-        return SourceSample(source_id, image, caption)
+            return sample_of(None, exc)
+        return sample_of(caption)
 
     def _label_caption(self, label: int, where: str) -> str:
         if self.class_names is None:
@@ -278,7 +311,9 @@ class HuggingFaceSource:
                          f"class names (0..{len(self.class_names) - 1})")
         return self.caption_template.format(label=self.class_names[label]).strip()
 
-    def _image_bytes(self, value: Any, where: str) -> bytes:
+    def _media_bytes(self, value: Any, where: str) -> bytes:
+        """The image's or clip's file bytes from a row's value: bytes, a {bytes, path} dict, or a local path."""
+        kind, key = self._media_name, self.video_key or self.image_key
         if isinstance(value, dict) and ("bytes" in value or "path" in value):
             if value.get("bytes") is not None:
                 return value["bytes"]
@@ -286,7 +321,7 @@ class HuggingFaceSource:
         if isinstance(value, bytes):
             return value
         if is_missing(value) or value is None:
-            raise reject("missing_image", f"{where}: no image in {self.image_key!r}")
+            raise reject(f"missing_{kind}", f"{where}: no {kind} in {key!r}")
         if isinstance(value, str):
             if os.path.isfile(value):
                 try:
@@ -294,9 +329,9 @@ class HuggingFaceSource:
                         return f.read()
                 except OSError as exc:
                     raise reject("source_read_error", f"{where}: {exc}") from None
-            raise reject("missing_image", f"{where}: image path {value!r} in {self.image_key!r} is not a file")
+            raise reject(f"missing_{kind}", f"{where}: {kind} path {value!r} in {key!r} is not a file")
         raise reject(
-            "unsupported_image_value",
-            f"{where}: {self.image_key!r} holds a {type(value).__name__}; expected image bytes, a path, "
-            f"or a datasets.Image feature",
+            f"unsupported_{kind}_value",
+            f"{where}: {key!r} holds a {type(value).__name__}; expected {kind} bytes, a path, "
+            f"or a datasets.{kind.capitalize()} feature",
         )

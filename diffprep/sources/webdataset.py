@@ -30,8 +30,14 @@ Member names are never used as file paths (nothing is extracted); a key with a
 ``..`` component or an absolute path is still listed, and read as an
 ``unsafe_member_path`` reject so it shows up in the audit.
 
-Image: ``source.image_key`` (an extension) or the first of jpg, jpeg, png,
-webp. Caption: ``source.caption_key`` (an extension such as ``txt``, or
+Media: a sample holding a clip member (mp4, webm, mov, mkv; the first of those)
+is a clip sample (``SourceSample.video``), even beside an image member, which is
+then taken for a thumbnail; else the first of jpg, jpeg, png, webp is its image.
+``source.video_key`` / ``source.image_key`` (extensions) name the members
+instead: only the named ones are looked at, the clip's first. A sample with
+none of them is a ``missing_image`` reject naming its members.
+
+Caption: ``source.caption_key`` (an extension such as ``txt``, or
 ``json.prompt`` for a field of the json member), else txt, then caption, then
 the json member's caption, text or prompt field.
 """
@@ -72,6 +78,7 @@ from diffprep.storage import (
 )
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv")
 CAPTION_EXTENSIONS = ("txt", "caption")
 JSON_CAPTION_FIELDS = ("caption", "text", "prompt")
 
@@ -196,7 +203,8 @@ class WebDatasetSource:
     """Samples of WebDataset tar shards on disk or in a bucket (see the module docstring)."""
 
     def __init__(self, input_path: str, image_key: str | None = None, caption_key: str | None = None, *,
-                 s3_endpoint_url: str | None = None, s3_profile: str | None = None) -> None:
+                 video_key: str | None = None, s3_endpoint_url: str | None = None,
+                 s3_profile: str | None = None) -> None:
         if is_s3_url(input_path):
             self._store: _LocalShards | _S3Shards = _S3Shards(input_path, s3_endpoint_url, s3_profile)
         elif "://" in input_path:
@@ -210,6 +218,7 @@ class WebDatasetSource:
         self.base = self._store.base
         self.shards = self._store.shards
         self.image_key = image_key.lower() if image_key else None
+        self.video_key = video_key.lower() if video_key else None
         self.caption_key = caption_key
 
     def describe(self) -> dict:
@@ -219,6 +228,7 @@ class WebDatasetSource:
             "base": self.base,
             "num_shards": len(self.shards),
             "image_key": self.image_key,
+            "video_key": self.video_key,
             "caption_key": self.caption_key,
         } | self._store.extra
 
@@ -313,15 +323,34 @@ class WebDatasetSource:
         if sample.duplicates:
             return rejected(source_id, "duplicate_member", f"{where}: repeated member(s) {sample.duplicates}")
         parts = sample.parts
-        image_ext = self.image_key or next((e for e in IMAGE_EXTENSIONS if e in parts), None)
-        if image_ext is None or image_ext not in parts:
-            return rejected(source_id, "missing_image", f"{where}: no image member; members are {sorted(parts)}")
-        image = parts[image_ext]
+        media = self._media(parts)
+        if media is None:
+            return rejected(source_id, "missing_image",
+                            f"{where}: no {self._media_wanted()} member; members are {sorted(parts)}")
+        is_video, data = media
+
+        def sample_of(caption: str | None, error: RejectError | None = None) -> SourceSample:
+            if is_video:
+                return SourceSample(source_id, None, caption, error, video=data)
+            return SourceSample(source_id, data, caption, error)
+
         try:
-            caption = self._caption(parts, where)
+            return sample_of(self._caption(parts, where))
         except RejectError as exc:
-            return SourceSample(source_id, image, None, exc)
-        return SourceSample(source_id, image, caption)
+            return sample_of(None, exc)
+
+    def _media(self, parts: dict[str, bytes]) -> tuple[bool, bytes] | None:
+        """``(is a clip, bytes)`` of the sample's clip or image member: the named ones, else clips, then images."""
+        if self.video_key or self.image_key:
+            wanted = [(key, is_video) for key, is_video in ((self.video_key, True), (self.image_key, False)) if key]
+        else:
+            wanted = [(ext, True) for ext in VIDEO_EXTENSIONS] + [(ext, False) for ext in IMAGE_EXTENSIONS]
+        return next(((is_video, parts[ext]) for ext, is_video in wanted if ext in parts), None)
+
+    def _media_wanted(self) -> str:
+        if self.video_key or self.image_key:
+            return " or ".join(repr(key) for key in (self.video_key, self.image_key) if key)
+        return "image or clip"
 
     def _caption(self, parts: dict[str, bytes], where: str) -> str:
         if self.caption_key:

@@ -1,0 +1,329 @@
+"""A metadata file listing media files and their captions: the LTX trainer's ``dataset.json`` convention.
+
+``source.metadata_file`` is a JSON list of objects (``.json``), one JSON object
+per line (``.jsonl``, blank lines skipped) or a CSV file with a header row
+(``.csv``), chosen by the file's extension; UTF-8, a leading BOM dropped. The
+file may be local or ``s3://bucket/prefix/dataset.json``.
+
+Columns: the caption is ``source.caption_key`` (``--caption-column``), default
+``caption``. The media path is ``source.video_key`` (``--video-column``), else
+``source.image_key``, else the first of ``video``, ``media_path``, ``image``
+that the file has. A column that is named but absent, or no caption or media
+column at all, is a ``SourceError`` naming the file and the columns it has; so
+is a file that does not parse (naming the line).
+
+Paths are resolved relative to the metadata file's folder, as the LTX trainer
+does (``clips/a.mp4`` beside ``/data/dataset.json`` is ``/data/clips/a.mp4``;
+beside ``s3://b/ds/dataset.json`` it is ``s3://b/ds/clips/a.mp4``). Absolute
+paths and ``s3://`` URLs are taken as they are (``/abs`` is a local path even
+in a bucket's metadata file); a relative path climbing out of the bucket is
+an ``invalid_media_path`` reject. A path with an image extension (jpg, jpeg,
+png, webp) gives an image sample, one with a video extension (mp4, webm, mov,
+mkv) a clip sample; any other path follows its column (``image``: an image,
+otherwise a clip, whose decoding then says what it is).
+
+Ids are the media path as written in the row (escaped as ids are everywhere,
+and ``#`` written ``%23``), in row order; a path that an earlier row already
+used gets ``#<row>`` appended (``clips/a.mp4#7``: the 7th row, counted from 1),
+and a row without a path is ``#<row>``. So ids stay the same when rows are
+appended, and a row's id does not move when rows before it change unless they
+hold the same path.
+
+A row is a reject, never dropped: no path (``missing_media``), a path that is
+not text (``invalid_media_path``), no file at the path (``media_not_found``),
+a file that cannot be read (``source_read_error``), no caption or a null one
+(``missing_caption``; an empty CSV cell or ``""`` is an empty caption, kept as
+in the other sources), a caption that is not text (``invalid_caption``). An
+id no row has any more (the file changed since planning) is ``source_missing``.
+Captions are normalized as in every source (``sources/base.py``).
+
+The file is read whole, once per opened source (the JSON form cannot be
+streamed, and ``read`` looks rows up by id); keep it to a few million rows, or
+use the directory or webdataset source for more.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import posixpath
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from diffprep.errors import RejectError, SourceError
+from diffprep.sources.base import (
+    SourceSample,
+    escape_id,
+    is_image_name,
+    is_video_name,
+    normalize_caption,
+    reject,
+    rejected,
+)
+from diffprep.storage import (
+    S3Url,
+    StorageUnavailableError,
+    is_s3_url,
+    parse_s3_url,
+    read_object,
+    s3_client,
+)
+
+METADATA_FORMATS = (".json", ".jsonl", ".csv")
+CAPTION_COLUMN = "caption"
+MEDIA_COLUMNS = ("video", "media_path", "image")  # the first one the file has, when none is named
+IMAGE_COLUMN = "image"
+DUPLICATE_MARK = "#"
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class _Row:
+    number: int  # 1-based position among the records
+    line: int | None  # the line the record starts on (JSONL, CSV), None in a JSON list
+    media: Any  # the media column's value, _ABSENT when the record lacks it
+    caption: Any  # the caption column's value, _ABSENT when the record lacks it
+
+
+def _where_row(file: str, row: _Row) -> str:
+    return f"{file} row {row.number}" + (f" (line {row.line})" if row.line is not None else "")
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise SourceError(f"{where}: line {line}: invalid UTF-8 at byte offset {exc.start} ({exc.reason}); "
+                          f"a metadata file must be UTF-8") from None
+
+
+def _parse_json(text: str, where: str) -> Iterator[tuple[int | None, dict]]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SourceError(f"{where}: line {exc.lineno} column {exc.colno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(value, list):
+        raise SourceError(f"{where}: expected a JSON list of objects (one per sample), got a {type(value).__name__}; "
+                          f"a file of one object per line must end in .jsonl")
+    for index, record in enumerate(value):
+        if not isinstance(record, dict):
+            raise SourceError(f"{where}: element {index + 1} of the list is a {type(record).__name__}, not an "
+                              f"object with columns")
+        yield None, record
+
+
+def _parse_jsonl(text: str, where: str) -> Iterator[tuple[int | None, dict]]:
+    # Split on newlines only: str.splitlines() also splits at U+2028 and others, which JSON strings may hold.
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SourceError(f"{where}: line {number} column {exc.colno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise SourceError(f"{where}: line {number} is a {type(record).__name__}, not an object with columns")
+        yield number, record
+
+
+def _parse_csv(text: str, where: str) -> tuple[list[str], Iterator[tuple[int | None, dict]]]:
+    reader = csv.DictReader(io.StringIO(text, newline=""), restkey=_ABSENT, restval=_ABSENT)  # type: ignore[arg-type]
+    try:
+        header = reader.fieldnames
+    except csv.Error as exc:
+        raise SourceError(f"{where}: line {reader.line_num}: not valid CSV ({exc})") from None
+    if not header:
+        raise SourceError(f"{where}: the CSV file is empty; its first line must name the columns "
+                          f"(e.g. {MEDIA_COLUMNS[0]},{CAPTION_COLUMN})")
+
+    def rows() -> Iterator[tuple[int | None, dict]]:
+        while True:
+            try:
+                record = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                raise SourceError(f"{where}: line {reader.line_num}: not valid CSV ({exc})") from None
+            line = reader.line_num  # where the record ends (a quoted cell may span lines)
+            if _ABSENT in record:
+                raise SourceError(f"{where}: line {line} has {len(header) + len(record[_ABSENT])} cells, the header "
+                                  f"{len(header)} ({header})")
+            yield line, {name: value for name, value in record.items() if value is not _ABSENT}
+
+    return list(header), rows()
+
+
+def _column(explicit: str | None, setting: str, defaults: Sequence[str], columns: list[str], where: str,
+            what: str, flag: str) -> str:
+    if explicit:
+        if explicit not in columns:
+            raise SourceError(f"{where}: source.{setting} {explicit!r} is not a column; the columns are {columns}")
+        return explicit
+    for name in defaults:
+        if name in columns:
+            return name
+    raise SourceError(f"{where}: no {what} column (looked for {list(defaults)}); the columns are {columns}; "
+                      f"name yours with {flag}")
+
+
+class MetadataSource:
+    """Rows of a JSON / JSONL / CSV metadata file naming media files and captions (see the module docstring)."""
+
+    def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
+                 image_key: str | None = None, s3_endpoint_url: str | None = None,
+                 s3_profile: str | None = None) -> None:
+        self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
+        self._client = None
+        fmt = posixpath.splitext(metadata_file)[1].lower()
+        if fmt not in METADATA_FORMATS:
+            raise SourceError(f"source.metadata_file {metadata_file!r} must end in one of {list(METADATA_FORMATS)} "
+                              f"(a JSON list, one JSON object per line, or CSV with a header)")
+        if is_s3_url(metadata_file):
+            url = parse_s3_url(metadata_file, "source.metadata_file")
+            self.metadata_file = str(url)
+            self._s3_folder: S3Url | None = S3Url(url.bucket, posixpath.dirname(url.key))
+            self._local_folder = ""
+            data = self._read_metadata(lambda: read_object(self._s3(), url))
+        else:
+            self.metadata_file = os.path.abspath(os.path.expanduser(metadata_file))
+            self._s3_folder = None
+            self._local_folder = os.path.dirname(self.metadata_file)
+            data = self._read_metadata(lambda: _read_local(self.metadata_file))
+        where = self.metadata_file
+        text = _decode(data, where)
+        if fmt == ".csv":
+            columns, records = _parse_csv(text, where)
+            records = list(records)
+        else:
+            records = list(_parse_json(text, where) if fmt == ".json" else _parse_jsonl(text, where))
+            columns = list(dict.fromkeys(name for _, record in records for name in record))
+        if records or columns:
+            self.caption_key = _column(caption_key, "caption_key", (CAPTION_COLUMN,), columns, where, "caption",
+                                       "--caption-column")
+            self.media_key = _column(video_key or image_key, "video_key" if video_key else "image_key",
+                                     MEDIA_COLUMNS, columns, where, "media path", "--video-column")
+        else:  # an empty list: no rows, nothing to check
+            self.caption_key, self.media_key = caption_key or CAPTION_COLUMN, video_key or image_key or MEDIA_COLUMNS[0]
+        self.columns = columns
+        # Paths with neither an image nor a video extension are images only in an image column.
+        self._column_is_image = not video_key and (bool(image_key) or self.media_key == IMAGE_COLUMN)
+
+        self._rows: list[_Row] = []
+        self._by_id: dict[str, int] = {}
+        self._ids: list[str] = []
+        for number, (line, record) in enumerate(records, start=1):
+            row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT))
+            source_id = self._id_of(row)
+            self._by_id[source_id] = len(self._rows)
+            self._rows.append(row)
+            self._ids.append(source_id)
+
+    def _read_metadata(self, read) -> bytes:
+        try:
+            return read()
+        except FileNotFoundError:
+            raise SourceError(f"source.metadata_file {self.metadata_file} does not exist") from None
+        except StorageUnavailableError:
+            raise
+        except OSError as exc:
+            raise SourceError(f"source.metadata_file {self.metadata_file}: cannot read it ({exc})") from None
+
+    def _id_of(self, row: _Row) -> str:
+        own = f"{DUPLICATE_MARK}{row.number}"
+        if not isinstance(row.media, str) or not row.media:
+            return own
+        base = escape_id(row.media).replace(DUPLICATE_MARK, "%23")
+        return base if base not in self._by_id else base + own
+
+    def _s3(self):
+        if self._client is None:
+            self._client = s3_client(self._endpoint_url, self._profile)
+        return self._client
+
+    def describe(self) -> dict:
+        return {
+            "type": "metadata",
+            "metadata_file": self.metadata_file,
+            "caption_key": self.caption_key,
+            # The media column under the setting that reopens it as the same kind of column.
+            "image_key": self.media_key if self._column_is_image else None,
+            "video_key": None if self._column_is_image else self.media_key,
+            "s3_endpoint_url": self._endpoint_url,
+            "s3_profile": self._profile,
+        }
+
+    def list_ids(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
+        for source_id in ids:
+            index = self._by_id.get(source_id)
+            if index is None:
+                yield rejected(source_id, "source_missing",
+                               f"no row of {self.metadata_file} gives this id any more (the file changed)")
+            else:
+                yield self._sample(source_id, self._rows[index])
+
+    def _sample(self, source_id: str, row: _Row) -> SourceSample:
+        where = _where_row(self.metadata_file, row)
+        media = row.media
+        if media is _ABSENT or media is None or media == "":
+            return rejected(source_id, "missing_media", f"{where}: no path in column {self.media_key!r}")
+        if not isinstance(media, str):
+            return rejected(source_id, "invalid_media_path",
+                            f"{where}: column {self.media_key!r} holds a {type(media).__name__}, not a path")
+        is_video = is_video_name(media) or (not is_image_name(media) and not self._column_is_image)
+        try:
+            data = self._read_media(media, where)
+        except RejectError as exc:
+            return SourceSample(source_id, None, None, exc)
+
+        def sample(caption: str | None, error: RejectError | None = None) -> SourceSample:
+            if is_video:
+                return SourceSample(source_id, None, caption, error, video=data)
+            return SourceSample(source_id, data, caption, error)
+
+        caption_where = f"{where} column {self.caption_key!r}"
+        if row.caption is _ABSENT:
+            return sample(None, reject("missing_caption", f"{caption_where}: the row has no caption"))
+        try:
+            return sample(normalize_caption(row.caption, caption_where))
+        except RejectError as exc:
+            return sample(None, exc)
+
+    def _read_media(self, media: str, where: str) -> bytes:
+        """The bytes of the file a row names, or a reject saying why not."""
+        if is_s3_url(media):
+            try:
+                location: str | S3Url = parse_s3_url(media, "the path")
+            except SourceError as exc:
+                raise reject("invalid_media_path", f"{where}: {exc}") from None
+        elif os.path.isabs(media):
+            location = media
+        elif self._s3_folder is not None:
+            key = posixpath.normpath(posixpath.join(self._s3_folder.key, media))
+            if key == ".." or key.startswith("../"):
+                raise reject("invalid_media_path",
+                             f"{where}: {media!r} leads out of the bucket {self._s3_folder.bucket}")
+            location = S3Url(self._s3_folder.bucket, key)
+        else:
+            location = os.path.join(self._local_folder, media)
+        try:
+            if isinstance(location, S3Url):
+                return read_object(self._s3(), location)
+            return _read_local(location)
+        except StorageUnavailableError:
+            raise  # the store, not the sample: the unit fails and its task can run again
+        except FileNotFoundError:
+            raise reject("media_not_found", f"{where}: {media!r} is not a file ({location})") from None
+        except OSError as exc:
+            raise reject("source_read_error", f"{where}: {location}: {exc}") from None
+
+
+def _read_local(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
