@@ -184,3 +184,16 @@ def test_too_short_clips_are_asked_about_with_the_exact_bucket_flag(tiny_wan, cl
     assert question.key == "rejected-samples"
     assert '--resolution-buckets "32x24x5;24x32x5;24x24x5;32x24x1;24x32x1;24x24x1"' in question.description
     assert "shortest has 3 frames" in question.description
+
+
+def test_a_metadata_file_with_paths_relative_to_it(tiny_wan, clips, tmp_path):
+    """The LTX trainer's dataset file: paths relative to the file's folder; a row whose file is gone is named."""
+    listing = clips / "dataset.jsonl"
+    listing.write_text(json.dumps({"caption": "a clip", "media_path": "videos/00001.mp4"}) + "\n"
+                       + json.dumps({"caption": "gone", "media_path": "videos/missing.mp4"}) + "\n")
+    settings = _settings(tmp_path / "out", clips, tiny_wan)
+    settings.source.type, settings.source.input_dir, settings.source.metadata_file = "metadata", None, str(listing)
+    result = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert result.samples == 1 and result.rejects_by_reason == {"media_not_found": 1}
+    [sample] = _samples(tmp_path / "out").values()
+    assert json.loads(sample["meta.json"])["bucket"] == [24, 32, 5]
