@@ -68,6 +68,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--max-size": ("image", "max_size"),
     "--max-pixels": ("image", "max_pixels"),
     "--decode-workers": ("image", "decode_workers"),
+    "--buckets": ("image", "buckets"),
     "--train-split": ("finalize", "train_split"),
     "--finalize": ("finalize", "enabled"),
     "--on-split-change": ("finalize", "on_split_change"),

@@ -153,6 +153,11 @@ class ImageConfig(_Section):
         (255, 255, 255), description="RGB colour that transparent pixels are composited on."
     )
     decode_workers: int = Field(2, ge=1, le=64, description="Threads decoding images while the encoders run.")
+    buckets: str | None = Field(
+        None, description="Aspect-ratio buckets instead of one square size: 'auto' (41 aspect ratios from 1:4 to 4:1 "
+        "at the area image_size², sides multiples of 16) or 'WxH,WxH,...'. Each image goes to the bucket of nearest "
+        "aspect ratio, resized to cover it and centre-cropped; a shard holds one bucket.",
+    )
 
     @model_validator(mode="after")
     def _multiples_of_16(self) -> "ImageConfig":
@@ -160,6 +165,8 @@ class ImageConfig(_Section):
             raise ValueError(f"image_size must be a multiple of 16, got {self.image_size}")
         if self.max_size % 16:
             raise ValueError(f"max_size must be a multiple of 16, got {self.max_size}")
+        if self.buckets and self.variable_size:
+            raise ValueError("buckets and variable_size are two ways to keep the aspect ratio: choose one")
         return self
 
 

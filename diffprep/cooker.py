@@ -29,9 +29,10 @@ Training-side usage::
         batch.caption, batch.meta   # lists
 
 Batches are stacked, never padded: samples of different latent sizes in one
-batch raise a ``ValueError``. For variable-size datasets, use ``batch_size=1``
-or subclass the task encoder and group samples by size with
-``batch_group_criterion``. Raw datasets load with ``FluxRawTaskEncoder``,
+batch raise a ``ValueError``. Aspect-bucketed (``--buckets``) and variable-size
+datasets load with ``FluxBucketedTaskEncoder``, which batches samples of one
+size together (Energon's ``batch_group_criterion``); video datasets with
+``VideoPreencodedTaskEncoder`` (one resolution bucket per batch). Raw datasets load with ``FluxRawTaskEncoder``,
 which yields the image file's bytes and the caption (decode and augment in
 your own ``encode_sample``).
 """
@@ -233,6 +234,14 @@ class FluxPreencodedTaskEncoder(
             caption=[sample.caption for sample in samples],
             meta=[sample.meta for sample in samples],
         )
+
+
+class FluxBucketedTaskEncoder(FluxPreencodedTaskEncoder):
+    """Loads an aspect-bucketed pre-encoded dataset (``--buckets``) for training: a batch holds samples of one
+    latent size only (Energon's ``batch_group_criterion``). Needs a ``batch_size``."""
+
+    def batch_group_criterion(self, sample: FluxPreencodedSample) -> tuple[tuple[int, ...], None]:
+        return tuple(sample.latents.shape), None  # None: the loader's batch_size for every bucket
 
 
 class FluxRawTaskEncoder(DefaultTaskEncoder[FluxRawSample, FluxRawSample, Any, Any]):

@@ -72,7 +72,7 @@ def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan 
               ) -> tuple[Iterable[str], Callable[[str], str | None] | None]:
     """The source's ids, and for a bucketing encoding (video) the bucket of each id the plan will add."""
     ids: Iterable[str] = source.list_ids()
-    if not get_encoding(encoding).bucketed:
+    if not get_encoding(encoding).bucketed(byte):
         return ids, None
     ids = list(ids)
     planned = {sid for unit in previous.units for sid in unit.source_ids} if previous else set()

@@ -42,6 +42,7 @@ import torch
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from diffprep.config import ImageConfig
+from diffprep.media.buckets import Bucket, choose_bucket, cover_box, parse_image_buckets
 from diffprep.errors import ConfigError, RejectError
 
 __all__ = ["ImageSpec", "PreparedImage", "target_size", "prepare_image", "to_model_input", "to_uint8", "psnr"]
@@ -76,6 +77,11 @@ class ImageSpec:
     scaled so its short side is 16 and its long side is center-cropped to at
     most ``max_size``.
 
+    Aspect-ratio buckets (``buckets``, sizes ``(W, H)`` or ``"WxH"``): the
+    output is the bucket of nearest aspect ratio (smallest |log aspect
+    difference|; ties to the larger area, then the earlier bucket), the image
+    resized to cover it and centre-cropped.
+
     Transparent pixels are composited over ``background`` (RGB, 0-255).
     """
 
@@ -85,6 +91,7 @@ class ImageSpec:
     max_size: int = 1024
     max_pixels: int = 89_478_485
     background: tuple[int, int, int] = (255, 255, 255)
+    buckets: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("image_size", "max_size"):
@@ -97,6 +104,10 @@ class ImageSpec:
         if len(background) != 3 or not all(isinstance(c, int) and 0 <= c <= 255 for c in background):
             raise ConfigError(f"image.background must be three integers in 0..255 (R, G, B), got {self.background!r}")
         object.__setattr__(self, "background", background)
+        sizes = tuple(tuple(int(v) for v in (b.split("x") if isinstance(b, str) else b)) for b in self.buckets)
+        if any(len(size) != 2 or min(size) < MULTIPLE or size[0] % MULTIPLE or size[1] % MULTIPLE for size in sizes):
+            raise ConfigError(f"image buckets must be WxH with sides multiples of {MULTIPLE}, got {self.buckets!r}")
+        object.__setattr__(self, "buckets", sizes)
 
     @classmethod
     def from_config(cls, cfg: ImageConfig) -> "ImageSpec":
@@ -107,7 +118,18 @@ class ImageSpec:
             max_size=cfg.max_size,
             max_pixels=cfg.max_pixels,
             background=tuple(cfg.background),
+            buckets=tuple((b.width, b.height) for b in image_buckets(cfg)),
         )
+
+
+def image_buckets(cfg: ImageConfig) -> list[Bucket]:
+    """The aspect-ratio buckets ``image.buckets`` asks for (``auto`` or ``WxH,...``); none when unset."""
+    return parse_image_buckets(cfg.buckets, cfg.image_size, MULTIPLE) if cfg.buckets else []
+
+
+def bucket_name(width: int, height: int) -> str:
+    """An image bucket as plan.json names it: ``WxH``."""
+    return f"{width}x{height}"
 
 
 @dataclass(frozen=True)
@@ -130,6 +152,20 @@ class PreparedImage:
 def target_size(width: int, height: int, spec: ImageSpec) -> tuple[int, int]:
     """(width, height) of the output for a source of ``width`` x ``height`` (post-EXIF)."""
     return _plan(width, height, spec)[0]
+
+
+def image_size_of(data: bytes, spec: ImageSpec) -> tuple[int, int]:
+    """(width, height) after EXIF orientation, from the header alone (no pixel decoded)."""
+    if not data:
+        raise RejectError("empty_file", "the image file is 0 bytes", phase="decode")
+    with _open(data, spec) as img:
+        width, height = img.size
+        try:
+            if img.getexif().get(_ORIENTATION, 1) in (5, 6, 7, 8):  # a quarter turn swaps the sides
+                width, height = height, width
+        except Exception:  # noqa: BLE001 - a broken EXIF block: the image is kept as stored
+            pass
+    return width, height
 
 
 def prepare_image(data: bytes, spec: ImageSpec) -> PreparedImage:
@@ -334,6 +370,9 @@ def _plan(width: int, height: int, spec: ImageSpec) -> tuple[tuple[int, int], tu
     """
     if width < 1 or height < 1:
         raise ValueError(f"image size must be at least 1x1, got {width}x{height}")
+    if spec.buckets:
+        bucket = choose_bucket(width, height, 1, [Bucket(w, h, 1) for w, h in spec.buckets])
+        return (bucket.width, bucket.height), cover_box(width, height, bucket)
     long_side, short_side = max(width, height), min(width, height)
 
     if not spec.variable_size:

@@ -95,16 +95,20 @@ def iter_prepared(
         raise DiffprepError(f"the source returned {count} samples for unit {unit.unit}, planned {len(unit.source_ids)}")
 
 
-def _meta(sample: SourceSample, image: Prepared) -> dict:
+def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
     if isinstance(image, PreparedClip):
         return {"source_id": sample.source_id, **image.meta}
-    return {
+    size = [int(image.pixels.shape[2]), int(image.pixels.shape[1])]
+    meta = {
         "source_id": sample.source_id,
         "original_size": list(image.original_size),
         "crop_box": list(image.crop_box),
-        "size": [int(image.pixels.shape[2]), int(image.pixels.shape[1])],
+        "size": size,
         "notes": list(image.notes),
     }
+    if spec.buckets:  # aspect-ratio buckets: the bucket is the output size
+        meta["bucket"] = size
+    return meta
 
 
 def iter_batches(
@@ -125,7 +129,7 @@ def iter_batches(
             source_ids=[s.source_id for _, s, _ in items],
             captions=[s.caption for _, s, _ in items],
             pixels=torch.stack([img.pixels for _, _, img in items]),
-            metas=[_meta(s, img) for _, s, img in items],
+            metas=[_meta(s, img, spec) for _, s, img in items],
         )
         items.clear()
         return batch

@@ -10,8 +10,11 @@ no other module branches on the kind of dataset.
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -19,16 +22,38 @@ import torch
 
 from diffprep import contract
 from diffprep.config import Settings
-from diffprep.images import ImageSpec
+from diffprep.images import ImageSpec, bucket_name, image_buckets, image_size_of
+from diffprep.media.buckets import Bucket, choose_bucket
 from diffprep.output import Output
 from diffprep.plan import Plan
 from diffprep.reader import Batch
 from diffprep.sanity import SanityReport
 from diffprep.shards import Reject
-from diffprep.sources import Source
+from diffprep.sources import Source, SourceSample
 
 if TYPE_CHECKING:
     from diffprep.decode import StoredSample
+
+log = logging.getLogger("diffprep.encodings")
+
+PROBE_CHUNK = 64  # samples read from the source at a time while planning
+
+
+def probe_in_parallel(source: Source, ids: Sequence[str], bucket_of: Callable[[SourceSample], str | None],
+                      workers: int) -> dict[str, str | None]:
+    """``bucket_of`` every sample of ``ids``, read in chunks and probed on ``workers`` threads; logs the counts."""
+    found: dict[str, str | None] = {}
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="diffprep-probe") as pool:
+        for first in range(0, len(ids), PROBE_CHUNK):
+            chunk = list(ids[first:first + PROBE_CHUNK])
+            for sid, bucket in zip(chunk, pool.map(bucket_of, source.read(chunk))):
+                found[sid] = bucket
+    counts = Counter(b or "(rejected at encode)" for b in found.values())
+    log.info("planned %d samples into buckets in %.1f s: %s", len(found), time.perf_counter() - started,
+             ", ".join(f"{b}: {n}" for b, n in sorted(counts.items())))
+    return found
+
 
 # A batch -> the fields of each sample (a dict, or a Reject); samples kept but worth counting go in the Counter.
 SampleFields = Callable[[Batch, Counter], list[dict | Reject]]
@@ -38,24 +63,26 @@ class Encoding(ABC):
     """One kind of dataset (its Energon subflavor ``encoding: <name>``)."""
 
     name: str
-    bucketed = False  # whether the plan puts each sample in a bucket (``probe_buckets``), one bucket per unit
 
     def byte_settings(self, settings: Settings, identity: dict[str, Any]) -> dict[str, Any]:
         """The settings that change the bytes of a shard, and so the fingerprint."""
         image = settings.image
+        sizing = {
+            "image_size": image.image_size,
+            "center_crop": image.center_crop,
+            "variable_size": image.variable_size,
+            "max_size": image.max_size,
+            "max_pixels": image.max_pixels,
+            "background": list(image.background),
+        }
+        if image.buckets:  # only when set: an unbucketed plan (and its fingerprint) stays as it always was
+            sizing["buckets"] = [bucket_name(b.width, b.height) for b in image_buckets(image)]
         return {
             "contract": contract.CONTRACT_VERSION,
             "encoding": self.name,
             **identity,
             "shard_size": settings.output.shard_size,
-            "image": {
-                "image_size": image.image_size,
-                "center_crop": image.center_crop,
-                "variable_size": image.variable_size,
-                "max_size": image.max_size,
-                "max_pixels": image.max_pixels,
-                "background": list(image.background),
-            },
+            "image": sizing,
         }
 
     @abstractmethod
@@ -69,10 +96,27 @@ class Encoding(ABC):
             return ImageSpec(**plan.settings["image"])
         return ImageSpec.from_config(settings.image)
 
+    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
+        """Whether the plan puts each sample in a bucket (``probe_buckets``), one bucket per unit: images with
+        ``image.buckets``."""
+        return bool(plan_settings.get("image", {}).get("buckets"))
+
     def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
                       ) -> dict[str, str | None]:
-        """The bucket name of each new id (None: no bucket; the encode phase names why), for a ``bucketed`` one."""
-        raise NotImplementedError(f"the {self.name} encoding does not bucket its samples")
+        """The bucket name of each new id, from its header (None: unreadable; the encode phase names why)."""
+        spec = ImageSpec(**plan_settings["image"])
+        buckets = [Bucket(w, h, 1) for w, h in spec.buckets]
+
+        def bucket_of(sample: SourceSample) -> str | None:
+            if sample.reject is not None or sample.image is None or sample.caption is None:
+                return None
+            try:
+                bucket = choose_bucket(*image_size_of(sample.image, spec), 1, buckets)
+            except Exception:  # noqa: BLE001 - whatever the decoder says, the encode phase records it
+                return None
+            return bucket_name(bucket.width, bucket.height)
+
+        return probe_in_parallel(source, ids, bucket_of, settings.image.decode_workers)
 
     @abstractmethod
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:

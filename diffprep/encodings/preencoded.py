@@ -28,7 +28,7 @@ from diffprep.encoders import DTYPES, FluxEncoders, describe_flux, resolve_encod
 from diffprep.encoders.vae import VaeDecoder
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.errors import ConfigError
-from diffprep.images import ImageSpec, to_uint8
+from diffprep.images import ImageSpec, bucket_name, image_buckets, to_uint8
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.reader import Batch, first_batch
@@ -56,7 +56,8 @@ def expected_shapes(settings: Settings, parts) -> dict[str, Any]:
 
     vae = config("vae")
     factor = 2 ** (len(vae["block_out_channels"]) - 1)
-    if settings.image.variable_size:
+    buckets = image_buckets(settings.image)
+    if settings.image.variable_size or buckets:
         spatial: list[int | None] = [None, None]
     else:
         spatial = [settings.image.image_size // factor] * 2
@@ -66,6 +67,9 @@ def expected_shapes(settings: Settings, parts) -> dict[str, Any]:
         contract.field_stem(contract.POOLED_PROMPT_EMBEDS): [config("clip_text")["hidden_size"]],
         "dtype": str(DTYPES[settings.model.precision]).removeprefix("torch."),
     }
+    if buckets:
+        expected["buckets"] = {bucket_name(b.width, b.height): [vae["latent_channels"], b.height // factor,
+                                                               b.width // factor] for b in buckets}
     if settings.model.latent_mode == "posterior":
         for name in contract.POSTERIOR_FIELDS:
             expected[contract.field_stem(name)] = [vae["latent_channels"], *spatial]
@@ -352,6 +356,7 @@ class PreencodedInspector:
         self.shapes = Findings("shapes and dtypes")
         self.finite = Findings("finite values")
         self.fields: dict[str, dict[str, dict[str, int]]] = {}
+        self.buckets: dict[str, int] = {}  # bucket -> samples, for a bucketed dataset
         self.stats = LatentStats()
 
     def inspect(self, sample: Any) -> None:
@@ -381,6 +386,16 @@ class PreencodedInspector:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 bad = int((~torch.isfinite(tensor)).sum())
                 self.finite.add(f"{sample.__key__} {name} has {bad} NaN/Inf values")
+        planned = self.expected.get("buckets")
+        if planned:  # a bucketed dataset: each sample's latents as its bucket plans, counted per bucket
+            bucket = getattr(sample, "bucket", None) or _bucket_of(sample.meta)
+            self.buckets[bucket] = self.buckets.get(bucket, 0) + 1
+            want = planned.get(bucket)
+            if want is None:
+                self.shapes.add(f"{sample.__key__} is in bucket {bucket}, which the plan does not list")
+            elif list(tensors["latents"].shape) != want:
+                self.shapes.add(f"{sample.__key__} latents have shape {shape_str(tensors['latents'].shape)}, "
+                                f"bucket {bucket} plans {shape_str(want)}")
         latents = tensors["latents"]  # [C, H, W], or a clip's [C, F, H, W]
         if latents.ndim >= 3 and (self.stats.mean is None or self.stats.mean.shape[0] == latents.shape[0]):
             self.stats.add(latents)
@@ -392,7 +407,8 @@ class PreencodedInspector:
         ]
 
     def summary(self) -> dict[str, Any]:
-        return {"fields": self.fields} | ({"expected": self.expected} if self.expected else {})
+        buckets = {"samples_per_bucket": dict(sorted(self.buckets.items()))} if self.buckets else {}
+        return {"fields": self.fields} | buckets | ({"expected": self.expected} if self.expected else {})
 
     def passed(self) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
         """Once every check passed: (checks, summary, state files): the per-channel latent statistics for training."""
@@ -404,3 +420,8 @@ class PreencodedInspector:
         check = Check("latent stats", True, f"per-channel mean/std over {self.stats.samples} samples saved to "
                                             f"{contract.STATE_DIR}/{contract.LATENT_STATS}")
         return [check], summary, {contract.LATENT_STATS: torch_bytes(stats)}
+
+
+def _bucket_of(meta: dict) -> str:
+    """A sample's bucket name (``WxH``, a clip's ``WxHxF``) from its meta.json."""
+    return "x".join(str(v) for v in meta.get("bucket") or ["?"])

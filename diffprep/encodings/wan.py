@@ -25,7 +25,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -35,9 +34,9 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.encoders import DTYPES
-from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.encodings.base import Encoding, SampleFields, probe_in_parallel
 from diffprep.encodings.preencoded import PreencodedInspector, npy_bytes
-from diffprep.errors import ConfigError, RejectError
+from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
 from diffprep.images import to_uint8
 from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
@@ -85,7 +84,6 @@ class Wan(Encoding):
     """Wan 2.x: clips (and images as one-frame clips) through AutoencoderKLWan, captions through umT5."""
 
     name = contract.ENCODING_WAN
-    bucketed = True
 
     # --- the plan ---------------------------------------------------------------------------------------------
 
@@ -128,6 +126,9 @@ class Wan(Encoding):
         """The plan's buckets (the ones its units were cut for), frame rate and sampling."""
         return planned_spec(plan.settings)
 
+    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
+        return True
+
     def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
                       ) -> dict[str, str | None]:
         """Each id's bucket name from its container's index (None: unreadable or too short; encode names why)."""
@@ -138,23 +139,10 @@ class Wan(Encoding):
                 return None
             try:
                 return str(spec.bucket_of(sample.media, video=sample.video is not None))
-            except RejectError:
-                return None
-            except Exception:  # noqa: BLE001 - whatever the decoder says, the encode phase records it
+            except Exception:  # noqa: BLE001 - a reject or whatever the decoder says: the encode phase records it
                 return None
 
-        found: dict[str, str | None] = {}
-        started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=settings.image.decode_workers, thread_name_prefix="diffprep-probe") as pool:
-            for first in range(0, len(ids), PROBE_CHUNK):
-                chunk = list(ids[first:first + PROBE_CHUNK])
-                samples = list(source.read(chunk))
-                for sid, bucket in zip(chunk, pool.map(bucket_of, samples)):
-                    found[sid] = bucket
-        counts = Counter(b or "(rejected at encode)" for b in found.values())
-        log.info("planned %d samples into buckets in %.1f s: %s", len(found), time.perf_counter() - started,
-                 ", ".join(f"{b}: {n}" for b, n in sorted(counts.items())))
-        return found
+        return probe_in_parallel(source, ids, bucket_of, settings.image.decode_workers)
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
         return contract.VIDEO_FIELDS
@@ -354,10 +342,11 @@ class Wan(Encoding):
 
 
 class VideoInspector(PreencodedInspector):
-    """Validation of loaded clips: as for images, and each sample's latents shaped as its bucket was planned."""
+    """Validation of loaded clips: as for images (each sample's latents shaped as its bucket plans, counts per
+    bucket), and without a plan the first sample sets what the others must match."""
 
     def inspect(self, sample: Any) -> None:
-        if self.expected is None:  # a dataset without its plan: the first sample sets what the others must match
+        if self.expected is None:
             self.expected = {
                 "latents": [sample.latents.shape[0], None, None, None],
                 "prompt_embeds": list(sample.prompt_embeds.shape),
@@ -365,10 +354,3 @@ class VideoInspector(PreencodedInspector):
                 "source": f"first sample {sample.__key__}",
             }
         super().inspect(sample)
-        planned = (self.expected or {}).get("buckets") or {}
-        want = planned.get(sample.bucket)
-        shape = list(sample.latents.shape)
-        if planned and want is None:
-            self.shapes.add(f"{sample.__key__} is in bucket {sample.bucket}, which the plan does not list")
-        elif want is not None and shape != want:
-            self.shapes.add(f"{sample.__key__} latents have shape {shape}, bucket {sample.bucket} plans {want}")

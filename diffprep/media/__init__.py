@@ -1,7 +1,3 @@
-"""Media preparation for clips: probing and decoding video with PyAV, resolution buckets."""
-
-from diffprep.media.buckets import Bucket, choose_bucket, parse_buckets
-from diffprep.media.video import ClipInfo, PreparedClip, prepare_clip, prepare_image_clip, probe
-
-__all__ = ["Bucket", "ClipInfo", "PreparedClip", "choose_bucket", "parse_buckets", "prepare_clip",
-           "prepare_image_clip", "probe"]  # fmt: skip
+"""Media preparation: clips probed and decoded with PyAV (``video``), their audio tracks (``audio``), and
+resolution buckets for clips and images (``buckets``). Import the modules themselves: this package imports
+nothing, so ``diffprep.images`` can use the buckets without loading the video decoder."""

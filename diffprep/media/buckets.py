@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from diffprep.errors import ConfigError, RejectError
 
-__all__ = ["Bucket", "parse_bucket", "parse_buckets", "choose_bucket", "nearest_frame_counts", "nearest_multiples"]
+__all__ = ["Bucket", "auto_image_buckets", "choose_bucket", "cover_box", "nearest_frame_counts", "nearest_multiples",
+           "parse_bucket", "parse_buckets", "parse_image_buckets"]
 
 
 @dataclass(frozen=True, order=True)
@@ -132,3 +133,61 @@ def choose_bucket(width: int, height: int, frames: int, buckets: Sequence[Bucket
     log_aspect = math.log(width / height)
     # min() keeps the first of equal keys: the earlier bucket in the list wins a full tie.
     return min(eligible, key=lambda b: (abs(log_aspect - math.log(b.aspect)), -b.frames, -b.area))
+
+
+def cover_box(width: int, height: int, bucket: Bucket) -> tuple[int, int, int, int]:
+    """The centred box (left, top, right, bottom) of ``bucket``'s aspect ratio in a ``width`` x ``height``
+    frame: resizing it to the bucket size is resize-to-cover then centre crop. Integer arithmetic only."""
+    if width * bucket.height > height * bucket.width:  # wider than the bucket: crop left and right
+        box_w, box_h = max(1, (2 * height * bucket.width + bucket.height) // (2 * bucket.height)), height
+    else:
+        box_w, box_h = width, max(1, (2 * width * bucket.height + bucket.width) // (2 * bucket.width))
+    left, top = (width - box_w) // 2, (height - box_h) // 2
+    return (left, top, left + box_w, top + box_h)
+
+
+# --- images: aspect-ratio buckets at one area ---------------------------------------------------------
+
+AUTO_ASPECTS = 41  # aspect ratios 4**(k/20), k = -20..20: from 1:4 to 4:1, evenly spaced in log scale
+
+
+def auto_image_buckets(image_size: int, multiple: int = 16) -> list[Bucket]:
+    """About 40 image buckets of area ``image_size``², aspect ratios from 1:4 to 4:1 evenly spaced in log
+    scale (as PixArt and SimpleTuner bin images), sides multiples of ``multiple``, in order of aspect."""
+    area = image_size * image_size
+    buckets: list[Bucket] = []
+    half = AUTO_ASPECTS // 2
+    for k in range(-half, half + 1):
+        ratio = 4 ** (k / half)
+        width = max(multiple, round(math.sqrt(area * ratio) / multiple) * multiple)
+        height = max(multiple, round(math.sqrt(area / ratio) / multiple) * multiple)
+        bucket = Bucket(width, height, 1)
+        if bucket not in buckets:
+            buckets.append(bucket)
+    return buckets
+
+
+def parse_image_buckets(spec: str, image_size: int, multiple: int = 16) -> list[Bucket]:
+    """``auto`` or ``"WxH,WxH..."`` -> one-frame buckets; sides must be multiples of ``multiple``."""
+    if spec.strip().lower() == "auto":
+        return auto_image_buckets(image_size, multiple)
+    buckets: list[Bucket] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        parts = entry.lower().split("x")
+        if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+            raise ConfigError(f"image bucket {entry!r} is not WxH (e.g. 1152x896); buckets are separated by ','")
+        width, height = (int(part) for part in parts)
+        for name, value in (("width", width), ("height", height)):
+            if value < multiple or value % multiple:
+                nearest = " or ".join(str(m) for m in nearest_multiples(value, multiple))
+                raise ConfigError(f"image bucket {entry!r}: {name} {value} is not a multiple of {multiple}; "
+                                  f"nearest: {nearest}")
+        bucket = Bucket(width, height, 1)
+        if bucket in buckets:
+            raise ConfigError(f"image bucket {entry!r} is listed twice; list each bucket once")
+        buckets.append(bucket)
+    if not buckets:
+        raise ConfigError(f"image buckets {spec!r} list no bucket; give 'auto' or WxH sizes, e.g. 1024x1024,1152x896")
+    return buckets

@@ -54,7 +54,7 @@ import torch
 from PIL import Image
 
 from diffprep.errors import RejectError
-from diffprep.media.buckets import Bucket, choose_bucket
+from diffprep.media.buckets import Bucket, choose_bucket, cover_box
 
 __all__ = [
     "FRAME_SAMPLINGS",
@@ -264,17 +264,6 @@ def sample_indices(available: int, frames: int, sampling: FrameSampling) -> list
         span, steps = available - 1, frames - 1
         return [(2 * j * span + steps) // (2 * steps) for j in range(frames)]
     raise ValueError(f"frame_sampling must be one of {', '.join(FRAME_SAMPLINGS)}, got {sampling!r}")
-
-
-def cover_box(width: int, height: int, bucket: Bucket) -> tuple[int, int, int, int]:
-    """The centred box (left, top, right, bottom) of ``bucket``'s aspect ratio in a ``width`` x ``height``
-    frame: resizing it to the bucket size is resize-to-cover then centre crop. Integer arithmetic only."""
-    if width * bucket.height > height * bucket.width:  # wider than the bucket: crop left and right
-        box_w, box_h = max(1, (2 * height * bucket.width + bucket.height) // (2 * bucket.height)), height
-    else:
-        box_w, box_h = width, max(1, (2 * width * bucket.height + bucket.width) // (2 * bucket.width))
-    left, top = (width - box_w) // 2, (height - box_h) // 2
-    return (left, top, left + box_w, top + box_h)
 
 
 def mp4_bytes(frames: torch.Tensor, fps: float = 16.0) -> bytes:
