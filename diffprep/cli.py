@@ -46,6 +46,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--on-existing": ("output", "on_existing"),
     "--accept-rejects": ("output", "accept_rejects"),
     "--approval-timeout": ("output", "approval_timeout"),
+    "--layout": ("output", "layout"),
+    "--key-map": ("output", "key_map"),
     "--model-path": ("model", "model_path"),
     "--revision": ("model", "revision"),
     "--vae-path": ("model", "vae_path"),
@@ -57,6 +59,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--t5-max-length": ("model", "t5_max_length"),
     "--latent-mode": ("model", "latent_mode"),
     "--min-psnr": ("model", "min_psnr"),
+    "--negative-prompt": ("model", "negative_prompt"),
     "--family": ("model", "family"),
     "--resolution-buckets": ("video", "resolution_buckets"),
     "--target-fps": ("video", "target_fps"),
@@ -80,9 +83,10 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
 }
-# `diffprep raw`: the same flags without the encoders and workers, plus the stored image format.
+# `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored image format.
 RAW_FLAGS: dict[str, tuple[str, str]] = {
-    **{flag: target for flag, target in ENCODE_FLAGS.items() if target[0] not in ("model", "video", "workers")},
+    **{flag: target for flag, target in ENCODE_FLAGS.items()
+       if target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map")},
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
 }

@@ -41,6 +41,7 @@ import yaml
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.failpoints import failpoint
+from diffprep.layouts import Layout
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
 from diffprep.output import Output, as_output
 from diffprep.shards import UnitManifest
@@ -123,27 +124,33 @@ def assign_splits(shards: list[str], existing: dict[str, str], train_split: floa
     return {shard: assignment[shard] for shard in sorted(assignment)}
 
 
-def write_dataset_yaml(output: Output | str | os.PathLike, encoding: str) -> Path:
-    """Write ``.nv-meta/dataset.yaml``: a CrudeWebdataset whose samples carry ``encoding`` as subflavor."""
+def write_dataset_yaml(output: Output | str | os.PathLike, encoding: str, layout: Layout | None = None) -> Path:
+    """Write ``.nv-meta/dataset.yaml``: a CrudeWebdataset whose samples carry ``encoding`` (and a layout other
+    than energon's own names: its member map, for the cookers) as subflavors."""
     if encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
     config = {
         "__module__": "megatron.energon",
         "__class__": "CrudeWebdataset",
-        "subflavors": {"encoding": encoding},
+        "subflavors": {"encoding": encoding, **(layout or Layout()).subflavors()},
     }
     return as_output(output).write_file(f"{contract.NV_META}/{contract.DATASET_YAML}",
                                         yaml.safe_dump(config, sort_keys=False).encode("utf-8"))
 
 
-def read_dataset_encoding(out_dir: str | os.PathLike) -> str | None:
-    """The ``encoding`` subflavor of an existing dataset.yaml, or None when there is none."""
+def read_subflavors(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The subflavors of an existing dataset.yaml, or None when there is none."""
     path = Path(out_dir) / contract.NV_META / contract.DATASET_YAML
     if not path.is_file():
         return None
     config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     subflavors = config.get("subflavors") if isinstance(config, dict) else None
-    return subflavors.get("encoding") if isinstance(subflavors, dict) else None
+    return subflavors if isinstance(subflavors, dict) else None
+
+
+def read_dataset_encoding(out_dir: str | os.PathLike) -> str | None:
+    """The ``encoding`` subflavor of an existing dataset.yaml, or None when there is none."""
+    return (read_subflavors(out_dir) or {}).get("encoding")
 
 
 def read_split_yaml(out_dir: str | os.PathLike) -> dict[str, str]:
@@ -366,7 +373,8 @@ def finalize(
     splits = {split: sorted(s for s, p in assignment.items() if p == split) for split in contract.SPLITS}
     splits = {split: names for split, names in splits.items() if names}
 
-    write_dataset_yaml(output, encoding)
+    layout = Layout.of_plan(plan.settings) if (plan := output.state.plan()) is not None else Layout()
+    write_dataset_yaml(output, encoding, layout)
     failpoint("finalize")
     with output.energon_access() as path:  # Energon writes .nv-meta there; the working copy follows
         parts = _run_prepare(path, splits, workers, progress)
@@ -394,6 +402,7 @@ def finalize(
     if indexed != sum(counted.values()):
         raise DatasetValidationError(f"index.sqlite holds {indexed} samples, .info.json counts {sum(counted.values())}")
 
+    layout.write_shard_counts(output, {name: m.count for name, m in manifests.items()} | dict.fromkeys(empty, 0))
     output.state.write_json(
         contract.SPLITS_JSON,
         {"version": SPLITS_VERSION, "train_split": train_split, "seed": seed, "assignment": assignment},

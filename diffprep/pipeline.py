@@ -315,7 +315,7 @@ def follow_rank(settings: Settings, encoding: str, group: Group, token: str | No
     message = group.broadcast()
     if message == STOP:
         return {"rank": group.ranks.rank, "units": [], "out_dir": None}
-    mine_fp = fingerprint(get_encoding(encoding_for(settings, encoding, token)).plan_settings(settings, token)[0])
+    mine_fp = fingerprint(get_encoding(encoding_for(settings, encoding, token)).planned(settings, token)[0])
     if mine_fp != message["fingerprint"]:
         raise DiffprepError(f"rank {group.ranks.rank} has settings of fingerprint {mine_fp}, rank 0 planned "
                             f"{message['fingerprint']}: every rank must run the same command")

@@ -23,6 +23,7 @@ import torch
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.images import ImageSpec, bucket_name, image_buckets, image_size_of
+from diffprep.layouts import LayoutPreset, layout_for
 from diffprep.media.buckets import Bucket, choose_bucket
 from diffprep.output import Output
 from diffprep.plan import Plan
@@ -63,6 +64,17 @@ class Encoding(ABC):
     """One kind of dataset (its Energon subflavor ``encoding: <name>``)."""
 
     name: str
+    #: Named output layouts (``output.layout``) besides energon's own names: a trainer's member names for this
+    #: encoding's fields (``diffprep.layouts``). None: the member names are fixed (no layout, no key map).
+    layout_presets: Mapping[str, LayoutPreset] | None = {}
+
+    def planned(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``plan_settings``, with the output layout when it is not energon's own names (so an energon plan and
+        its fingerprint stay as they always were): what fetch plans and ranks compare."""
+        byte, expected = self.plan_settings(settings, token)
+        layout = layout_for(settings.output, settings.model.negative_prompt, self.name, self.layout_presets,
+                            self.required_fields(expected))
+        return (byte if layout.is_default else byte | {"layout": layout.to_json()}), expected
 
     def byte_settings(self, settings: Settings, identity: dict[str, Any]) -> dict[str, Any]:
         """The settings that change the bytes of a shard, and so the fingerprint."""

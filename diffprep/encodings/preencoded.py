@@ -9,7 +9,6 @@ folder for classifier-free guidance dropout.
 
 from __future__ import annotations
 
-import io
 import json
 import threading
 import time
@@ -17,7 +16,6 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from diffprep import contract
@@ -29,6 +27,7 @@ from diffprep.encoders.vae import VaeDecoder
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec, bucket_name, image_buckets, to_uint8
+from diffprep.layouts import Layout, LayoutPreset
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.reader import Batch, first_batch
@@ -40,7 +39,7 @@ from diffprep.sanity import (
     peak_memory,
     project_run,
 )
-from diffprep.shards import Reject, load_tensor, tensor_bytes, torch_bytes
+from diffprep.shards import Reject, load_tensor, npy_bytes, tensor_bytes, torch_bytes
 from diffprep.sources import Source
 from diffprep.workers import claimed_device
 
@@ -142,13 +141,6 @@ def write_empty_prompt(output: Output | str, encoders) -> None:
         output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/{name}", npy_bytes(tensor))
 
 
-def npy_bytes(tensor: torch.Tensor) -> bytes:
-    """A tensor as a float32 ``.npy`` file (numpy's own format: the header keeps shape and dtype)."""
-    buffer = io.BytesIO()
-    np.save(buffer, tensor.detach().to("cpu", torch.float32).numpy(), allow_pickle=False)
-    return buffer.getvalue()
-
-
 def sanity_check(
     output: Output | str,
     plan: Plan,
@@ -245,6 +237,15 @@ class Preencoded(Encoding):
     """Flux: latents through the VAE, captions through T5 and CLIP."""
 
     name = contract.ENCODING_PREENCODED
+    # FastGen's Flux network unpacks its condition as (pooled, t5); an .npy holds one array, so the negative
+    # prompt's two embeddings are two files.
+    layout_presets = {contract.LAYOUT_FASTGEN: LayoutPreset(
+        members={contract.FASTGEN_LATENT: (contract.LATENTS,),
+                 contract.FASTGEN_TXT_EMB: (contract.POOLED_PROMPT_EMBEDS, contract.PROMPT_EMBEDS)},
+        negative={contract.NEG_PROMPT_EMB: contract.PROMPT_EMBEDS,
+                  contract.NEG_POOLED_PROMPT_EMB: contract.POOLED_PROMPT_EMBEDS},
+        shard_counts=True,
+    )}
 
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         parts = resolve_encoders(settings.model, token=token)
@@ -274,6 +275,11 @@ class Preencoded(Encoding):
                settings: Settings, batch_size: int, units_left: Sequence[int] | None, workers: int,
                staged_samples: int | None) -> SanityReport:
         write_empty_prompt(output, loaded)
+        layout = Layout.of_plan(plan.settings)
+        if layout.negative:  # fastgen: the negative prompt's T5 sequence and CLIP pooled vector, one .npy each
+            text = loaded.encode_text([layout.negative_prompt])
+            layout.write_negative(output, {contract.PROMPT_EMBEDS: text.prompt_embeds[0],
+                                           contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[0]})
         return sanity_check(output, plan, loaded, source, spec, batch_size=batch_size, units_left=units_left,
                             workers=workers, min_psnr=settings.model.min_psnr, staged_samples=staged_samples)
 

@@ -39,8 +39,9 @@ class CommittedUnits(NamedTuple):
 
 
 def is_ours(name: str) -> bool:
-    """Whether a top-level entry of an output is one diffprep writes (state, Energon metadata, shards, indexes)."""
-    if name in (contract.NV_META, contract.STATE_DIR, contract.EMPTY_ENCODINGS_DIR):
+    """Whether a top-level entry of an output is one diffprep writes (state, Energon metadata, shards, indexes,
+    a trainer layout's files)."""
+    if name in (contract.NV_META, contract.STATE_DIR, contract.EMPTY_ENCODINGS_DIR, *contract.LAYOUT_FILES):
         return True
     if name.endswith(contract.INDEX_SUFFIX):
         name = name[: -len(".idx")]

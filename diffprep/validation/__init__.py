@@ -32,7 +32,7 @@ from diffprep.checks import Check
 from diffprep.encodings import get_encoding
 from diffprep.errors import ConfigError, SourceError
 from diffprep.output import Output, OutputRef, as_output
-from diffprep.validation.checks import Progress, check_loading, check_shards, check_splits
+from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
 from diffprep.validation.dataset import normalize_expected, read_dataset
 from diffprep.validation.report import ValidationReport
 
@@ -86,7 +86,7 @@ def validate_dataset(
     checks += split_checks
     summary.update(split_summary)
     shard_checks, shard_summary = check_shards(dataset, output, _encoding(dataset.encoding), progress)
-    checks += shard_checks
+    checks += shard_checks + check_layout_files(dataset, output)
     summary.update(shard_summary)
     inspector = None
     if dataset.info is not None and dataset.split_of is not None and dataset.encoding is not None:

@@ -8,7 +8,12 @@
 - ``check_loading``: every sample (or ``max_load`` per split) loaded through
   Energon's own loader with the encoding's task encoder and errors re-raised,
   each split yielding exactly its ``.info.json`` count; the encoding's
-  inspector judges each loaded sample (shapes, dtypes, finite values).
+  inspector judges each loaded sample (shapes, dtypes, finite values);
+- ``check_layout_files``: a trainer layout's files at the top (FastGen's
+  negative prompt ``.npy`` files and ``shard_counts.json``).
+
+Fields are judged under the dataset's own names whatever layout wrote them
+(dataset.yaml's subflavors record its member map).
 
 No check writes a file; ``diffprep.validation`` assembles the report.
 """
@@ -17,14 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
+import json
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
+
+import numpy as np
 
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.encodings import Encoding
 from diffprep.output import Output
+from diffprep.plan import shape_matches
 from diffprep.shards import UnitManifest
 from diffprep.validation.dataset import Dataset
 
@@ -140,9 +150,10 @@ def _check_shard(ds: Dataset, output: Output, encoding: Encoding | None, name: s
         manifests_check.add(f"{name} holds {len(samples)} samples, its manifest records {manifest.count}: "
                             f"missing {missing[:5]}, extra {extra[:5]}")
     for key, exts in samples.items():
-        problem = _field_problem(encoding, exts, ds.expected)
+        problem = _field_problem(encoding, ds.layout.fields_of(exts), ds.expected)
         if problem:
-            fields.add(f"{name} sample {key}: {problem}")
+            under = f" (layout {ds.layout.name}: it has the members {sorted(exts)})" if ds.layout.members else ""
+            fields.add(f"{name} sample {key}: {problem}{under}")
 
 
 def _field_problem(encoding: Encoding | None, exts: list[str], expected: dict[str, Any] | None) -> str:
@@ -164,6 +175,43 @@ def frozen_gc() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def check_layout_files(ds: Dataset, output: Output) -> list[Check]:
+    """A trainer layout's files at the output's top: each negative prompt embedding a plain float32 ``.npy`` of one
+    sample (shaped as the plan's field), and ``shard_counts.json`` naming every ``.tar`` there with its samples."""
+    layout = ds.layout
+    if not (layout.negative or layout.shard_counts):
+        return []
+    problems = Findings(f"{layout.name} files")
+    for name, field_name in layout.negative.items():
+        try:
+            with output.open(name) as stream:
+                array = np.load(io.BytesIO(stream.read()), allow_pickle=False)
+        except Exception as error:  # noqa: BLE001 - missing or unreadable: a finding
+            problems.add(f"{name} cannot be read as a plain .npy ({type(error).__name__}: {error}); encode again")
+            continue
+        want = (ds.expected or {}).get(contract.field_stem(field_name))
+        if array.dtype != np.float32 or not shape_matches(array.shape, want):
+            problems.add(f"{name} is {array.dtype} {list(array.shape)}, expected float32 {want} (one sample of "
+                         f"{field_name}, no batch dimension)")
+    if layout.shard_counts:
+        counts = {m.shard: m.count for m in ds.manifests.values()} or dict(ds.info or {})
+        tars = {n for n in output.entries() if n.endswith(contract.SHARD_SUFFIX)}
+        try:
+            with output.open(contract.SHARD_COUNTS_JSON) as stream:
+                recorded = json.loads(stream.read())
+        except Exception as error:  # noqa: BLE001 - missing or unreadable: a finding
+            problems.add(f"{contract.SHARD_COUNTS_JSON} cannot be read ({type(error).__name__}: {error}); finalize")
+        else:
+            if recorded != counts:
+                problems.add(f"{contract.SHARD_COUNTS_JSON} records {recorded}, the committed shards hold {counts}; "
+                             "finalize again")
+            if tars - set(recorded):
+                problems.add(f"{sorted(tars - set(recorded))[:10]} are in the folder but not in "
+                             f"{contract.SHARD_COUNTS_JSON}: a loader listing every .tar there fails on them")
+    return [problems.check(", ".join([*layout.negative, *([contract.SHARD_COUNTS_JSON] if layout.shard_counts
+                                                          else [])]) + " as the layout reads them")]
 
 
 def check_loading(ds: Dataset, output: Output, encoding: Encoding, inspector: Any, splits: dict[str, Any],
@@ -208,4 +256,4 @@ def check_loading(ds: Dataset, output: Output, encoding: Encoding, inspector: An
     return checks + inspector.checks()
 
 
-__all__ = ["check_loading", "check_shards", "check_splits"]
+__all__ = ["check_layout_files", "check_loading", "check_shards", "check_splits"]
