@@ -60,6 +60,22 @@ def probe_in_parallel(source: Source, ids: Sequence[str], bucket_of: Callable[[S
 SampleFields = Callable[[Batch, Counter], list[dict | Reject]]
 
 
+def encoded_samples(batch: Batch, latents: torch.Tensor, truncated: Sequence[bool], notes: Counter, medium: str,
+                    fields: Callable[[int], dict[str, Any]]) -> list[dict | Reject]:
+    """Each sample of an encoded batch: its ``fields(i)`` with its caption and meta, or a reject when its latents
+    are not finite; captions the text encoder truncated are counted in ``notes``."""
+    samples: list[dict | Reject] = []
+    for i in range(len(batch.keys)):
+        if not torch.isfinite(latents[i]).all():
+            samples.append(Reject(batch.source_ids[i], "non_finite_latents",
+                                  f"the VAE produced NaN or inf for this {medium}", phase="encode"))
+            continue
+        if truncated[i]:
+            notes["caption_truncated"] += 1
+        samples.append(fields(i) | {contract.CAPTION: batch.captions[i], contract.META: batch.metas[i]})
+    return samples
+
+
 class Encoding(ABC):
     """One kind of dataset (its Energon subflavor ``encoding: <name>``)."""
 
@@ -191,4 +207,4 @@ class Encoding(ABC):
         """A ``diffprep.validation`` sample inspector: checks every loaded sample, summarizes them."""
 
 
-__all__ = ["Encoding", "SampleFields"]
+__all__ = ["Encoding", "SampleFields", "encoded_samples", "probe_in_parallel"]

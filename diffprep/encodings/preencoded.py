@@ -24,7 +24,7 @@ from diffprep.config import Settings
 from diffprep.cooker import FluxPreencodedTaskEncoder
 from diffprep.encoders import DTYPES, FluxEncoders, describe_flux, resolve_encoders
 from diffprep.encoders.vae import VaeDecoder
-from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.encodings.base import Encoding, SampleFields, encoded_samples
 from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec, bucket_name, image_buckets, to_uint8
 from diffprep.layouts import Layout, LayoutPreset
@@ -100,25 +100,13 @@ def preencoded_fields(encoders) -> SampleFields:
         else:
             latents, mean, logvar = encoders.encode_images(batch.pixels, batch.keys), None, None
         text = encoders.encode_text(batch.captions)
-        samples: list[dict | Reject] = []
-        for i in range(len(batch.keys)):
-            if not torch.isfinite(latents[i]).all():
-                samples.append(Reject(batch.source_ids[i], "non_finite_latents",
-                                      "the VAE produced NaN or inf for this image", phase="encode"))
-                continue
-            if text.t5_truncated[i]:
-                notes["caption_truncated"] += 1
-            sample = {
-                contract.LATENTS: latents[i],
-                contract.PROMPT_EMBEDS: text.prompt_embeds[i],
-                contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i],
-                contract.CAPTION: batch.captions[i],
-                contract.META: batch.metas[i],
-            }
-            if posterior:
-                sample |= {contract.MEAN: mean[i], contract.LOGVAR: logvar[i]}
-            samples.append(sample)
-        return samples
+
+        def sample(i: int) -> dict[str, Any]:
+            tensors = {contract.LATENTS: latents[i], contract.PROMPT_EMBEDS: text.prompt_embeds[i],
+                       contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i]}
+            return tensors | ({contract.MEAN: mean[i], contract.LOGVAR: logvar[i]} if posterior else {})
+
+        return encoded_samples(batch, latents, text.t5_truncated, notes, "image", sample)
 
     return fields
 

@@ -34,7 +34,7 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.encoders import DTYPES
-from diffprep.encodings.base import Encoding, SampleFields, probe_in_parallel
+from diffprep.encodings.base import Encoding, SampleFields, encoded_samples, probe_in_parallel
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
@@ -179,21 +179,8 @@ class Wan(Encoding):
         def fields(batch: Batch, notes: Counter) -> list[dict | Reject]:
             latents = loaded.encode_video(batch.pixels, batch.keys)
             text = loaded.encode_text(batch.captions)
-            samples: list[dict | Reject] = []
-            for i in range(len(batch.keys)):
-                if not torch.isfinite(latents[i]).all():
-                    samples.append(Reject(batch.source_ids[i], "non_finite_latents",
-                                          "the VAE produced NaN or inf for this clip", phase="encode"))
-                    continue
-                if text.truncated[i]:
-                    notes["caption_truncated"] += 1
-                samples.append({
-                    contract.LATENTS: latents[i],
-                    contract.PROMPT_EMBEDS: text.prompt_embeds[i],
-                    contract.CAPTION: batch.captions[i],
-                    contract.META: batch.metas[i],
-                })
-            return samples
+            return encoded_samples(batch, latents, text.truncated, notes, "clip",
+                                   lambda i: {contract.LATENTS: latents[i], contract.PROMPT_EMBEDS: text.prompt_embeds[i]})
 
         return fields
 
