@@ -25,7 +25,9 @@ LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
-FamilyName = Literal["flux", "wan"]
+FamilyName = Literal["flux", "wan", "ltx2"]
+# energon: Energon WebDataset shards (every family); ltx: the LTX-2 trainer's .precomputed/ folders (LTX-2 only).
+Layout = Literal["energon", "ltx"]
 FrameSampling = Literal["head", "uniform"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
@@ -58,6 +60,14 @@ class SourceConfig(_Section):
     video_key: str | None = Field(
         None, description="Column (metadata, huggingface) or tar extension (webdataset) holding the clip; "
         "auto-detected when unset.",
+    )
+    audio_key: str | None = Field(
+        None, description="metadata: the column naming an audio file, for audio-only (T2A) LTX-2 runs; default "
+        "audio, used when the file has no video column.",
+    )
+    reference_key: str | None = Field(
+        None, description="metadata: the column naming each clip's IC-LoRA reference clip (LTX-2); default "
+        "reference_video or ref_media_path when the file has one.",
     )
     caption_template: str | None = Field(
         None, description="huggingface: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
@@ -105,6 +115,11 @@ class OutputConfig(_Section):
         None, ge=0.0, le=1.0,
         description="Accept up to this fraction of rejected samples without asking (0.01 = 1%).",
     )
+    layout: Layout = Field(
+        "energon", description="energon: WebDataset shards finalized for Megatron-Energon | ltx: the LTX-2 trainer's "
+        "<output_dir>/.precomputed/ folders (latents/, conditions/, audio_latents/, reference_latents/), one .pt "
+        "per sample named after its media path (LTX-2, metadata source).",
+    )
     approval_timeout: int = Field(
         3600, ge=10, le=7 * 24 * 3600,
         description="Seconds a paused run waits for an answer in the Prefect UI; then it stops, changing nothing.",
@@ -117,7 +132,19 @@ class ModelConfig(_Section):
         "Wan2.1-T2V-...-Diffusers)."
     )
     family: FamilyName | None = Field(
-        None, description="Model family: flux | wan. Unset: read from model_path's model_index.json (_class_name)."
+        None, description="Model family: flux | wan | ltx2. Unset: read from model_path (model_index.json's "
+        "_class_name; an LTX-2 checkpoint's safetensors config)."
+    )
+    text_encoder_path: str | None = Field(
+        None, description="LTX-2: the Gemma 3 folder. Unset: the Gemma folder inside model_path (the layout "
+        "`diffprep tiny-model --family ltx2` writes).",
+    )
+    load_text_encoder_in_8bit: bool = Field(
+        False, description="LTX-2: Gemma's Linear layers in bitsandbytes int8 (threshold 6.0), as the trainer's "
+        "flag: about half the text encoder's memory (benchmarks/README.md); the features differ slightly.",
+    )
+    lora_trigger: str | None = Field(
+        None, description="LTX-2: a trigger word put before every caption ('T ' + caption), as the trainer does.",
     )
     revision: str | None = Field(None, description="Hub revision of model_path (branch, tag or commit).")
     vae_path: str | None = Field(None, description="Override for the VAE (a folder holding the AutoencoderKL).")
@@ -182,6 +209,17 @@ class VideoConfig(_Section):
     )
     frame_sampling: FrameSampling = Field(
         "head", description="Which F frames of a longer clip: head (the first F) | uniform (spread over the clip)."
+    )
+    skip_audio: bool = Field(
+        False, description="LTX-2: video latents and text only, no audio latents (the clips' audio is not read).",
+    )
+    audio_durations: str | None = Field(
+        None, description="LTX-2 audio-only (T2A): audio lengths in seconds separated by ';' (e.g. '2;4.5'); each "
+        "file is cut to the longest one it reaches. Unset: the longest bucket's frames / 25 s.",
+    )
+    reference_downscale_factor: int = Field(
+        1, ge=1, le=16, description="LTX-2 IC-LoRA: reference clips are encoded at (F, H/N, W/N) of the (single) "
+        "bucket; the scaled sides must stay multiples of 32.",
     )
     vae_tiling: bool = Field(
         False, description="Encode each frame in overlapping tiles (long 720p clips on a small GPU); the latents "
@@ -394,12 +432,21 @@ def check_runnable(settings: Settings) -> None:
     src = settings.source
     if src.type is None:
         raise ConfigError("source.type is not set: pass --source-type directory|huggingface|webdataset or set it in the config")
-    needed = {"directory": "input_dir", "huggingface": "hf_dataset", "webdataset": "input_path"}[src.type]
+    needed = {"directory": "input_dir", "huggingface": "hf_dataset", "webdataset": "input_path",
+              "metadata": "metadata_file"}[src.type]
     if not getattr(src, needed):
         flag = "--" + needed.replace("_", "-")
         raise ConfigError(f"source.type is {src.type!r} but source.{needed} is not set (pass {flag})")
     if not settings.output.output_dir:
         raise ConfigError("output.output_dir is not set (pass --output-dir)")
+    if settings.output.layout == "ltx":
+        if src.type != "metadata":
+            raise ConfigError(f"--layout ltx names each sample after its media path relative to the metadata file, "
+                              f"as the LTX-2 trainer does: use --source-type metadata --metadata-file FILE "
+                              f"(got source.type {src.type!r})")
+        if settings.output.output_dir.startswith("s3://"):
+            raise ConfigError("--layout ltx writes the trainer's folders on a local file system; write it locally "
+                              "and copy the .precomputed folder, or use the default Energon layout for s3://")
     if settings.output.compress:
         raise ConfigError(
             "output.compress is refused: Energon prepare indexes uncompressed .tar shards only, and the tensors "

@@ -135,7 +135,7 @@ def _compare_shape(field_name: str, tensor, expected: dict) -> str | None:
     want = expected.get(contract.field_stem(field_name))
     if not shape_matches(tensor.shape, want):
         return f"{field_name} has shape {list(tensor.shape)}, this run writes {want}"
-    dtype = expected.get("dtype")
+    dtype = (expected.get("dtypes") or {}).get(contract.field_stem(field_name)) or expected.get("dtype")
     if dtype and dtype_name(tensor.dtype) != dtype:
         return f"{field_name} has dtype {tensor.dtype}, this run writes {dtype}"
     return None

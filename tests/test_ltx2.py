@@ -49,8 +49,8 @@ CAPTIONS = ["a cat in the city", "  a dog walking on the road at night  ", ""]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_ltx2(tmp_path_factory.mktemp("tiny") / "ltx2", seed=0)
+def tiny(tiny_ltx2) -> Path:
+    return tiny_ltx2
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -68,7 +68,8 @@ def planned_spec(plan_settings: dict[str, Any]) -> ClipSpec:
     """The ``ClipSpec`` a plan's byte settings record."""
     video = plan_settings["video"]
     return ClipSpec(tuple(parse_bucket(b) for b in video["buckets"]), target_fps=video["target_fps"],
-                    frame_sampling=video["frame_sampling"], max_pixels=video["max_pixels"])
+                    frame_sampling=video["frame_sampling"], max_pixels=video["max_pixels"],
+                    audio=video.get("audio", False), reference_scale=video.get("reference_scale"))
 
 
 def _voxels(bucket: Bucket) -> int:
@@ -78,6 +79,25 @@ def _voxels(bucket: Bucket) -> int:
 def strips(clips: torch.Tensor) -> torch.Tensor:
     """uint8 clips ``[B, F, 3, H, W]`` -> each clip's frames side by side, ``[B, 3, H, F * W]``."""
     return torch.stack([frame_strip(clip) for clip in clips])
+
+
+def project_buckets(plan: Plan, left: set[int], per_sample_seconds: float, measured: Bucket,
+                    bytes_of: Callable[[str], int], workers: int) -> dict[str, dict]:
+    """Per bucket, the samples left, their bytes (``bytes_of(bucket)`` per sample) and seconds: the pace measured
+    at ``measured`` scaled by each bucket's voxels, shared among ``workers``."""
+    buckets: dict[str, dict] = {}
+    for unit in plan.units:
+        if unit.unit not in left:
+            continue
+        entry = buckets.setdefault(unit.bucket or "unbucketed", {"samples": 0, "seconds": 0.0, "bytes": 0})
+        n = len(unit.source_ids)
+        entry["samples"] += n
+        if unit.bucket:
+            entry["bytes"] += n * bytes_of(unit.bucket)
+            entry["seconds"] += n * per_sample_seconds * _voxels(parse_bucket(unit.bucket)) / _voxels(measured)
+    for entry in buckets.values():
+        entry["seconds"] = round(entry["seconds"] / max(1, workers), 1)
+    return buckets
 
 
 class Wan(Encoding):
@@ -242,25 +262,14 @@ class Wan(Encoding):
 
         # On a CPU the units decode and write on the encoders' cores: the pace is the sum (benchmarks/README.md, D).
         paced = seconds + decode_seconds if device.type == "cpu" else seconds
-        per_sample_seconds = paced / len(batch.keys)
         text_bytes = len(tensor_bytes(text.prompt_embeds[0]))
         item = latents.element_size()
-        buckets: dict[str, dict] = {}
-        for unit in plan.units:
-            if unit.unit not in left:
-                continue
-            name = unit.bucket or "unbucketed"
-            entry = buckets.setdefault(name, {"samples": 0, "seconds": 0.0, "bytes": 0})
-            n = len(unit.source_ids)
-            entry["samples"] += n
-            if unit.bucket:
-                shape = plan.expected["buckets"][unit.bucket]
-                per = (item * shape[0] * shape[1] * shape[2] * shape[3] + text_bytes + 256
-                       + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS))
-                entry["bytes"] += n * per
-                entry["seconds"] += n * per_sample_seconds * _voxels(parse_bucket(unit.bucket)) / _voxels(bucket)
-        for entry in buckets.values():
-            entry["seconds"] = round(entry["seconds"] / max(1, workers), 1)
+
+        def bytes_of(unit_bucket: str) -> int:
+            c, f, h, w = plan.expected["buckets"][unit_bucket]
+            return item * c * f * h * w + text_bytes + 256 + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS)
+
+        buckets = project_buckets(plan, left, paced / len(batch.keys), bucket, bytes_of, workers)
         remaining = sum(e["samples"] for e in buckets.values())
         projected_bytes = sum(e["bytes"] for e in buckets.values())
         per_sample = len(tensor_bytes(latents[0])) + text_bytes + 256 + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS)
@@ -311,7 +320,8 @@ class Wan(Encoding):
     # --- reading a dataset back -------------------------------------------------------------------------------
 
     def holds(self, fields: Mapping[str, bytes]) -> bool:
-        return contract.LATENTS in fields and contract.POOLED_PROMPT_EMBEDS not in fields
+        return (contract.LATENTS in fields and contract.POOLED_PROMPT_EMBEDS not in fields
+                and contract.PROMPT_ATTENTION_MASK not in fields)  # an LTX-2 sample has the mask
 
     def decode_stored(self, stored: Sequence[Any], plan: Plan | None, *, model_path: str | None = None,
                       device: str = "auto", token: str | None = None, local_only: bool = False,

@@ -1,0 +1,149 @@
+"""LTX-2 through the whole pipeline on the tiny set (ltx-core's own loader), real mp4 clips with AAC audio written
+here and a dataset.json beside them: the default Energon layout and the LTX trainer's .precomputed/ layout, the audio
+gate, and decoding back to clips."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffprep import contract
+from diffprep.approvals import ApprovalRefused
+from diffprep.config import load_settings
+from diffprep.demo import write_av_clip
+from diffprep.encodings import encoding_for, get_encoding
+from diffprep.errors import ConfigError, DiffprepError
+from diffprep.families import family_of_model
+from diffprep.pipeline import run
+from diffprep.shards import load_tensor
+
+BUCKET = "64x64x9"
+FPS = 24
+
+
+def write_dataset(root: Path, clips: dict[str, dict], *, name: str = "dataset.json", **columns) -> Path:
+    """``clips``: relative path -> write_av_clip options (``caption`` too); a JSON list beside them."""
+    rows = []
+    for index, (relative, options) in enumerate(clips.items()):
+        options = dict(options)
+        caption = options.pop("caption", f"a cat walking in the city {index}")
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            write_av_clip(path, fps=FPS, seed=index, **options)
+        rows.append({"caption": caption, "video": relative, **{k: v[index] for k, v in columns.items()}})
+    listing = root / name
+    listing.write_text(json.dumps(rows), encoding="utf-8")
+    return listing
+
+
+def settings_for(out: Path, listing: Path, model_path: Path, **sections):
+    overrides = {
+        "source": {"type": "metadata", "metadata_file": str(listing)},
+        "output": {"output_dir": str(out), "shard_size": 2, "on_existing": "resume"},
+        "model": {"model_path": str(model_path), "precision": "fp32", "device": "cpu", "batch_size": 2, "min_psnr": 0.0},
+        "video": {"resolution_buckets": BUCKET},
+        "finalize": {"train_split": 1.0},
+    }
+    for section, values in sections.items():
+        overrides.setdefault(section, {}).update(values)
+    return load_settings(overrides=overrides)
+
+
+def never_ask(question, preset=None, *, release=False):
+    pytest.fail(f"asked {question.key}: {question.title}")
+
+
+def shard_samples(out: Path) -> dict[str, dict[str, bytes]]:
+    samples: dict[str, dict[str, bytes]] = {}
+    for tar in sorted(out.glob("*.tar")):
+        with tarfile.open(tar) as archive:
+            for member in archive.getmembers():
+                key, field = member.name.split(".", 1)
+                samples.setdefault(key, {})[field] = archive.extractfile(member).read()
+    return samples
+
+
+def test_family_detection_reads_the_checkpoint_not_its_name(tiny_ltx2, tmp_path):
+    assert family_of_model(str(tiny_ltx2)).name == "ltx2"
+    renamed = tmp_path / "FLUX.1-dev.safetensors"  # a name says nothing: the metadata config does
+    renamed.symlink_to(next(tiny_ltx2.glob("*.safetensors")))
+    assert family_of_model(str(renamed)).name == "ltx2"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "ltx-2-19b-dev.safetensors"))
+    assert family_of_model(str(tmp_path / "ltx-2-19b-dev.safetensors")).name != "ltx2"
+    settings = settings_for(tmp_path / "out", tmp_path / "d.json", tiny_ltx2)
+    assert encoding_for(settings, "preencoded") == "ltx2"
+
+
+def test_t2v_with_audio_end_to_end_in_energon_shards(tiny_ltx2, tmp_path):
+    data = tmp_path / "data"
+    listing = write_dataset(data, {"clips/a.mp4": {"audio_layout": "stereo"}, "clips/b.mp4": {"audio_layout": "mono"},
+                                   "c.mp4": {"audio_layout": "5.1", "caption": "a dog"}})
+    out = tmp_path / "out"
+    settings = settings_for(out, listing, tiny_ltx2, model={"lora_trigger": "sks"})
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 3 and result.rejected == 0 and result.validation["ok"]
+    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert plan["encoding"] == "ltx2" and plan["settings"]["layout"] == "energon"
+    assert plan["expected"]["buckets"] == {BUCKET: [128, 2, 2, 2]}
+
+    stored = shard_samples(out)
+    assert len(stored) == 3
+    fields = sorted([contract.LATENTS, contract.AUDIO_LATENTS, contract.PROMPT_EMBEDS,
+                     contract.PROMPT_ATTENTION_MASK, contract.CAPTION, contract.META])
+    for key, sample in stored.items():
+        assert sorted(sample) == fields
+        latents = load_tensor(sample[contract.LATENTS])
+        audio = load_tensor(sample[contract.AUDIO_LATENTS])
+        embeds = load_tensor(sample[contract.PROMPT_EMBEDS])
+        mask = load_tensor(sample[contract.PROMPT_ATTENTION_MASK])
+        assert latents.shape == (128, 2, 2, 2) and latents.dtype == torch.bfloat16
+        assert audio.shape[0] == 8 and audio.shape[2] == 16 and audio.dtype == torch.float32
+        assert abs(audio.shape[1] - 25 * 9 / FPS) <= 2  # T about 25 per second of the 9 frames kept
+        assert embeds.shape == (1024, 32) and embeds.dtype == torch.bfloat16
+        assert mask.shape == (1024,) and mask.dtype == torch.int64 and mask[-1] == 1 and mask[0] == 0
+        caption = sample[contract.CAPTION].decode()
+        meta = json.loads(sample[contract.META])
+        assert caption.startswith("sks ") and meta["lora_trigger"] == "sks"
+        assert meta["fps"] == FPS and meta["audio_duration"] == pytest.approx(9 / FPS, abs=1e-3)
+    channels = sorted(json.loads(s[contract.META])["audio"]["source_channels"] for s in stored.values())
+    assert channels == [1, 2, 6]
+
+    # Loaded back through Energon with the LTX-2 cooker.
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    dataset = get_train_dataset(out, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                                task_encoder=get_encoding("ltx2").task_encoder(), repeat=False,
+                                worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    loaded = list(get_loader(dataset))
+    assert len(loaded) == 3 and all(s.audio_latents is not None and s.reference_latents is None for s in loaded)
+    assert all(torch.equal(s.audio_prompt_embeds, s.prompt_embeds) for s in loaded)  # V1: audio is video's copy
+
+
+def test_skip_audio_reads_no_audio_and_stores_none(tiny_ltx2, tmp_path):
+    data = tmp_path / "data"
+    listing = write_dataset(data, {"silent.mp4": {"audio_layout": None}, "loud.mp4": {"audio_layout": "stereo"}})
+    out = tmp_path / "out"
+    result = run(settings_for(out, listing, tiny_ltx2, video={"skip_audio": True}), "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejected == 0
+    assert all(contract.AUDIO_LATENTS not in s for s in shard_samples(out).values())
+    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert plan["settings"]["video"]["audio"] is False and "audio" not in plan["settings"]["encoders"]
+
+
+def test_an_unnamed_reference_column_and_bad_reference_buckets_are_refused(tiny_ltx2, tmp_path):
+    data = tmp_path / "data"
+    listing = write_dataset(data, {"a.mp4": {}}, reference_video=["a.mp4"])
+    settings = settings_for(tmp_path / "out", listing, tiny_ltx2)
+    with pytest.raises(ConfigError, match="--reference-column reference_video"):
+        get_encoding("ltx2").plan_settings(settings, None)
+    settings = settings_for(tmp_path / "out", listing, tiny_ltx2, source={"reference_key": "reference_video"},
+                            video={"reference_downscale_factor": 4})
+    with pytest.raises(ConfigError, match="64x64 / 4 is not a multiple of 32"):
+        get_encoding("ltx2").plan_settings(settings, None)
