@@ -275,11 +275,10 @@ def _s3_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_finalize(args: argparse.Namespace) -> int:
     from diffprep.config import FinalizeConfig
-    from diffprep.output import open_output
+    from diffprep.output import OutputRef
     from diffprep.pipeline import finalize_output, validate_output
 
-    output = open_output(args.out, endpoint_url=args.s3_endpoint_url, profile=args.s3_profile)
-    output.state.sync()
+    output = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
     plan = output.state.plan()
     encoding = args.encoding or (plan.encoding if plan else "preencoded")
     config = FinalizeConfig(train_split=args.train_split, shuffle_seed=args.seed, workers=args.workers)

@@ -165,30 +165,28 @@ def read_split_yaml(out_dir: str | os.PathLike) -> dict[str, str]:
     return assignment
 
 
-def read_assignment(out_dir: str | os.PathLike) -> dict[str, str]:
+def read_assignment(output: Output | str | os.PathLike) -> dict[str, str]:
     """The recorded shard -> split assignment.
 
     From ``.diffprep/splits.json``; when that is missing but an earlier
     prepare left ``.nv-meta/split.yaml``, from that file.
     """
-    record = read_split_record(out_dir)
+    output = as_output(output)
+    record = read_split_record(output)
     if record is not None:
         return dict(record["assignment"])
-    return read_split_yaml(out_dir)
+    return read_split_yaml(output.working_copy())
 
 
-def read_split_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+def read_split_record(output: Output) -> dict[str, Any] | None:
     """``.diffprep/splits.json`` as written by the last finalize (train_split, seed, assignment), or None."""
-    path = Path(out_dir) / contract.STATE_DIR / contract.SPLITS_JSON
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return output.state.read_json(contract.SPLITS_JSON)
 
 
 def split_question(output: Output | str | os.PathLike, *, train_split: float, seed: int = 42) -> Question | None:
     """The question to ask before finalizing with another ``train_split`` than the recorded one, or None."""
     output = as_output(output)
-    record = read_split_record(output.local)
+    record = read_split_record(output)
     if record is None or record["train_split"] == train_split:
         return None
     moves = preview_replace_split(output, train_split=train_split, seed=seed)
@@ -260,7 +258,7 @@ def preview_replace_split(
     """
     output = as_output(output)
     shards, _, _ = committed_shards(output)
-    previous = read_assignment(output.local)
+    previous = read_assignment(output)
     fresh = assign_splits(sorted(shards), {}, train_split, seed)
     return {s: (previous[s], fresh[s]) for s in sorted(previous) if s in fresh and previous[s] != fresh[s]}
 
@@ -342,8 +340,7 @@ def finalize(
     Multi-Storage Client profile; its metadata is then staged and checked here.
     """
     output = as_output(output)
-    output.state.sync()
-    out = output.local
+    out = output.working_copy()
     if encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
     split_targets(train_split)
@@ -357,7 +354,7 @@ def finalize(
     manifests, empty, foreign = committed_shards(output)
     if not manifests:
         raise DatasetValidationError(f"{output.uri} has no committed shards with samples; run encoding first")
-    previous = read_assignment(out)
+    previous = read_assignment(output)
     vanished = sorted(set(previous) - set(manifests))
     if vanished and not replace_split:
         raise DatasetValidationError(

@@ -150,7 +150,6 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
                               units_left=[u.unit for u in plan.units])
         if not output.local.is_dir():
             raise ExistingOutputError(f"output {output.uri} exists and is not a directory")
-    output.state.sync()
     entries = output.entries()
     if not entries or (entries == [contract.STATE_DIR] and output.state.is_empty()):
         return Inspection(output.uri, exists=output.exists(), empty=True, plan_fingerprint=None, same_settings=True,
@@ -159,7 +158,7 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
     manifests = output.state.manifests()
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
-    committed, damaged = output.unit_status(plan.fingerprint, manifests)
+    committed, damaged = output.committed_units(plan.fingerprint, manifests)
     done = sorted(u for u in committed if u in planned)
     damaged = sorted(u for u in damaged if u in planned)
     left = [u.unit for u in plan.units if u.unit not in committed and u.unit not in damaged]

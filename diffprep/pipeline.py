@@ -78,7 +78,6 @@ def settings_output(settings: Settings) -> OutputRef:
 
 def plan_output(settings: Settings, output: Output, encoding: str, token: str | None = None) -> Plan:
     """Phase 1: the plan of this run (an append keeps the units of the plan already there)."""
-    output.state.sync()
     plan, _source = fetch(settings, output, token=token, encoding=encoding)
     return plan
 
@@ -321,7 +320,6 @@ def follow_rank(settings: Settings, encoding: str, group: Group, token: str | No
         raise DiffprepError(f"rank {group.ranks.rank} has settings of fingerprint {mine_fp}, rank 0 planned "
                             f"{message['fingerprint']}: every rank must run the same command")
     output = OutputRef(**message["output"]).open()
-    output.state.sync()
     plan = output.state.plan()
     if plan is None or plan.fingerprint != message["fingerprint"]:
         raise DiffprepError(f"rank {group.ranks.rank}: {output.uri} holds no plan of fingerprint "

@@ -94,7 +94,7 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
     ``expected``: already normalized (``normalize_expected``); None: plan.json's.
     """
     problems = Findings("metadata")
-    out = output.local  # a bucket prefix's working copy of its metadata and state
+    out = output.working_copy()  # a bucket prefix's metadata and state, staged
     meta = out / contract.NV_META
     found_encoding = None
     dataset_yaml = meta / contract.DATASET_YAML
@@ -161,8 +161,8 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
                      f"{type(error).__name__}: {error}")
 
     if expected is None:
-        plan = output.state.path(contract.PLAN_JSON)
-        if plan.is_file():
+        plan = output.state.local_copy(contract.PLAN_JSON)
+        if plan is not None:
             try:
                 planned = json.loads(plan.read_text(encoding="utf-8"))
                 planned = planned.get("expected") if isinstance(planned, dict) else None
@@ -174,7 +174,7 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
     recorded, recorded_problem = None, None
     if output.state.exists(contract.SPLITS_JSON):
         try:
-            recorded = read_assignment(out)
+            recorded = read_assignment(output)
         except (OSError, ValueError, KeyError, TypeError) as error:
             recorded_problem = f"{output.state.path(contract.SPLITS_JSON)}: {type(error).__name__}: {error}"
 
