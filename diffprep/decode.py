@@ -98,6 +98,11 @@ def read_samples(out_dir: str | os.PathLike, count: int) -> list[StoredSample]:
     if count < 1:
         raise ConfigError(f"the number of samples to decode must be >= 1, got {count}")
     out = Path(out_dir)
+    plan = read_plan(out)
+    from diffprep.encodings.ltx_layout import is_ltx, stored_samples
+
+    if is_ltx(plan):
+        return stored_samples(out, plan, count)
     manifests = [m for _, m in sorted(read_manifests(out).items()) if m.keys]
     total = sum(len(m.keys) for m in manifests)
     if not total:

@@ -17,7 +17,7 @@ import torch
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError
-from diffprep.output import Output, as_output, is_ours
+from diffprep.output import Output, as_output
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.shards import load_tensor
 
@@ -171,13 +171,16 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         units_done=done if same else [],
         units_left=left if same else [u.unit for u in plan.units],
         damaged_units=damaged if same else [],
-        foreign=[name for name in entries if not is_ours(name)],
+        foreign=[name for name in entries if not output.owns(name)],
         unmanaged=sorted(name for name in entries if contract.unit_of_shard(name) is not None
                          and contract.unit_of_shard(name) not in manifests),
         bytes_on_disk=output.total_bytes(),
     )
     if same:
-        inspection.shape_problem = _check_shapes(output, plan, {u: committed[u] for u in done})
+        from diffprep.encodings.ltx_layout import check_shapes, is_ltx
+
+        check = check_shapes if is_ltx(plan) else _check_shapes
+        inspection.shape_problem = check(output, plan, {u: committed[u] for u in done})
     return inspection
 
 

@@ -147,3 +147,144 @@ def test_an_unnamed_reference_column_and_bad_reference_buckets_are_refused(tiny_
                             video={"reference_downscale_factor": 4})
     with pytest.raises(ConfigError, match="64x64 / 4 is not a multiple of 32"):
         get_encoding("ltx2").plan_settings(settings, None)
+
+
+# --------------------------------------------------------------------------- --layout ltx
+
+
+def trainer_samples(root: Path, sources: tuple[str, ...]) -> dict[str, dict[str, dict]]:
+    """What the LTX-2 trainer's PrecomputedDataset reads (consumer-formats.md A2): the .pt files globbed in the
+    primary folder, kept where every other source has the same relative path, loaded with weights_only=True."""
+    primary = root / sources[0]
+    samples = {}
+    for path in sorted(primary.glob("**/*.pt")):
+        relative = path.relative_to(primary)
+        if all((root / source / relative).is_file() for source in sources[1:]):
+            samples[relative.as_posix()] = {
+                source: torch.load(root / source / relative, map_location="cpu", weights_only=True)
+                for source in sources}
+    return samples
+
+
+def assert_a1(sample: dict[str, dict], *, frames: int, size: int, fps: float, seconds: float, width: int = 32):
+    """Every record's keys, shapes and dtypes as consumer-formats.md A1 states them."""
+    video = sample["latents"]
+    assert set(video) == {"latents", "num_frames", "height", "width", "fps"}
+    assert video["latents"].dtype == torch.bfloat16
+    assert tuple(video["latents"].shape) == (128, 1 + (frames - 1) // 8, size // 32, size // 32)
+    assert (video["num_frames"], video["height"], video["width"]) == tuple(video["latents"].shape[1:])
+    assert all(type(video[k]) is int for k in ("num_frames", "height", "width")) and video["fps"] == fps
+    conditions = sample["conditions"]
+    assert set(conditions) == {"video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"}
+    assert conditions["video_prompt_embeds"].shape == (1024, width)
+    assert conditions["video_prompt_embeds"].dtype == conditions["audio_prompt_embeds"].dtype == torch.bfloat16
+    mask = conditions["prompt_attention_mask"]
+    assert mask.shape == (1024,) and mask.dtype == torch.int64 and mask[-1] == 1 and mask[0] == 0  # left-padded
+    if "audio_latents" in sample:
+        audio = sample["audio_latents"]
+        assert set(audio) == {"latents", "num_time_steps", "frequency_bins", "duration"}
+        assert audio["latents"].dtype == torch.float32 and audio["latents"].shape[0] == 8
+        assert (audio["num_time_steps"], audio["frequency_bins"]) == tuple(audio["latents"].shape[1:]) \
+            and audio["frequency_bins"] == 16
+        assert abs(audio["num_time_steps"] - 25 * seconds) <= 2 and audio["duration"] == pytest.approx(seconds, 1e-3)
+
+
+def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_ltx2, tmp_path, capsys):
+    """The issue's command, on the tiny set: a dataset.json beside real clips with AAC audio."""
+    from diffprep.cli import main
+
+    data = tmp_path / "dataset"
+    listing = write_dataset(data, {"clips/a.mp4": {"audio_layout": "stereo"}, "clips/b.mp4": {"audio_layout": "mono"},
+                                   "c.mp4": {"audio_layout": "5.1"}})
+    args = ["encode", "--source-type", "metadata", "--metadata-file", str(listing), "--output-dir", str(data),
+            "--model-path", str(tiny_ltx2), "--layout", "ltx", "--resolution-buckets", BUCKET, "--precision", "fp32",
+            "--device", "cpu", "--batch-size", "2", "--shard-size", "2", "--min-psnr", "0"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "samples written: 3" in printed
+
+    root = data / contract.PRECOMPUTED_DIR
+    samples = trainer_samples(root, ("latents", "conditions", "audio_latents"))
+    assert sorted(samples) == ["c.pt", "clips/a.pt", "clips/b.pt"]
+    for sample in samples.values():
+        assert_a1(sample, frames=9, size=64, fps=float(FPS), seconds=9 / FPS)
+    assert sorted(p.name for p in root.iterdir()) == [".diffprep", "audio_latents", "conditions", "latents"]
+    assert not (data / contract.STATE_DIR).exists() and not (root / contract.NV_META).exists()
+
+    # The audit's figures and a re-run: complete, nothing rewritten.
+    audit = json.loads((root / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    assert (audit["written"], audit["rejected"], audit["problems"]) == (3, 0, [])
+    before = {p: p.read_bytes() for p in root.rglob("*.pt")}
+    assert main(args) == 0 and "complete" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in root.rglob("*.pt")} == before
+
+
+def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
+    data = tmp_path / "dataset"
+    clips = {"a.mp4": {}, "b.mp4": {}, "silent.mp4": {"audio_layout": None},
+             "broken.mp4": {"broken_audio": True}}
+    listing = write_dataset(data, clips)
+    settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx"})
+    asked = []
+
+    def abort(question, preset=None, *, release=False):
+        asked.append(question)
+        return question.check("abort")
+
+    # The audio gate: two clips without usable audio of four; the run stops, naming them, and does not finalize.
+    with pytest.raises(ApprovalRefused, match="aborted"):
+        run(settings, "preencoded", ask=abort)
+    [question] = asked
+    assert question.key == "rejected-samples" and "2 of 4 samples" in question.description
+    assert "`no_audio_stream`" in question.description and "`audio_decode_error`" in question.description
+    assert "silent.mp4" in question.description and "broken.mp4" in question.description
+    assert "--skip-audio" in question.description  # the audio advice
+    root = data / contract.PRECOMPUTED_DIR
+    assert not (root / contract.STATE_DIR / contract.VALIDATION_JSON).exists()
+
+    # Accepted ahead of time, it completes: the two clips with audio, every folder one file each.
+    settings.output.accept_rejects = 0.5
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejects_by_reason == {"audio_decode_error": 1, "no_audio_stream": 1}
+    assert result.validation["ok"]
+    for kind in ("latents", "conditions", "audio_latents"):
+        assert sorted(p.name for p in (root / kind).glob("**/*.pt")) == ["a.pt", "b.pt"]
+
+    # The audit checks every folder holds one file per written sample: a stray file fails it.
+    from diffprep.audit import audit
+    from diffprep.plan import read_plan
+
+    stray = root / "audio_latents" / "stray.pt"
+    torch.save({"latents": torch.zeros(1)}, stray)
+    report = audit(root, read_plan(root))
+    assert any("audio_latents/ holds 3 .pt files for 2 written samples" in p and "stray.pt" in p
+               for p in report.problems)
+    stray.unlink()
+
+    # Other settings over it: verify-existing asks (reuse / new directory / abort); new-dir is .precomputed-v2.
+    other = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.5, "on_existing": None},
+                         video={"skip_audio": True})
+    asked.clear()
+    with pytest.raises(ApprovalRefused):
+        run(other, "preencoded", ask=abort)
+    assert asked[0].key == "existing-output" and "new-dir" in asked[0].choices
+    other.output.on_existing = "new-dir"
+    result = run(other, "preencoded", ask=never_ask)
+    assert result.out_dir.endswith(".precomputed-v2") and result.samples == 4
+    v2 = data / ".precomputed-v2"
+    assert sorted(p.name for p in v2.iterdir()) == [".diffprep", "conditions", "latents"]
+    assert len(list((root / "audio_latents").glob("*.pt"))) == 2  # the first one untouched
+
+    # A record changed behind diffprep's back: its unit is damaged (re-encoded on resume), and verify-existing's
+    # look at one sample of every folder names what differs from the plan.
+    from diffprep.encodings.ltx_layout import check_shapes
+    from diffprep.existing import inspect_output
+    from diffprep.output import Output
+    from diffprep.shards import read_manifests
+
+    path = root / "latents" / "a.pt"
+    record = torch.load(path, weights_only=True)
+    torch.save({**record, "latents": record["latents"].float()}, path)
+    assert inspect_output(Output(root), read_plan(root)).damaged_units == [0]
+    problem = check_shapes(Output(root), read_plan(root), read_manifests(root))
+    assert problem == "latents/a.pt: latents has dtype torch.float32, the trainer reads bfloat16"

@@ -173,6 +173,12 @@ class Ltx2(Wan):
                 )
             return _LOADED[key]
 
+    def unit_writer(self, output: Output, plan: Plan):
+        """--layout ltx: the trainer's record files under the output (a ``.precomputed`` folder)."""
+        from diffprep.encodings.ltx_layout import PrecomputedWriter, is_ltx
+
+        return (lambda: PrecomputedWriter(output.local, plan)) if is_ltx(plan) else None
+
     def sample_fields(self, settings: Settings, loaded: Any):
         trigger = settings.model.lora_trigger
 
@@ -266,6 +272,25 @@ class Ltx2(Wan):
         output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
                                  torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
         return finish_sanity(output, report, remaining)
+
+    def rejects_advice(self, report: Any, plan: Plan) -> str:
+        """Clips too short for every bucket (Wan's advice), and the audio gate: clips of an audio run whose audio is
+        missing or does not decode, named, with what each choice means."""
+        from diffprep.media.audio import REJECT_AUDIO_DECODE_ERROR, REJECT_NO_AUDIO_STREAM
+
+        advice = [super().rejects_advice(report, plan)]
+        counts = {r: report.by_reason.get(r, 0) for r in (REJECT_NO_AUDIO_STREAM, REJECT_AUDIO_DECODE_ERROR)}
+        if plan.settings["video"].get("audio") and sum(counts.values()):
+            names = [r["source_id"] for r in report.rejected_ids if r["reason"] in counts]
+            shown = ", ".join(f"`{n}`" for n in names[:20]) + (" ..." if len(names) > 20 else "")
+            what = ", ".join(f"`{reason}` {n}" for reason, n in counts.items() if n)
+            advice.append(
+                f"**Audio gate:** {sum(counts.values())} clips of this audio run have no usable audio ({what}): "
+                f"{shown}. They are not in the dataset: no sample is ever written without its audio latents. "
+                f"`accept`: train on the {report.written} clips with sound. To keep the others, fix their audio, "
+                "or encode them in a run of their own with `--skip-audio` (video only). When most clips fail, "
+                "suspect the audio backend first (`python -c 'import av'`; the sanity check's test tone).")
+        return "\n\n".join(a for a in advice if a)
 
     def oom_advice(self, settings: Settings, loaded: Any) -> str:
         return (f"use smaller or shorter --resolution-buckets (now {settings.video.resolution_buckets}), "
