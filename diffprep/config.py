@@ -61,10 +61,6 @@ class SourceConfig(_Section):
         None, description="Column (metadata, huggingface) or tar extension (webdataset) holding the clip; "
         "auto-detected when unset.",
     )
-    audio_key: str | None = Field(
-        None, description="metadata: the column naming an audio file, for audio-only (T2A) LTX-2 runs; default "
-        "audio, used when the file has no video column.",
-    )
     reference_key: str | None = Field(
         None, description="metadata: the column naming each clip's IC-LoRA reference clip (LTX-2); default "
         "reference_video or ref_media_path when the file has one.",
@@ -212,10 +208,6 @@ class VideoConfig(_Section):
     )
     skip_audio: bool = Field(
         False, description="LTX-2: video latents and text only, no audio latents (the clips' audio is not read).",
-    )
-    audio_durations: str | None = Field(
-        None, description="LTX-2 audio-only (T2A): audio lengths in seconds separated by ';' (e.g. '2;4.5'); each "
-        "file is cut to the longest one it reaches. Unset: the longest bucket's frames / 25 s.",
     )
     reference_downscale_factor: int = Field(
         1, ge=1, le=16, description="LTX-2 IC-LoRA: reference clips are encoded at (F, H/N, W/N) of the (single) "

@@ -102,7 +102,7 @@ def read_samples(out_dir: str | os.PathLike, count: int) -> list[StoredSample]:
     from diffprep.encodings.ltx_layout import is_ltx, stored_samples
 
     if is_ltx(plan):
-        return stored_samples(out, plan, count)
+        return [StoredSample(*found) for found in stored_samples(out, plan, count)]
     manifests = [m for _, m in sorted(read_manifests(out).items()) if m.keys]
     total = sum(len(m.keys) for m in manifests)
     if not total:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
 from collections import Counter
@@ -34,15 +33,15 @@ from diffprep.config import Settings
 from diffprep.cooker import Ltx2SampleTaskEncoder
 from diffprep.encoders import DTYPES, resolve_device
 from diffprep.encodings.preencoded import PreencodedInspector
-from diffprep.encodings.wan import Wan, _voxels, project_buckets, strips
+from diffprep.encodings.wan import Wan, finish_video_sanity, largest_bucket_batch, project_buckets, strips
 from diffprep.errors import ConfigError
-from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
+from diffprep.media.buckets import Bucket, parse_buckets
 from diffprep.media.video import ClipSpec, clip_fps
 from diffprep.output import Output
 from diffprep.plan import Plan, dtype_name, shape_matches
-from diffprep.reader import Batch, first_batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip, finish_sanity, peak_memory
-from diffprep.shards import Reject, load_tensor, tensor_bytes, torch_bytes
+from diffprep.reader import Batch
+from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip
+from diffprep.shards import Reject, load_tensor, tensor_bytes
 from diffprep.workers import claimed_device
 
 log = logging.getLogger(__name__)
@@ -200,13 +199,7 @@ class Ltx2(Wan):
                 check_audio_backend()
             except RuntimeError as error:
                 problems.append(f"audio: {error}")
-        left = set(units_left) if units_left is not None else {u.unit for u in plan.units}
-        bucketed = [u for u in plan.units if u.bucket and u.unit in left] or [u for u in plan.units if u.bucket]
-        largest = max((parse_bucket(u.bucket) for u in bucketed), key=_voxels, default=None)
-        units = [u for u in bucketed if largest is not None and parse_bucket(u.bucket) == largest]
-        decode_start = time.perf_counter()
-        batch = first_batch(plan, source, spec, batch_size, units=units or None)
-        decode_seconds = time.perf_counter() - decode_start
+        left, batch, decode_seconds = largest_bucket_batch(plan, source, spec, batch_size, units_left)
         device = loaded.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -248,30 +241,10 @@ class Ltx2(Wan):
             return item * c * f * h * w + others + members
 
         buckets = project_buckets(plan, left, paced / len(batch.keys), bucket, bytes_of, workers)
-        remaining = sum(e["samples"] for e in buckets.values())
-        per_sample = sum(first.values()) + 512 + members
-        report = SanityReport(
-            ok=not problems,
-            samples=len(batch.keys),
-            shapes={name: list(t.shape[1:]) for name, t in tensors.items()},
-            dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
-            finite=finite,
-            psnr_db=psnrs,
-            seconds_per_batch=round(seconds, 4),
-            peak_memory_bytes=peak_memory(device),
-            bytes_per_sample=per_sample,
-            projected_bytes=sum(e["bytes"] for e in buckets.values()),
-            projected_seconds=round(sum(e["seconds"] for e in buckets.values()), 1),
-            free_bytes=shutil.disk_usage(output.local).free,
-            problems=problems,
-            min_psnr=settings.model.min_psnr,
-            contact_sheet=str(sheet) if sheet else None,
-            local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
-            buckets=buckets,
-        )
-        output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
-                                 torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
-        return finish_sanity(output, report, remaining)
+        return finish_video_sanity(output, tensors, buckets, problems=problems, finite=finite, psnrs=psnrs,
+                                   sheet=sheet, seconds=seconds, device=device,
+                                   per_sample=sum(first.values()) + 512 + members, settings=settings,
+                                   staged_samples=staged_samples)
 
     def rejects_advice(self, report: Any, plan: Plan) -> str:
         """Clips too short for every bucket (Wan's advice), and the audio gate: clips of an audio run whose audio is

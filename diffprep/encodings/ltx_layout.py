@@ -324,10 +324,9 @@ def validate_precomputed(output: Any, plan: Plan) -> Any:
     return report
 
 
-def stored_samples(root: Path, plan: Plan, count: int) -> list[Any]:
-    """``count`` committed samples spread over the dataset, as ``StoredSample``s of the Energon fields (for
-    ``diffprep decode``): the records' tensors, and a meta.json naming the source id, bucket and fps."""
-    from diffprep.decode import StoredSample
+def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, dict[str, bytes]]]:
+    """``count`` committed samples spread over the dataset, as (key, file, the Energon fields) for ``diffprep
+    decode``'s ``StoredSample``: the records' tensors, and a meta.json naming the source id, bucket and fps."""
     from diffprep.errors import DatasetValidationError
     from diffprep.shards import json_bytes, read_manifests
 
@@ -351,5 +350,5 @@ def stored_samples(root: Path, plan: Plan, count: int) -> list[Any]:
         meta = {"source_id": source_id, "fps": video["fps"], "name": str(name),
                 "bucket": [int(v) for v in bucket.split("x")] if bucket else None}
         fields[contract.META] = json_bytes(meta)
-        samples.append(StoredSample(manifest.keys[index], f"{contract.LATENTS_DIR}/{name}", fields))
+        samples.append((manifest.keys[index], f"{contract.LATENTS_DIR}/{name}", fields))
     return samples

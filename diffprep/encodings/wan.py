@@ -81,6 +81,49 @@ def strips(clips: torch.Tensor) -> torch.Tensor:
     return torch.stack([frame_strip(clip) for clip in clips])
 
 
+def largest_bucket_batch(plan: Plan, source: Source, spec: Any, batch_size: int, units_left: Sequence[int] | None
+                         ) -> tuple[set[int], Batch, float]:
+    """(the units left, the first batch that decodes at the largest planned bucket: the memory peak, its decode
+    seconds)."""
+    left = set(units_left) if units_left is not None else {u.unit for u in plan.units}
+    bucketed = [u for u in plan.units if u.bucket and u.unit in left] or [u for u in plan.units if u.bucket]
+    largest = max((parse_bucket(u.bucket) for u in bucketed), key=_voxels, default=None)
+    units = [u for u in bucketed if largest is not None and parse_bucket(u.bucket) == largest]
+    decode_start = time.perf_counter()
+    batch = first_batch(plan, source, spec, batch_size, units=units or None)
+    return left, batch, time.perf_counter() - decode_start
+
+
+def finish_video_sanity(output: Output, tensors: dict[str, torch.Tensor], buckets: dict[str, dict], *,
+                        problems: list[str], finite: bool, psnrs: list, sheet: Any, seconds: float,
+                        device: torch.device, per_sample: int, settings: Settings,
+                        staged_samples: int | None) -> SanityReport:
+    """The sanity report of a video batch (its tensors stacked per field), its first sample saved, the disk checked."""
+    remaining = sum(e["samples"] for e in buckets.values())
+    report = SanityReport(
+        ok=not problems,
+        samples=next(iter(tensors.values())).shape[0],
+        shapes={name: list(t.shape[1:]) for name, t in tensors.items()},
+        dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
+        finite=finite,
+        psnr_db=psnrs,
+        seconds_per_batch=round(seconds, 4),
+        peak_memory_bytes=peak_memory(device),
+        bytes_per_sample=per_sample,
+        projected_bytes=sum(e["bytes"] for e in buckets.values()),
+        projected_seconds=round(sum(e["seconds"] for e in buckets.values()), 1),
+        free_bytes=shutil.disk_usage(output.local).free,
+        problems=problems,
+        min_psnr=settings.model.min_psnr,
+        contact_sheet=str(sheet) if sheet else None,
+        local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
+        buckets=buckets,
+    )
+    output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
+                             torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
+    return finish_sanity(output, report, remaining)
+
+
 def project_buckets(plan: Plan, left: set[int], per_sample_seconds: float, measured: Bucket,
                     bytes_of: Callable[[str], int], workers: int) -> dict[str, dict]:
     """Per bucket, the samples left, their bytes (``bytes_of(bucket)`` per sample) and seconds: the pace measured
@@ -222,13 +265,7 @@ class Wan(Encoding):
         output.state.write_bytes(contract.EMPTY_PROMPT, torch_bytes({"prompt_embeds": empty.clone()}))
         output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/prompt_embeds_empty.npy", npy_bytes(empty[None]))
 
-        left = set(units_left) if units_left is not None else {u.unit for u in plan.units}
-        bucketed = [u for u in plan.units if u.bucket and u.unit in left] or [u for u in plan.units if u.bucket]
-        largest = max((parse_bucket(u.bucket) for u in bucketed), key=_voxels, default=None)
-        units = [u for u in bucketed if largest is not None and parse_bucket(u.bucket) == largest]
-        decode_start = time.perf_counter()
-        batch = first_batch(plan, source, spec, batch_size, units=units or None)
-        decode_seconds = time.perf_counter() - decode_start
+        left, batch, decode_seconds = largest_bucket_batch(plan, source, spec, batch_size, units_left)
         device = loaded.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -270,31 +307,10 @@ class Wan(Encoding):
             return item * c * f * h * w + text_bytes + 256 + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS)
 
         buckets = project_buckets(plan, left, paced / len(batch.keys), bucket, bytes_of, workers)
-        remaining = sum(e["samples"] for e in buckets.values())
-        projected_bytes = sum(e["bytes"] for e in buckets.values())
         per_sample = len(tensor_bytes(latents[0])) + text_bytes + 256 + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS)
-        report = SanityReport(
-            ok=not problems,
-            samples=len(batch.keys),
-            shapes={name: list(t.shape[1:]) for name, t in tensors.items()},
-            dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
-            finite=finite,
-            psnr_db=psnrs,
-            seconds_per_batch=round(seconds, 4),
-            peak_memory_bytes=peak_memory(device),
-            bytes_per_sample=per_sample,
-            projected_bytes=projected_bytes,
-            projected_seconds=round(sum(e["seconds"] for e in buckets.values()), 1),
-            free_bytes=shutil.disk_usage(output.local).free,
-            problems=problems,
-            min_psnr=settings.model.min_psnr,
-            contact_sheet=str(sheet) if sheet else None,
-            local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
-            buckets=buckets,
-        )
-        output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
-                                 torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
-        return finish_sanity(output, report, remaining)
+        return finish_video_sanity(output, tensors, buckets, problems=problems, finite=finite, psnrs=psnrs,
+                                   sheet=sheet, seconds=seconds, device=device, per_sample=per_sample,
+                                   settings=settings, staged_samples=staged_samples)
 
     def rejects_advice(self, report: Any, plan: Plan) -> str:
         """Clips too short for every bucket: the exact --resolution-buckets that would keep them."""

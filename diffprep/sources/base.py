@@ -50,7 +50,6 @@ class SourceSample:
     reject: RejectError | None = None  # set when the source itself cannot give a usable sample
     video: bytes | None = None  # the encoded clip file bytes (mp4/webm/mov/mkv...) of a video sample
     reference: bytes | None = None  # an IC-LoRA reference clip's file bytes (metadata source, LTX-2)
-    audio: bytes | None = None  # an audio file's bytes (metadata source's audio column: LTX-2 audio-only runs)
 
     @property
     def media(self) -> bytes | None:
