@@ -209,7 +209,7 @@ def _prepare(read: Any, spec: ImageSpec | ClipSpec, meta: dict) -> tuple[torch.T
     """
     if isinstance(spec, ClipSpec):
         bucket = Bucket(*meta["bucket"]) if meta.get("bucket") else None
-        clip = spec.prepare(read.media, video=read.video is not None, bucket=bucket)
+        clip = spec.prepare(read.media, video=read.video is not None, bucket=bucket, reference=read.reference)
         return clip.pixels, clip.meta["original_size"], clip.meta["crop_box"]
     if read.image is None:
         raise RejectError("missing_image", "the source gave no image")

@@ -288,3 +288,38 @@ def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
     assert inspect_output(Output(root), read_plan(root)).damaged_units == [0]
     problem = check_shapes(Output(root), read_plan(root), read_manifests(root))
     assert problem == "latents/a.pt: latents has dtype torch.float32, the trainer reads bfloat16"
+
+
+def test_ic_lora_references_skip_audio_and_decode_in_the_ltx_layout(tiny_ltx2, tmp_path):
+    """V2V IC-LoRA: reference clips at (F, H/2, W/2) in reference_latents/; a row without its reference is named;
+    decode writes each clip back as mp4 with its PSNR."""
+    data = tmp_path / "dataset"
+    refs = data / "refs"
+    refs.mkdir(parents=True)
+    for name in ("a.mp4", "b.mp4"):
+        write_av_clip(refs / name, fps=FPS, audio_layout=None, seed=7)
+    listing = write_dataset(data, {"a.mp4": {}, "b.mp4": {}, "c.mp4": {}},
+                            reference_video=["refs/a.mp4", "refs/b.mp4", "refs/gone.mp4"])
+    settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.34},
+                            source={"reference_key": "reference_video"},
+                            video={"reference_downscale_factor": 2, "skip_audio": True})
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejects_by_reason == {"reference_not_found": 1}
+    root = data / contract.PRECOMPUTED_DIR
+    samples = trainer_samples(root, ("latents", "conditions", "reference_latents"))
+    assert sorted(samples) == ["a.pt", "b.pt"] and not (root / "audio_latents").exists()
+    for sample in samples.values():
+        assert_a1(sample, frames=9, size=64, fps=float(FPS), seconds=9 / FPS)
+        reference = sample["reference_latents"]
+        assert set(reference) == {"latents", "num_frames", "height", "width", "fps"}
+        assert reference["latents"].shape == (128, 2, 1, 1) and reference["latents"].dtype == torch.bfloat16
+
+    from diffprep.decode import decode_dataset
+
+    report = decode_dataset(root, 2, to_dir=tmp_path / "decoded", device="cpu")
+    assert [p.source_id for p in report.previews] == ["a.mp4", "b.mp4"]
+    assert all(p.psnr_db is not None and p.psnr_db > 5 for p in report.previews), [(p.psnr_db, p.note) for p in report.previews]
+    import av
+
+    with av.open(str(tmp_path / "decoded" / f"{report.previews[0].key}.mp4")) as clip:
+        assert clip.streams.video[0].frames == 9
