@@ -1,5 +1,7 @@
 """The LTX-2 encoding: clips through ltx-core's video and audio VAEs, captions through Gemma + the feature extractor.
 
+(Just over 400 lines: the plan, the encoding, the sanity check and the inspector of one family read together.)
+
 Per sample (bucket ``W x H x F``, Energon layout): ``latents.pth`` ``[128, 1 + (F - 1) / 8, H / 32, W / 32]``
 bf16 (posterior mean, normalized with the checkpoint's statistics), ``audio_latents.pth`` ``[8, T, 16]`` float32
 from the clip's own audio track (T about 25 per second; not with ``--skip-audio``), ``prompt_embeds.pth``
