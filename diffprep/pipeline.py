@@ -163,12 +163,11 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
 def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: Ask = ask_here, *,
                     replace_split: bool = False, finalizer: Callable[..., FinalizeResult] | None = None,
                     ) -> FinalizeResult:
-    """Phase 6: Energon metadata over the committed shards; a change of split is asked first."""
-    from diffprep.encodings.ltx_layout import is_ltx
-
-    ltx = is_ltx(output.state.plan())
-    question = None if replace_split or ltx else split_question(output, train_split=config.train_split,
-                                                                seed=config.shuffle_seed)
+    """Phase 6: Energon metadata over the committed shards (the encoding's, for a trainer's own layout); a change
+    of split is asked first."""
+    own = get_encoding(encoding).own_folders(output.state.plan())
+    question = None if replace_split or own else split_question(output, train_split=config.train_split,
+                                                                 seed=config.shuffle_seed)
     replace = replace_split or (question is not None
                                 and ask(question, config.on_split_change, release=True) == "replace")
     run = finalizer or finalize_split
@@ -176,24 +175,21 @@ def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: 
 
 
 def finalize_split(output: Output, encoding: str, config: FinalizeConfig, replace: bool) -> FinalizeResult:
-    from diffprep.encodings.ltx_layout import folders, is_ltx
-
     plan = output.state.plan()
-    if is_ltx(plan):  # the trainer reads the folders as they are: no Energon metadata, no splits
-        written = sum(m.count for m in output.state.manifests().values() if m.fingerprint == plan.fingerprint)
-        return FinalizeResult(splits={}, counts={"train": written}, parts=folders(plan), changed=False)
+    own = get_encoding(encoding).own_folders(plan)
+    if own is not None:
+        return own.finalize(output, plan)
     return finalize(output, encoding=encoding, train_split=config.train_split, seed=config.shuffle_seed,
                     workers=config.workers, replace_split=replace)
 
 
 def validate_output(output: Output, encoding: str | None = None, max_load: int | None = None) -> ValidationReport:
-    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error); the LTX layout's
-    folders read as the trainer reads them."""
-    from diffprep.encodings.ltx_layout import is_ltx, validate_precomputed
-
+    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error), by the encoding
+    (a trainer's own folders are read as that trainer reads them); without one, the dataset says what it is."""
     plan = output.state.plan()
-    if is_ltx(plan):
-        return validate_precomputed(output, plan)
+    own = get_encoding(encoding or plan.encoding).own_folders(plan) if (encoding or plan) else None
+    if own is not None:
+        return own.validate(output, plan)
     return validate_dataset(output, encoding=encoding, max_load=max_load)
 
 

@@ -183,6 +183,12 @@ class Ltx2(Wan):
 
         return (lambda: PrecomputedWriter(output.local, plan)) if is_ltx(plan) else None
 
+    def own_folders(self, plan: Plan | None) -> Any:
+        """--layout ltx: the trainer's folders, read as they are (no Energon metadata, no split)."""
+        from diffprep.encodings import ltx_layout
+
+        return ltx_layout if ltx_layout.is_ltx(plan) else None
+
     def sample_fields(self, settings: Settings, loaded: Any):
         trigger = settings.model.lora_trigger
 

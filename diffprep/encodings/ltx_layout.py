@@ -278,7 +278,7 @@ def on_disk(folder: Path) -> set[str]:
         if folder.is_dir() else set()
 
 
-def validate(output: Any, plan: Plan, written: int | None) -> list[Check]:
+def check_folders(output: Any, plan: Plan, written: int | None) -> list[Check]:
     """The trainer's reading (``PrecomputedDataset``): glob the primary folder, keep a sample only where every other
     folder has the same relative path, load each with weights_only=True; every record checked against A1."""
     kinds = folders(plan)
@@ -309,13 +309,21 @@ def validate(output: Any, plan: Plan, written: int | None) -> list[Check]:
             records_check.check(f"{loaded} samples x {len(kinds)} records load and match the plan")]
 
 
-def validate_precomputed(output: Any, plan: Plan) -> Any:
+def finalize(output: Any, plan: Plan) -> Any:
+    """Finalizing the folders: nothing to write (the trainer reads them as they are); the samples they hold."""
+    from diffprep.energon import FinalizeResult
+
+    written = sum(m.count for m in output.state.manifests().values() if m.fingerprint == plan.fingerprint)
+    return FinalizeResult(splits={}, counts={"train": written}, parts=folders(plan), changed=False)
+
+
+def validate(output: Any, plan: Plan) -> Any:
     """The validation report of an LTX-layout output (``.diffprep/validation.json``), as for a shard dataset."""
     from diffprep.validation.report import ValidationReport
 
     audit = output.state.read_json(contract.AUDIT_JSON)
     written = audit.get("written") if audit else None
-    checks = validate(output, plan, written)
+    checks = check_folders(output, plan, written)
     summary = {"encoding": plan.encoding, "layout": contract.LAYOUT_LTX, "samples": written,
                "folders": {kind: len(on_disk(output.local / kind)) for kind in folders(plan)}}
     if audit:
