@@ -163,10 +163,14 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
                 from diffprep.pipeline import follow_rank
 
                 encoding = "raw" if raw else "preencoded"
-                return follow_rank(load_settings(config, overrides), encoding, group)
-            return _run_flow(config, overrides, raw)
-        finally:
-            launch.leave()
+                result = follow_rank(load_settings(config, overrides), encoding, group)
+            else:
+                result = _run_flow(config, overrides, raw)
+        except BaseException as error:
+            launch.leave(error)  # the other ranks are told, by name
+            raise
+        launch.leave()
+        return result
     return _run_flow(config, overrides, raw)
 
 
