@@ -188,7 +188,11 @@ class Group:
         encoding; the others get None (or an error naming rank 0's).
         """
         box = [message if self.ranks.rank == 0 else None]
-        self._dist.broadcast_object_list(box, src=0)
+        try:
+            self._dist.broadcast_object_list(box, src=0)
+        except RuntimeError as broken:
+            self._phase = "broken"
+            raise DiffprepError(f"a rank is gone before the units started (see its log; {_said(broken)})") from None
         message = box[0]
         if "stop" in message:
             self._phase = "stopped"
@@ -206,6 +210,7 @@ class Group:
         unit when another rank failed; returns when every rank has finished its units, raises naming the ranks
         that failed."""
         error: BaseException | None = None
+        unit = None
         try:
             for unit in units:
                 if self._stop_posted():
@@ -219,6 +224,8 @@ class Group:
             error = stopped
         except Exception as failure:  # noqa: BLE001 - every rank is told, then it is raised
             error = failure
+            log.error("rank %d failed in unit %s", self.ranks.rank, "-" if unit is None else f"{unit:06d}",
+                      exc_info=failure)
             self._post_failure(failure)
         except BaseException as interrupted:  # Ctrl-C, SystemExit: the others find this rank gone
             self._post_failure(interrupted)
@@ -227,7 +234,8 @@ class Group:
         self._end(error, done)
 
     def _end(self, error: BaseException | None, done: Callable[[dict], None]) -> None:
-        status = {"error": None if error is None or isinstance(error, _Stopped) else describe(error)}
+        own = None if isinstance(error, _Stopped) else error  # this rank's own failure, if it failed
+        status = {"error": None if own is None else describe(own)}
         try:
             self.store.set(f"end/{self.ranks.rank}", "1")
         except RuntimeError:
@@ -238,21 +246,15 @@ class Group:
             self._phase = "broken"
             self._post_stop()
             gone = self._not_ended()
-            if not gone:
-                who = "a rank is"
-            elif len(gone) == 1:
-                who = f"rank {gone[0]} never reached the end of the units: it is"
-            else:
-                who = f"{_named(gone)} never reached the end of the units: at least one of them is"
+            who = (f"{_named(gone)} never reached the end of the units: "
+                   + ("it is" if len(gone) == 1 else "at least one of them is")) if gone else "a rank is"
             raise DiffprepError(f"{who} gone (killed, out of memory or its machine lost: see its log); {RERUN} "
-                                f"({_said(broken)})"
-                                ) from (None if error is None or isinstance(error, _Stopped) else error)
+                                f"({_said(broken)})") from own
         failed = {rank: s["error"] for rank, s in enumerate(statuses) if s["error"]}
         if failed:
             self._phase = "failed"
             told = "; ".join(f"rank {rank} failed: {text}" for rank, text in failed.items())
-            raise DiffprepError(f"{told}. Every rank stopped after its current unit; {RERUN}") from (
-                None if error is None or isinstance(error, _Stopped) else error)
+            raise DiffprepError(f"{told}. Every rank stopped after its current unit; {RERUN}") from own
         self._phase = "ended"
 
     def _gather(self, status: dict, done: Callable[[dict], None]) -> list[dict]:
@@ -325,8 +327,11 @@ class Group:
             self._dist.broadcast_object_list(box, src=0)
         except RuntimeError as broken:
             self._phase = "broken"
-            raise DiffprepError(f"rank 0 is gone before telling how the run ended (see its log) "
-                                f"({_said(broken)})") from None
+            if self.ranks.rank == 0:  # the run is over: a rank left before hearing how it ended
+                log.warning("a rank left before hearing how the run ended (%s)", _said(broken))
+                return
+            raise DiffprepError(f"rank 0 is gone before telling how the run ended (see its log; {_said(broken)})"
+                                ) from None
         self._phase = "told"
         if box[0] and self.ranks.rank != 0:
             raise DiffprepError(f"rank 0 did not finish the run after the units: {box[0]}")
@@ -340,7 +345,7 @@ class Group:
         """
         try:
             self._finish(error)
-        except DiffprepError as later:
+        except (DiffprepError, RuntimeError) as later:
             if error is None:
                 raise
             log.warning("rank %d: %s", self.ranks.rank, later)  # this rank is failing already
