@@ -67,9 +67,14 @@ def ask_here(question: Question, preset: str | None = None, *, release: bool = F
 
 
 def settings_output(settings: Settings) -> OutputRef:
-    """Where the settings say the dataset goes."""
+    """Where the settings say the dataset goes (the LTX layout: its ``.precomputed`` folder)."""
     out = settings.output
-    return OutputRef(location=out.output_dir, endpoint_url=out.s3_endpoint_url, profile=out.s3_profile,
+    location = out.output_dir
+    if out.layout == "ltx" and location:
+        from diffprep.encodings.ltx_layout import precomputed_root
+
+        location = precomputed_root(location)
+    return OutputRef(location=location, endpoint_url=out.s3_endpoint_url, profile=out.s3_profile,
                      credentials_block=settings.auth.aws_credentials_block)
 
 
@@ -143,9 +148,11 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
     start = min(_WORKING_BATCH.get(loaded, encoding.batch_size(settings)), encoding.batch_size(settings))
 
+    writer = encoding.unit_writer(output, plan)
+
     def attempt(batch_size: int) -> UnitResult:
         result = encode_unit(output, plan, unit, fields, source, spec, batch_size=batch_size,
-                             decode_workers=settings.image.decode_workers)
+                             decode_workers=settings.image.decode_workers, writer=writer)
         _WORKING_BATCH[loaded] = batch_size
         return result
 
@@ -157,8 +164,11 @@ def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: 
                     replace_split: bool = False, finalizer: Callable[..., FinalizeResult] | None = None,
                     ) -> FinalizeResult:
     """Phase 6: Energon metadata over the committed shards; a change of split is asked first."""
-    question = None if replace_split else split_question(output, train_split=config.train_split,
-                                                         seed=config.shuffle_seed)
+    from diffprep.encodings.ltx_layout import is_ltx
+
+    ltx = is_ltx(output.state.plan())
+    question = None if replace_split or ltx else split_question(output, train_split=config.train_split,
+                                                                seed=config.shuffle_seed)
     replace = replace_split or (question is not None
                                 and ask(question, config.on_split_change, release=True) == "replace")
     run = finalizer or finalize_split
@@ -166,12 +176,24 @@ def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: 
 
 
 def finalize_split(output: Output, encoding: str, config: FinalizeConfig, replace: bool) -> FinalizeResult:
+    from diffprep.encodings.ltx_layout import folders, is_ltx
+
+    plan = output.state.plan()
+    if is_ltx(plan):  # the trainer reads the folders as they are: no Energon metadata, no splits
+        written = sum(m.count for m in output.state.manifests().values() if m.fingerprint == plan.fingerprint)
+        return FinalizeResult(splits={}, counts={"train": written}, parts=folders(plan), changed=False)
     return finalize(output, encoding=encoding, train_split=config.train_split, seed=config.shuffle_seed,
                     workers=config.workers, replace_split=replace)
 
 
 def validate_output(output: Output, encoding: str | None = None, max_load: int | None = None) -> ValidationReport:
-    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error)."""
+    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error); the LTX layout's
+    folders read as the trainer reads them."""
+    from diffprep.encodings.ltx_layout import is_ltx, validate_precomputed
+
+    plan = output.state.plan()
+    if is_ltx(plan):
+        return validate_precomputed(output, plan)
     return validate_dataset(output, encoding=encoding, max_load=max_load)
 
 
