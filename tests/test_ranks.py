@@ -240,7 +240,8 @@ def _srun(data: Path, model: Path, out: Path, rank_env: dict[int, dict[str, str]
                                              **(rank_env or {}).get(rank, {})))
         for rank in range(2)
     ]
-    return [(rank.wait(timeout=TIMEOUT), rank.communicate()[0]) for rank in ranks]
+    outputs = [rank.communicate(timeout=TIMEOUT)[0] for rank in ranks]
+    return [(rank.returncode, output) for rank, output in zip(ranks, outputs)]
 
 
 @pytest.mark.slow
