@@ -1,5 +1,7 @@
 """The ``diffprep`` command: encode, raw, decode, finalize, validate, tiny-model, demo.
 
+(Over 400 lines: every subcommand's flags and their settings in one place.)
+
 ``encode`` runs the Prefect flow ``flows/encode.py``, ``raw`` the flow
 ``flows/raw.py`` (an embedded Prefect
 server starts when no ``PREFECT_API_URL`` is set). Only the flags typed on the
@@ -11,6 +13,7 @@ the default.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -173,11 +176,19 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
             if ranks.rank != 0:
                 from diffprep.pipeline import follow_rank
 
+                # No Prefect here: warnings and errors (a failure's traceback) to stderr, tagged with the rank;
+                # rank 0's progress has this rank's units.
+                logging.basicConfig(level=logging.WARNING,
+                                    format=f"%(asctime)s | rank {ranks.rank} | %(levelname)s | %(name)s - %(message)s")
                 encoding = "raw" if raw else "preencoded"
-                return follow_rank(load_settings(config, overrides), encoding, group)
-            return _run_flow(config, overrides, raw)
-        finally:
-            launch.leave()
+                result = follow_rank(load_settings(config, overrides), encoding, group)
+            else:
+                result = _run_flow(config, overrides, raw)
+        except BaseException as error:
+            launch.leave(error)  # the other ranks are told, by name
+            raise
+        launch.leave()
+        return result
     return _run_flow(config, overrides, raw)
 
 
