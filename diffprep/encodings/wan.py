@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import threading
 import time
@@ -34,18 +33,18 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.encoders import DTYPES
-from diffprep.encodings.base import Encoding, SampleFields, probe_in_parallel
+from diffprep.encodings import clips
+from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.encodings.preencoded import PreencodedInspector, npy_bytes
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
 from diffprep.images import to_uint8
-from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
+from diffprep.media.buckets import Bucket
 from diffprep.media.video import ClipSpec
 from diffprep.output import Output
-from diffprep.pictures import frame_strip
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.reader import Batch, first_batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip, finish_sanity, peak_memory
+from diffprep.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip, finish_sanity
 from diffprep.shards import Reject, load_tensor, tensor_bytes, torch_bytes
 from diffprep.sources import Source
 from diffprep.workers import claimed_device
@@ -54,30 +53,14 @@ log = logging.getLogger(__name__)
 
 _LOADED: dict[str, WanEncoders] = {}
 _LOCK = threading.Lock()
-PROBE_CHUNK = 64
-_CLIP_FRAMES = re.compile(r"a clip of (\d+) frames")  # samples read from the source at a time while planning
+
+
+# The Wan 2.1 buckets (480p, 81 frames at 16 fps, both orientations) when --resolution-buckets is not given.
+DEFAULT_BUCKETS = "832x480x81;480x832x81"
 
 
 def clip_spec(settings: Settings, spatial: int, temporal: int) -> ClipSpec:
-    video = settings.video
-    return ClipSpec(tuple(parse_buckets(video.resolution_buckets, spatial, temporal)), target_fps=video.target_fps,
-                    frame_sampling=video.frame_sampling)
-
-
-def planned_spec(plan_settings: dict[str, Any]) -> ClipSpec:
-    """The ``ClipSpec`` a plan's byte settings record."""
-    video = plan_settings["video"]
-    return ClipSpec(tuple(parse_bucket(b) for b in video["buckets"]), target_fps=video["target_fps"],
-                    frame_sampling=video["frame_sampling"], max_pixels=video["max_pixels"])
-
-
-def _voxels(bucket: Bucket) -> int:
-    return bucket.width * bucket.height * bucket.frames
-
-
-def strips(clips: torch.Tensor) -> torch.Tensor:
-    """uint8 clips ``[B, F, 3, H, W]`` -> each clip's frames side by side, ``[B, 3, H, F * W]``."""
-    return torch.stack([frame_strip(clip) for clip in clips])
+    return clips.clip_spec(settings.video, settings.video.resolution_buckets or DEFAULT_BUCKETS, spatial, temporal)
 
 
 class Wan(Encoding):
@@ -101,12 +84,7 @@ class Wan(Encoding):
             "encoding": self.name,
             "encoders": identity,
             "shard_size": settings.output.shard_size,
-            "video": {
-                "buckets": [str(b) for b in spec.buckets],
-                "target_fps": spec.target_fps,
-                "frame_sampling": spec.frame_sampling,
-                "max_pixels": spec.max_pixels,
-            },
+            "video": clips.video_settings(spec),
         }
         text_config = json.loads((parts["text_encoder"].path / "config.json").read_text(encoding="utf-8"))
         channels, s, t = identity["latent_channels"], identity["spatial_factor"], identity["temporal_factor"]
@@ -124,25 +102,14 @@ class Wan(Encoding):
 
     def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> ClipSpec:
         """The plan's buckets (the ones its units were cut for), frame rate and sampling."""
-        return planned_spec(plan.settings)
+        return clips.planned_spec(plan.settings)
 
     def bucketed(self, plan_settings: dict[str, Any]) -> bool:
         return True
 
     def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
                       ) -> dict[str, str | None]:
-        """Each id's bucket name from its container's index (None: unreadable or too short; encode names why)."""
-        spec = planned_spec(plan_settings)
-
-        def bucket_of(sample) -> str | None:
-            if sample.reject is not None or sample.media is None or sample.caption is None:
-                return None
-            try:
-                return str(spec.bucket_of(sample.media, video=sample.video is not None))
-            except Exception:  # noqa: BLE001 - a reject or whatever the decoder says: the encode phase records it
-                return None
-
-        return probe_in_parallel(source, ids, bucket_of, settings.image.decode_workers)
+        return clips.probe_clip_buckets(settings, source, ids, plan_settings)
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
         return contract.VIDEO_FIELDS
@@ -202,20 +169,16 @@ class Wan(Encoding):
         output.state.write_bytes(contract.EMPTY_PROMPT, torch_bytes({"prompt_embeds": empty.clone()}))
         output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/prompt_embeds_empty.npy", npy_bytes(empty[None]))
 
-        left = set(units_left) if units_left is not None else {u.unit for u in plan.units}
-        bucketed = [u for u in plan.units if u.bucket and u.unit in left] or [u for u in plan.units if u.bucket]
-        largest = max((parse_bucket(u.bucket) for u in bucketed), key=_voxels, default=None)
-        units = [u for u in bucketed if largest is not None and parse_bucket(u.bucket) == largest]
+        left, units = clips.sanity_units(plan, units_left)
         decode_start = time.perf_counter()
-        batch = first_batch(plan, source, spec, batch_size, units=units or None)
+        batch = first_batch(plan, source, spec, batch_size, units=units)
         decode_seconds = time.perf_counter() - decode_start
         device = loaded.device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        latents = loaded.encode_video(batch.pixels, batch.keys)
-        text = loaded.encode_text(batch.captions)
-        seconds = time.perf_counter() - start
+        with MemoryWatch(device) as memory:
+            start = time.perf_counter()
+            latents = loaded.encode_video(batch.pixels, batch.keys)
+            text = loaded.encode_text(batch.captions)
+            seconds = time.perf_counter() - start
         bucket = Bucket(*batch.metas[0]["bucket"])
 
         tensors = {contract.LATENTS: latents, contract.PROMPT_EMBEDS: text.prompt_embeds}
@@ -235,8 +198,8 @@ class Wan(Encoding):
             problems.append("non-finite values in the encoded batch (wrong precision for this VAE?)")
         else:
             decoded = to_uint8(loaded.decode_latents(latents).flatten(0, 1)).view(batch.pixels.shape)
-            psnrs, sheet, problem = check_round_trip(output, replace(batch, pixels=strips(batch.pixels)),
-                                                     strips(decoded), settings.model.min_psnr)
+            psnrs, sheet, problem = check_round_trip(output, replace(batch, pixels=clips.strips(batch.pixels)),
+                                                     clips.strips(decoded), settings.model.min_psnr)
             if problem:
                 problems.append(problem)
 
@@ -245,22 +208,15 @@ class Wan(Encoding):
         per_sample_seconds = paced / len(batch.keys)
         text_bytes = len(tensor_bytes(text.prompt_embeds[0]))
         item = latents.element_size()
-        buckets: dict[str, dict] = {}
-        for unit in plan.units:
-            if unit.unit not in left:
-                continue
-            name = unit.bucket or "unbucketed"
-            entry = buckets.setdefault(name, {"samples": 0, "seconds": 0.0, "bytes": 0})
-            n = len(unit.source_ids)
-            entry["samples"] += n
-            if unit.bucket:
-                shape = plan.expected["buckets"][unit.bucket]
-                per = (item * shape[0] * shape[1] * shape[2] * shape[3] + text_bytes + 256
-                       + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS))
-                entry["bytes"] += n * per
-                entry["seconds"] += n * per_sample_seconds * _voxels(parse_bucket(unit.bucket)) / _voxels(bucket)
-        for entry in buckets.values():
-            entry["seconds"] = round(entry["seconds"] / max(1, workers), 1)
+
+        def bytes_of(b: Bucket) -> int:
+            shape = plan.expected["buckets"][str(b)]
+            return (item * shape[0] * shape[1] * shape[2] * shape[3] + text_bytes + 256
+                    + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS))
+
+        buckets = clips.project_buckets(plan, left, measured=bucket, samples=len(batch.keys),
+                                        seconds_per_sample=per_sample_seconds, bytes_of=bytes_of,
+                                        memory=(memory.baseline, memory.peak), batch_size=batch_size, workers=workers)
         remaining = sum(e["samples"] for e in buckets.values())
         projected_bytes = sum(e["bytes"] for e in buckets.values())
         per_sample = len(tensor_bytes(latents[0])) + text_bytes + 256 + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS)
@@ -272,7 +228,7 @@ class Wan(Encoding):
             finite=finite,
             psnr_db=psnrs,
             seconds_per_batch=round(seconds, 4),
-            peak_memory_bytes=peak_memory(device),
+            peak_memory_bytes=memory.peak,
             bytes_per_sample=per_sample,
             projected_bytes=projected_bytes,
             projected_seconds=round(sum(e["seconds"] for e in buckets.values()), 1),
@@ -282,6 +238,8 @@ class Wan(Encoding):
             contact_sheet=str(sheet) if sheet else None,
             local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
             buckets=buckets,
+            bucket=str(bucket),
+            baseline_memory_bytes=memory.baseline,
         )
         output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
                                  torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
@@ -289,23 +247,11 @@ class Wan(Encoding):
 
     def rejects_advice(self, report: Any, plan: Plan) -> str:
         """Clips too short for every bucket: the exact --resolution-buckets that would keep them."""
-        counts = [int(m.group(1)) for r in report.rejected_ids if r.get("reason") == "too_few_frames"
-                  for m in [_CLIP_FRAMES.search(r.get("detail", ""))] if m]
-        if not counts:
-            return ""
-        temporal = plan.settings["encoders"]["temporal_factor"]
-        frames = 1 + (min(counts) - 1) // temporal * temporal
-        buckets = list(plan.settings["video"]["buckets"])
-        sizes = dict.fromkeys(name.rsplit("x", 1)[0] for name in buckets)
-        added = [f"{size}x{frames}" for size in sizes if f"{size}x{frames}" not in buckets]
-        spec = ";".join(buckets + added)
-        short = report.by_reason.get("too_few_frames", len(counts))
-        return (f"`add a shorter bucket`: {short} clips are shorter than every bucket (the shortest has "
-                f"{min(counts)} frames). To keep them, re-run with `--resolution-buckets \"{spec}\"` and "
-                "`--on-existing overwrite` (other settings: a new fingerprint), or accept and train without them.")
+        return clips.short_clip_advice(report, plan, plan.settings["encoders"]["temporal_factor"])
 
     def oom_advice(self, settings: Settings, loaded: WanEncoders) -> str:
-        return (f"use smaller or shorter --resolution-buckets (now {settings.video.resolution_buckets}), "
+        buckets = settings.video.resolution_buckets or DEFAULT_BUCKETS
+        return (f"use smaller or shorter --resolution-buckets (now {buckets}), "
                 f"--vae-tiling, --precision bf16 (now {settings.model.precision}), or free memory on {loaded.device}")
 
     # --- reading a dataset back -------------------------------------------------------------------------------
@@ -326,12 +272,12 @@ class Wan(Encoding):
         dtype = getattr(torch, plan.settings["encoders"]["dtype"]) if plan else torch.float32
         vae = decoder or load_wan_vae(folder, device=device, dtype=dtype)
         parameter = next(vae.parameters())
-        clips = []
+        decoded = []
         for sample in stored:
             latents = load_tensor(sample.fields[contract.LATENTS], key=sample.key, field=contract.LATENTS)
             frames = decode_normalized(vae, latents[None].to(parameter.device, parameter.dtype))[0]
-            clips.append(to_uint8(frames))
-        return clips, str(folder)
+            decoded.append(to_uint8(frames))
+        return decoded, str(folder)
 
     def task_encoder(self) -> VideoSampleTaskEncoder:
         """Sample by sample (validation); training batches one bucket at a time with ``VideoPreencodedTaskEncoder``."""
