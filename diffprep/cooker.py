@@ -308,23 +308,27 @@ class VideoSampleTaskEncoder(
     cookers = [WAN_COOKER]
 
 
-class VideoPreencodedTaskEncoder(VideoSampleTaskEncoder):
-    """Loads a pre-encoded video dataset for training: a batch holds samples of one bucket only (Energon's
-    ``batch_group_criterion``), so clips of different sizes are never stacked together. Needs a ``batch_size``."""
+class _OneBucketPerBatch:
+    """Batches of one resolution bucket only (Energon's ``batch_group_criterion``): clips of different sizes are
+    never stacked together."""
 
-    def batch_group_criterion(self, sample: VideoPreencodedSample) -> tuple[str, None]:
+    def batch_group_criterion(self, sample: Any) -> tuple[str, None]:
         return sample.bucket, None  # None: the loader's batch_size for every bucket
+
+
+def _bucket_batch(batch_type: type, samples: list[Any], *tensors: str) -> Any:
+    """A batch of one bucket's samples: ``tensors`` stacked, captions, metas and buckets as lists."""
+    return batch_type.from_samples(samples, **{name: _stack(samples, name) for name in tensors},
+                                   caption=[s.caption for s in samples], meta=[s.meta for s in samples],
+                                   bucket=[s.bucket for s in samples])
+
+
+class VideoPreencodedTaskEncoder(_OneBucketPerBatch, VideoSampleTaskEncoder):
+    """Loads a pre-encoded video dataset for training, one bucket per batch. Needs a ``batch_size``."""
 
     @stateless
     def batch(self, samples: list[VideoPreencodedSample]) -> VideoPreencodedBatch:
-        return VideoPreencodedBatch.from_samples(
-            samples,
-            latents=_stack(samples, "latents"),
-            prompt_embeds=_stack(samples, "prompt_embeds"),
-            caption=[sample.caption for sample in samples],
-            meta=[sample.meta for sample in samples],
-            bucket=[sample.bucket for sample in samples],
-        )
+        return _bucket_batch(VideoPreencodedBatch, samples, "latents", "prompt_embeds")
 
 
 class RawVideoTaskEncoder(DefaultTaskEncoder[RawVideoSample, RawVideoSample, Any, Any]):
@@ -335,7 +339,7 @@ class RawVideoTaskEncoder(DefaultTaskEncoder[RawVideoSample, RawVideoSample, Any
     cookers = [RAW_VIDEO_COOKER]
 
 
-class RawVideoFramesTaskEncoder(RawVideoTaskEncoder):
+class RawVideoFramesTaskEncoder(_OneBucketPerBatch, RawVideoTaskEncoder):
     """Loads a raw video dataset for training: each mp4 decoded to uint8 frames ``[F, 3, H, W]``
     (``diffprep.media.mp4.mp4_frames``), a batch holding one bucket only. Needs a ``batch_size``."""
 
@@ -350,15 +354,6 @@ class RawVideoFramesTaskEncoder(RawVideoTaskEncoder):
                                   f"{error}") from None
         return dataclasses.replace(sample, frames=frames)
 
-    def batch_group_criterion(self, sample: RawVideoSample) -> tuple[str, None]:
-        return sample.bucket, None  # None: the loader's batch_size for every bucket
-
     @stateless
     def batch(self, samples: list[RawVideoSample]) -> RawVideoBatch:
-        return RawVideoBatch.from_samples(
-            samples,
-            frames=_stack(samples, "frames"),
-            caption=[sample.caption for sample in samples],
-            meta=[sample.meta for sample in samples],
-            bucket=[sample.bucket for sample in samples],
-        )
+        return _bucket_batch(RawVideoBatch, samples, "frames")

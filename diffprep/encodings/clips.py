@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from diffprep.config import Settings, VideoConfig
-from diffprep.encodings.base import probe_in_parallel
+from diffprep.encodings.base import Encoding, probe_in_parallel
 from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
 from diffprep.media.video import ClipSpec
 from diffprep.pictures import frame_strip
@@ -77,6 +77,21 @@ def probe_clip_buckets(settings: Settings, source: Source, ids: Sequence[str], p
 def strips(batch: torch.Tensor) -> torch.Tensor:
     """uint8 clips ``[B, F, 3, H, W]`` -> each clip's frames side by side, ``[B, 3, H, F * W]`` (contact sheets)."""
     return torch.stack([frame_strip(clip) for clip in batch])
+
+
+class ClipEncoding(Encoding):
+    """An encoding of clips: its samples prepared as its plan's ``ClipSpec`` says, each probed into a bucket."""
+
+    def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> ClipSpec:
+        """The plan's buckets (the ones its units were cut for), frame rate and sampling."""
+        return planned_spec(plan.settings)
+
+    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
+        return True
+
+    def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
+                      ) -> dict[str, str | None]:
+        return probe_clip_buckets(settings, source, ids, plan_settings)
 
 
 def voxels(bucket: Bucket) -> int:
@@ -144,5 +159,5 @@ def short_clip_advice(report: Any, plan: Plan, temporal: int) -> str:
             "`--on-existing overwrite` (other settings: a new fingerprint), or accept and train without them.")
 
 
-__all__ = ["clip_spec", "planned_spec", "probe_clip_buckets", "project_buckets", "sanity_units", "short_clip_advice",
+__all__ = ["ClipEncoding", "clip_spec", "planned_spec", "probe_clip_buckets", "project_buckets", "sanity_units", "short_clip_advice",
            "strips", "video_settings", "voxels"]

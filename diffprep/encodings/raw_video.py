@@ -37,7 +37,7 @@ from diffprep.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.cooker import RawVideoTaskEncoder
 from diffprep.encodings import clips
-from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.encodings.base import SampleFields
 from diffprep.errors import ConfigError, DatasetValidationError
 from diffprep.media.buckets import Bucket
 from diffprep.media.mp4 import X264, mp4_bytes, mp4_frames
@@ -88,7 +88,7 @@ def stored_clip(key: str, fields: Mapping[str, bytes]) -> torch.Tensor:
     return mp4_frames(fields[contract.RAW_VIDEO])
 
 
-class RawVideo(Encoding):
+class RawVideo(clips.ClipEncoding):
     """Bucketed clips stored as mp4 files with their captions; nothing is encoded."""
 
     name = contract.ENCODING_RAW_VIDEO
@@ -111,16 +111,6 @@ class RawVideo(Encoding):
         expected = {"fields": raw_video_fields(),
                     "buckets": {str(b): [b.frames, 3, b.height, b.width] for b in spec.buckets}}
         return byte, expected
-
-    def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> ClipSpec:
-        return clips.planned_spec(plan.settings)
-
-    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
-        return True
-
-    def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
-                      ) -> dict[str, str | None]:
-        return clips.probe_clip_buckets(settings, source, ids, plan_settings)
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
         return tuple(expected["fields"])

@@ -34,7 +34,7 @@ from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.encoders import DTYPES
 from diffprep.encodings import clips
-from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.encodings.base import SampleFields
 from diffprep.encodings.preencoded import PreencodedInspector, npy_bytes
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
@@ -63,7 +63,7 @@ def clip_spec(settings: Settings, spatial: int, temporal: int) -> ClipSpec:
     return clips.clip_spec(settings.video, settings.video.resolution_buckets or DEFAULT_BUCKETS, spatial, temporal)
 
 
-class Wan(Encoding):
+class Wan(clips.ClipEncoding):
     """Wan 2.x: clips (and images as one-frame clips) through AutoencoderKLWan, captions through umT5."""
 
     name = contract.ENCODING_WAN
@@ -99,17 +99,6 @@ class Wan(Encoding):
             "buckets": shapes,
         }
         return byte, expected
-
-    def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> ClipSpec:
-        """The plan's buckets (the ones its units were cut for), frame rate and sampling."""
-        return clips.planned_spec(plan.settings)
-
-    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
-        return True
-
-    def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
-                      ) -> dict[str, str | None]:
-        return clips.probe_clip_buckets(settings, source, ids, plan_settings)
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
         return contract.VIDEO_FIELDS
