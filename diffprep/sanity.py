@@ -111,8 +111,9 @@ class MemoryWatch:
     """Memory on ``device`` around a block of work: ``baseline`` before it and ``peak`` during it, in bytes.
 
     CUDA: the allocator's counters. CPU: the resident set, its high-water mark
-    reset first (Linux ``/proc/self/clear_refs``); where that is refused, the
-    process's lifetime peak (``ru_maxrss``), which may include earlier work.
+    reset first (Linux ``/proc/self/clear_refs``, which also restarts what
+    ``ru_maxrss`` reports from here); where that is refused, the process's
+    lifetime peak (``ru_maxrss``), which may include earlier work.
     """
 
     def __init__(self, device: torch.device) -> None:
