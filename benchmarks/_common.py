@@ -149,11 +149,12 @@ MEDIUM_T5 = {"d_model": 256, "d_kv": 64, "d_ff": 1024, "num_layers": 4, "num_hea
              "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128}
 
 
-def tiny_model(cache: Path) -> Path:
-    root = cache / "tiny-flux"
+def tiny_model(cache: Path, name: str = "tiny-flux", write: Callable[[Path], Path] = write_tiny_model) -> Path:
+    """A tiny set in the cache (``write`` it once: the Flux set, or another family's writer)."""
+    root = cache / name
     if not (root / "model_index.json").is_file():
         shutil.rmtree(root, ignore_errors=True)
-        write_tiny_model(root)
+        write(root)
     return root
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.errors import ConfigError, DiffprepError
 
@@ -92,12 +93,15 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
 }
-# `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored image format.
+# `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored formats; the clip
+# flags (--resolution-buckets: store clips) without the VAE's tiling.
 RAW_FLAGS: dict[str, tuple[str, str]] = {
     **{flag: target for flag, target in ENCODE_FLAGS.items()
-       if target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map")},
+       if (target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map"))
+       or flag in ("--resolution-buckets", "--target-fps", "--frame-sampling")},
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
+    "--video-crf": ("raw", "video_crf"),
 }
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling",
                  "--skip-audio", "--load-text-encoder-in-8bit"}
@@ -416,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_encode_flags(encode)
     encode.set_defaults(func=cmd_encode)
 
-    raw = sub.add_parser("raw", help="store resized images and captions without encoding (runs the encode-raw flow)")
+    raw = sub.add_parser("raw", help="store resized images (with --resolution-buckets: bucketed clips as mp4) and "
+                         "captions without encoding (runs the encode-raw flow)")
     _add_encode_flags(raw, RAW_FLAGS)
     raw.set_defaults(func=cmd_raw)
 
@@ -434,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     finalize.add_argument("out")
     finalize.add_argument("--train-split", type=float, default=1.0, help="share of shards for train; the rest "
                           "split evenly into val and test (default 1.0)")
-    finalize.add_argument("--encoding", choices=["preencoded", "raw"], default=None)
+    finalize.add_argument("--encoding", choices=contract.ENCODINGS, default=None)
     finalize.add_argument("--seed", type=int, default=42)
     finalize.add_argument("--workers", type=int, default=2)
     finalize.add_argument("--replace-split", action="store_true",
@@ -444,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="strictly validate a finalized dataset (exit 1 on any failure)")
     validate.add_argument("out")
-    validate.add_argument("--encoding", choices=["preencoded", "raw"], default=None)
+    validate.add_argument("--encoding", choices=contract.ENCODINGS, default=None)
     validate.add_argument("--max-load", type=int, default=None, help="load at most N samples per split")
     _s3_arguments(validate)
     validate.set_defaults(func=cmd_validate)

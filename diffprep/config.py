@@ -232,11 +232,12 @@ class ImageConfig(_Section):
 
 
 class VideoConfig(_Section):
-    resolution_buckets: str = Field(
-        "832x480x81;480x832x81",
-        description="Video families: output sizes WxHxF separated by ';' (the LTX trainer's syntax). W and H must "
-        "be multiples of the VAE's spatial factor, F = 4k+1 for Wan. A clip goes to the bucket of nearest aspect "
-        "ratio among those it has enough frames for; an image to an F = 1 bucket.",
+    resolution_buckets: str | None = Field(
+        None,
+        description="Output sizes WxHxF separated by ';' (the LTX trainer's syntax). A video family: W and H "
+        "multiples of the VAE's spatial factor, F = 4k+1 for Wan (unset: 832x480x81;480x832x81). `diffprep raw`: "
+        "set, it stores clips (W and H even); unset, images. A clip goes to the bucket of nearest aspect ratio "
+        "among those it has enough frames for; an image to an F = 1 bucket.",
     )
     target_fps: float | None = Field(
         None, gt=0, description="Resample clips to this frame rate by timestamp. Unset: keep the source frames."
@@ -261,6 +262,10 @@ class RawConfig(_Section):
     image_format: RawImageFormat = Field("jpg", description="Raw pipeline: file format of the stored images.")
     image_quality: int = Field(
         95, ge=1, le=100, description="Raw pipeline: jpg/webp quality, 1-100 (ignored for png, which is lossless)."
+    )
+    video_crf: int = Field(
+        18, ge=0, le=51, description="Raw pipeline, clips: x264's constant quality for the stored H.264 mp4, 0-51 "
+        "(lower: better and larger; 18 looks lossless to most eyes).",
     )
 
 
@@ -399,7 +404,10 @@ class EncodeParameters(_RunParameters):
 class RawParameters(_RunParameters):
     """The parameters of the encode-raw flow: images and captions stored without encoders."""
 
-    raw: RawConfig = Field(default_factory=RawConfig, description="File format and quality of the stored images.")
+    raw: RawConfig = Field(default_factory=RawConfig, description="File format and quality of the stored images "
+                           "and clips.")
+    video: VideoConfig = Field(default_factory=VideoConfig, description="Clips: buckets (set them to store clips), "
+                               "frame rate, frame sampling.")
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

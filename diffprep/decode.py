@@ -35,7 +35,8 @@ from diffprep.errors import ConfigError, DatasetValidationError, DiffprepError, 
 from diffprep.images import ImageSpec, prepare_image
 from diffprep.layouts import Layout
 from diffprep.media.buckets import Bucket
-from diffprep.media.video import ClipSpec, mp4_bytes
+from diffprep.media.mp4 import mp4_bytes
+from diffprep.media.video import ClipSpec
 from diffprep.pictures import CONTACT_SHEET, Preview, frame_strip, png_bytes, write_contact_sheet
 from diffprep.plan import Plan, read_plan
 from diffprep.shards import atomic_write_bytes, read_manifests
@@ -52,7 +53,7 @@ class StoredSample:
 
     @property
     def meta(self) -> dict[str, Any]:
-        data = self.fields.get(contract.META)
+        data = self.fields.get(contract.META, self.fields.get(contract.RAW_VIDEO_META))
         return json.loads(data) if data else {}
 
     @property
@@ -254,13 +255,13 @@ def decode_dataset(
                                           local_only=local_only, decoder=decoder, where=str(out))
     sources = source_pixels(plan, stored, token=token, local_only=local_only) if plan is not None else {}
     previews = []
-    clips: dict[str, torch.Tensor] = {}
+    clips: dict[str, tuple[torch.Tensor, float]] = {}  # key -> decoded frames and their rate
     for sample, image in zip(stored, decoded):
         found = sources.get(sample.key, "plan.json is missing: the source is unknown")
         if isinstance(found, torch.Tensor) and found.shape != image.shape:
             found = f"decoded {list(image.shape)} but the source prepares to {list(found.shape)}"
         if image.ndim == 4:  # a clip [F, 3, H, W]: its frames side by side, the PSNR over all of them
-            clips[sample.key] = image
+            clips[sample.key] = (image, sample.meta.get("fps") or 16.0)
             image = frame_strip(image)
             found = frame_strip(found) if isinstance(found, torch.Tensor) else found
         previews.append(Preview(
@@ -277,7 +278,8 @@ def decode_dataset(
             atomic_write_bytes(path, png_bytes(preview.decoded))
             report.images.append(str(path))
             if preview.key in clips:
-                atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(clips[preview.key]))
+                frames, fps = clips[preview.key]
+                atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(frames, fps))
             if preview.source is not None:
                 atomic_write_bytes(folder / f"{preview.key}.source.png", png_bytes(preview.source))
         sheet = sheet or folder / CONTACT_SHEET

@@ -63,6 +63,14 @@ def tiny_ltx2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_ltx2(tmp_path_factory.mktemp("tiny") / "ltx2", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight Wan set in its diffusers layout (written once per session; do not modify)."""
+    from diffprep.families.wan_tiny import write_tiny_wan
+
+    return write_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
+
+
 @pytest.fixture
 def demo_data(tmp_path: Path) -> Path:
     """A fresh 12-sample directory source (images/ + captions/) that the test may change."""

@@ -39,8 +39,8 @@ CAPTIONS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
+def tiny(tiny_wan) -> Path:
+    return tiny_wan  # the session's tiny Wan set (conftest.py)
 
 
 @pytest.fixture(scope="module")
