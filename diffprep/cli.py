@@ -57,6 +57,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--t5-max-length": ("model", "t5_max_length"),
     "--latent-mode": ("model", "latent_mode"),
     "--min-psnr": ("model", "min_psnr"),
+    "--text-cache-mib": ("model", "text_cache_mib"),
     "--family": ("model", "family"),
     "--resolution-buckets": ("video", "resolution_buckets"),
     "--target-fps": ("video", "target_fps"),

@@ -34,7 +34,7 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.encoders import DTYPES
-from diffprep.encodings.base import Encoding, SampleFields, probe_in_parallel
+from diffprep.encodings.base import Encoding, SampleFields, probe_in_parallel, with_caption_settings
 from diffprep.encodings.preencoded import PreencodedInspector, npy_bytes
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
@@ -108,6 +108,7 @@ class Wan(Encoding):
                 "max_pixels": spec.max_pixels,
             },
         }
+        byte = with_caption_settings(byte, settings)
         text_config = json.loads((parts["text_encoder"].path / "config.json").read_text(encoding="utf-8"))
         channels, s, t = identity["latent_channels"], identity["spatial_factor"], identity["temporal_factor"]
         shapes = {str(b): [channels, 1 + (b.frames - 1) // t, b.height // s, b.width // s] for b in spec.buckets}
@@ -165,7 +166,7 @@ class Wan(Encoding):
                 _LOADED[key] = WanEncoders.load(
                     model.model_path, device=device, dtype=model.precision, latent_mode=model.latent_mode,
                     tiling=VaeTiling() if settings.video.vae_tiling else None, text_max_length=model.t5_max_length,
-                    revision=model.revision, token=token,
+                    revision=model.revision, token=token, text_cache_mib=model.text_cache_mib,
                 )
             return _LOADED[key]
 
