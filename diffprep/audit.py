@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.encodings import get_encoding
+from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan
 
@@ -105,7 +106,8 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     """
     output = as_output(output)
     manifests = output.state.manifests()
-    fields = sorted(get_encoding(plan.encoding).required_fields(plan.expected))
+    required = get_encoding(plan.encoding).required_fields(plan.expected)
+    fields = sorted(Layout.of_plan(plan.settings).member_names(required))  # the names the plan's layout writes
     wanted = [u for u in plan.units if units is None or u.unit in units]
     problems: list[str] = []
     by_reason: Counter[str] = Counter()

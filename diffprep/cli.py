@@ -46,6 +46,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--on-existing": ("output", "on_existing"),
     "--accept-rejects": ("output", "accept_rejects"),
     "--approval-timeout": ("output", "approval_timeout"),
+    "--layout": ("output", "layout"),
+    "--key-map": ("output", "key_map"),
     "--model-path": ("model", "model_path"),
     "--revision": ("model", "revision"),
     "--vae-path": ("model", "vae_path"),
@@ -58,6 +60,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--latent-mode": ("model", "latent_mode"),
     "--min-psnr": ("model", "min_psnr"),
     "--text-cache-mib": ("model", "text_cache_mib"),
+    "--negative-prompt": ("model", "negative_prompt"),
     "--family": ("model", "family"),
     "--resolution-buckets": ("video", "resolution_buckets"),
     "--target-fps": ("video", "target_fps"),
@@ -81,9 +84,10 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
 }
-# `diffprep raw`: the same flags without the encoders and workers, plus the stored image format.
+# `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored image format.
 RAW_FLAGS: dict[str, tuple[str, str]] = {
-    **{flag: target for flag, target in ENCODE_FLAGS.items() if target[0] not in ("model", "video", "workers")},
+    **{flag: target for flag, target in ENCODE_FLAGS.items()
+       if target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map")},
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
 }
@@ -268,11 +272,10 @@ def _s3_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_finalize(args: argparse.Namespace) -> int:
     from diffprep.config import FinalizeConfig
-    from diffprep.output import open_output
+    from diffprep.output import OutputRef
     from diffprep.pipeline import finalize_output, validate_output
 
-    output = open_output(args.out, endpoint_url=args.s3_endpoint_url, profile=args.s3_profile)
-    output.state.sync()
+    output = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
     plan = output.state.plan()
     encoding = args.encoding or (plan.encoding if plan else "preencoded")
     config = FinalizeConfig(train_split=args.train_split, shuffle_seed=args.seed, workers=args.workers)

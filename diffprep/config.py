@@ -1,5 +1,8 @@
 """Settings: defaults < YAML file < environment (``DIFFPREP_SECTION__FIELD``) < explicit parameters.
 
+(Over 400 lines on purpose: every setting carries its description here, which the CLI help and the
+Prefect UI form read, so the sections stay in one file.)
+
 The YAML file has the sections ``source``, ``output``, ``model``, ``image``,
 ``video``, ``raw``, ``finalize``, ``auth`` and ``workers``; an unknown section or key is an error that names it.
 Parameters passed explicitly (CLI flags, flow parameters) win even when they
@@ -14,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from diffprep.errors import ConfigError
@@ -27,6 +30,8 @@ OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
 FamilyName = Literal["flux", "wan"]
 FrameSampling = Literal["head", "uniform"]
+# How the samples' members are named on disk (diffprep.layouts): energon = diffprep's own field names.
+Layout = Literal["energon", "fastgen"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
 
@@ -109,6 +114,39 @@ class OutputConfig(_Section):
         3600, ge=10, le=7 * 24 * 3600,
         description="Seconds a paused run waits for an answer in the Prefect UI; then it stops, changing nothing.",
     )
+    layout: Layout = Field(
+        "energon", description="Member names of the samples: energon (diffprep's: latents.pth, prompt_embeds.pth, "
+        "...) | fastgen (NVIDIA FastGen's latent loaders: latent.pth, txt_emb.pth, plus neg_prompt_emb.npy and "
+        "shard_counts.json at the top). Energon metadata is written either way.",
+    )
+    key_map: dict[str, str] | None = Field(
+        None, description="Other member names for some fields, e.g. 'latents=latent.pth,prompt_embeds=txt_emb.pth' "
+        "(a mapping in YAML): field -> name, the field's own extension kept. Not with layout fastgen (a preset).",
+    )
+
+    @field_validator("key_map", mode="before")
+    @classmethod
+    def _parse_key_map(cls, value: Any) -> Any:
+        """``field=name,field=name`` (a flag, an environment variable) -> a mapping; a mapping stays as it is."""
+        if not isinstance(value, str):
+            return value
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        bad = [entry for entry in entries if entry.count("=") != 1 or not all(p.strip() for p in entry.split("="))]
+        if bad or not entries:
+            raise ValueError(f"key_map entries must be field=name separated by commas, e.g. "
+                             f"'latents=latent.pth,prompt_embeds=txt_emb.pth'; cannot read {bad or value!r}")
+        pairs = [tuple(part.strip() for part in entry.split("=")) for entry in entries]
+        fields = [field for field, _ in pairs]
+        twice = sorted({field for field in fields if fields.count(field) > 1})
+        if twice:
+            raise ValueError(f"key_map names the field(s) {twice} more than once")
+        return dict(pairs)
+
+    @model_validator(mode="after")
+    def _one_layout(self) -> "OutputConfig":
+        if self.key_map and self.layout != "energon":
+            raise ValueError(f"layout {self.layout!r} is a preset key map: pass it or key_map, not both")
+        return self
 
 
 class ModelConfig(_Section):
@@ -137,6 +175,10 @@ class ModelConfig(_Section):
         description="Memory per worker process for text encodings kept by caption, so each distinct caption is "
         "encoded once (class-label datasets: almost all text-encoder work). 4096 MiB holds 1,000 FLUX.1-dev T5 "
         "embeddings in bf16; 0 turns the cache off. The bytes written are the same either way.",
+    )
+    negative_prompt: str | None = Field(
+        None, description="layout fastgen: the text whose embeddings are written to neg_prompt_emb.npy (FastGen's "
+        "neg_condition through files_map). Unset: the empty caption.",
     )
     min_psnr: float = Field(
         20.0, ge=0.0,

@@ -36,6 +36,22 @@ EMPTY_ENCODINGS_DIR = "empty_encodings"
 T5_EMPTY = "t5_empty.npy"
 CLIP_EMPTY = "clip_empty.npy"
 
+# Output layouts (``output.layout``): energon writes the fields above under their own names; a trainer's
+# layout writes the same samples under the member names that trainer reads by default.
+LAYOUT_ENERGON = "energon"
+LAYOUT_FASTGEN = "fastgen"
+# NVIDIA FastGen's latent loaders: the latents and the text condition (Flux: the tuple (pooled, t5)).
+FASTGEN_LATENT = "latent.pth"
+FASTGEN_TXT_EMB = "txt_emb.pth"
+# At the output's top, for a relative FastGen ``files_map`` path (joined to the datatag's dirname): the negative
+# prompt's embeddings, one sample without a batch dimension, float32 .npy (Flux: the T5 sequence, and the CLIP
+# pooled vector in a second file: an .npy holds one array, not the tuple), and shard -> samples for its
+# deterministic resume.
+NEG_PROMPT_EMB = "neg_prompt_emb.npy"
+NEG_POOLED_PROMPT_EMB = "neg_pooled_prompt_emb.npy"
+SHARD_COUNTS_JSON = "shard_counts.json"
+LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON)
+
 # Energon subflavor values.
 ENCODING_PREENCODED = "preencoded"
 ENCODING_RAW = "raw"

@@ -28,6 +28,10 @@ Training-side usage::
         batch.pooled_prompt_embeds  # [B, 768]
         batch.caption, batch.meta   # lists
 
+Every layout loads the same way: a ``--layout fastgen`` or ``--key-map``
+dataset records its member map in dataset.yaml's subflavors, and the cookers
+read the members back under these names (``diffprep.layouts``).
+
 Batches are stacked, never padded: samples of different latent sizes in one
 batch raise a ``ValueError``. Aspect-bucketed (``--buckets``) and variable-size
 datasets load with ``FluxBucketedTaskEncoder``, which batches samples of one
@@ -46,6 +50,7 @@ import torch
 from megatron.energon import Batch, Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, edataclass, stateless
 
 from diffprep import contract
+from diffprep.layouts import Layout
 from diffprep.shards import SampleLoadError, load_tensor
 
 # Fields of a raw (not pre-encoded) sample: one image file and its caption.
@@ -106,12 +111,23 @@ def _text(sample: dict, name: str) -> str:
         raise SampleLoadError(f"sample {sample.get('__key__')!r} field {name!r} is not UTF-8 text: {error}") from None
 
 
+def _in_fields(sample: dict) -> dict:
+    """A crude sample under the fields' own names, whatever layout wrote it (dataset.yaml's subflavors name it)."""
+    return Layout.of_subflavors(sample.get("__subflavors__")).read(sample, sample.get("__key__", "?"))
+
+
+def _tensor(sample: dict, name: str) -> torch.Tensor:
+    """A tensor field: loaded from its bytes (weights only), or already loaded out of a tuple member."""
+    value = _field(sample, name)
+    return value if isinstance(value, torch.Tensor) else load_tensor(value, key=sample.get("__key__", "?"), field=name)
+
+
 @stateless
 def cook_preencoded(sample: dict) -> FluxPreencodedSample:
     """Turn a crude pre-encoded sample (raw bytes per field) into a ``FluxPreencodedSample``."""
-    key = sample.get("__key__", "?")
+    sample = _in_fields(sample)
     tensors = {
-        contract.field_stem(name): load_tensor(_field(sample, name), key=key, field=name)
+        contract.field_stem(name): _tensor(sample, name)
         for name in contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS
         if name in sample or name in contract.TENSOR_FIELDS
     }
@@ -183,6 +199,7 @@ def _meta_of(sample: dict) -> dict:
 @stateless
 def cook_video(sample: dict) -> VideoPreencodedSample:
     """Turn a crude pre-encoded clip into a ``VideoPreencodedSample`` (its bucket from meta.json)."""
+    sample = _in_fields(sample)
     key = sample.get("__key__", "?")
     meta = _meta_of(sample)
     bucket = meta.get("bucket")
@@ -190,8 +207,8 @@ def cook_video(sample: dict) -> VideoPreencodedSample:
         raise SampleLoadError(f"sample {key!r} meta.json has no bucket [W, H, F]")
     return VideoPreencodedSample(
         **basic_sample_keys(sample),
-        latents=load_tensor(_field(sample, contract.LATENTS), key=key, field=contract.LATENTS),
-        prompt_embeds=load_tensor(_field(sample, contract.PROMPT_EMBEDS), key=key, field=contract.PROMPT_EMBEDS),
+        latents=_tensor(sample, contract.LATENTS),
+        prompt_embeds=_tensor(sample, contract.PROMPT_EMBEDS),
         caption=_text(sample, contract.CAPTION),
         meta=meta,
         bucket="x".join(str(v) for v in bucket),

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import tarfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,8 +30,10 @@ import torch
 from diffprep import contract
 from diffprep.config import SourceConfig
 from diffprep.encodings import encoding_of_sample, get_encoding
+from diffprep.energon import read_subflavors
 from diffprep.errors import ConfigError, DatasetValidationError, DiffprepError, RejectError, SourceError
 from diffprep.images import ImageSpec, prepare_image
+from diffprep.layouts import Layout
 from diffprep.media.buckets import Bucket
 from diffprep.media.video import ClipSpec, mp4_bytes
 from diffprep.pictures import CONTACT_SHEET, Preview, frame_strip, png_bytes, write_contact_sheet
@@ -239,7 +241,9 @@ def decode_dataset(
     """
     out = Path(out_dir)
     plan = read_plan(out)
-    stored = read_samples(out, samples)
+    # Under the fields' own names, whatever layout wrote them (the plan's, else dataset.yaml's).
+    layout = Layout.of_plan(plan.settings) if plan is not None else Layout.of_subflavors(read_subflavors(out))
+    stored = [replace(s, fields=layout.read(s.fields, s.key)) for s in read_samples(out, samples)]
     encoding = get_encoding(plan.encoding) if plan is not None else encoding_of_sample(stored[0].fields)
     decoded, vae = encoding.decode_stored(stored, plan, model_path=model_path, device=device, token=token,
                                           local_only=local_only, decoder=decoder, where=str(out))

@@ -41,6 +41,7 @@ import yaml
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.failpoints import failpoint
+from diffprep.layouts import Layout
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
 from diffprep.output import Output, as_output
 from diffprep.shards import UnitManifest
@@ -123,27 +124,33 @@ def assign_splits(shards: list[str], existing: dict[str, str], train_split: floa
     return {shard: assignment[shard] for shard in sorted(assignment)}
 
 
-def write_dataset_yaml(output: Output | str | os.PathLike, encoding: str) -> Path:
-    """Write ``.nv-meta/dataset.yaml``: a CrudeWebdataset whose samples carry ``encoding`` as subflavor."""
+def write_dataset_yaml(output: Output | str | os.PathLike, encoding: str, layout: Layout | None = None) -> Path:
+    """Write ``.nv-meta/dataset.yaml``: a CrudeWebdataset whose samples carry ``encoding`` (and a layout other
+    than energon's own names: its member map, for the cookers) as subflavors."""
     if encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
     config = {
         "__module__": "megatron.energon",
         "__class__": "CrudeWebdataset",
-        "subflavors": {"encoding": encoding},
+        "subflavors": {"encoding": encoding, **(layout or Layout()).subflavors()},
     }
     return as_output(output).write_file(f"{contract.NV_META}/{contract.DATASET_YAML}",
                                         yaml.safe_dump(config, sort_keys=False).encode("utf-8"))
 
 
-def read_dataset_encoding(out_dir: str | os.PathLike) -> str | None:
-    """The ``encoding`` subflavor of an existing dataset.yaml, or None when there is none."""
+def read_subflavors(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The subflavors of an existing dataset.yaml, or None when there is none."""
     path = Path(out_dir) / contract.NV_META / contract.DATASET_YAML
     if not path.is_file():
         return None
     config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     subflavors = config.get("subflavors") if isinstance(config, dict) else None
-    return subflavors.get("encoding") if isinstance(subflavors, dict) else None
+    return subflavors if isinstance(subflavors, dict) else None
+
+
+def read_dataset_encoding(out_dir: str | os.PathLike) -> str | None:
+    """The ``encoding`` subflavor of an existing dataset.yaml, or None when there is none."""
+    return (read_subflavors(out_dir) or {}).get("encoding")
 
 
 def read_split_yaml(out_dir: str | os.PathLike) -> dict[str, str]:
@@ -165,30 +172,28 @@ def read_split_yaml(out_dir: str | os.PathLike) -> dict[str, str]:
     return assignment
 
 
-def read_assignment(out_dir: str | os.PathLike) -> dict[str, str]:
+def read_assignment(output: Output | str | os.PathLike) -> dict[str, str]:
     """The recorded shard -> split assignment.
 
     From ``.diffprep/splits.json``; when that is missing but an earlier
     prepare left ``.nv-meta/split.yaml``, from that file.
     """
-    record = read_split_record(out_dir)
+    output = as_output(output)
+    record = read_split_record(output)
     if record is not None:
         return dict(record["assignment"])
-    return read_split_yaml(out_dir)
+    return read_split_yaml(output.working_copy())
 
 
-def read_split_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+def read_split_record(output: Output) -> dict[str, Any] | None:
     """``.diffprep/splits.json`` as written by the last finalize (train_split, seed, assignment), or None."""
-    path = Path(out_dir) / contract.STATE_DIR / contract.SPLITS_JSON
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return output.state.read_json(contract.SPLITS_JSON)
 
 
 def split_question(output: Output | str | os.PathLike, *, train_split: float, seed: int = 42) -> Question | None:
     """The question to ask before finalizing with another ``train_split`` than the recorded one, or None."""
     output = as_output(output)
-    record = read_split_record(output.local)
+    record = read_split_record(output)
     if record is None or record["train_split"] == train_split:
         return None
     moves = preview_replace_split(output, train_split=train_split, seed=seed)
@@ -260,7 +265,7 @@ def preview_replace_split(
     """
     output = as_output(output)
     shards, _, _ = committed_shards(output)
-    previous = read_assignment(output.local)
+    previous = read_assignment(output)
     fresh = assign_splits(sorted(shards), {}, train_split, seed)
     return {s: (previous[s], fresh[s]) for s in sorted(previous) if s in fresh and previous[s] != fresh[s]}
 
@@ -342,8 +347,7 @@ def finalize(
     Multi-Storage Client profile; its metadata is then staged and checked here.
     """
     output = as_output(output)
-    output.state.sync()
-    out = output.local
+    out = output.working_copy()
     if encoding not in contract.ENCODINGS:
         raise ConfigError(f"encoding must be one of {list(contract.ENCODINGS)}, got {encoding!r}")
     split_targets(train_split)
@@ -357,7 +361,7 @@ def finalize(
     manifests, empty, foreign = committed_shards(output)
     if not manifests:
         raise DatasetValidationError(f"{output.uri} has no committed shards with samples; run encoding first")
-    previous = read_assignment(out)
+    previous = read_assignment(output)
     vanished = sorted(set(previous) - set(manifests))
     if vanished and not replace_split:
         raise DatasetValidationError(
@@ -369,7 +373,8 @@ def finalize(
     splits = {split: sorted(s for s, p in assignment.items() if p == split) for split in contract.SPLITS}
     splits = {split: names for split, names in splits.items() if names}
 
-    write_dataset_yaml(output, encoding)
+    layout = Layout.of_plan(plan.settings) if (plan := output.state.plan()) is not None else Layout()
+    write_dataset_yaml(output, encoding, layout)
     failpoint("finalize")
     with output.energon_access() as path:  # Energon writes .nv-meta there; the working copy follows
         parts = _run_prepare(path, splits, workers, progress)
@@ -397,6 +402,7 @@ def finalize(
     if indexed != sum(counted.values()):
         raise DatasetValidationError(f"index.sqlite holds {indexed} samples, .info.json counts {sum(counted.values())}")
 
+    layout.write_shard_counts(output, {name: m.count for name, m in manifests.items()} | dict.fromkeys(empty, 0))
     output.state.write_json(
         contract.SPLITS_JSON,
         {"version": SPLITS_VERSION, "train_split": train_split, "seed": seed, "assignment": assignment},

@@ -17,6 +17,7 @@ import torch
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError
+from diffprep.layouts import Layout
 from diffprep.output import Output, as_output, is_ours
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.shards import load_tensor
@@ -112,17 +113,20 @@ def _check_shapes(output: Output, plan: Plan, manifests) -> str | None:
             continue
         key = manifest.keys[0]
         try:
+            members: dict[str, bytes] = {}
             with output.open(manifest.shard) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
                 for member in tar:
                     if not member.name.startswith(key + "."):
                         break  # the first sample is over: read no further (a bucket streams the rest otherwise)
-                    field_name = member.name[len(key) + 1:]
-                    if not field_name.endswith(".pth") or contract.field_stem(field_name) not in plan.expected:
-                        continue  # only the tensors the plan gives a shape
-                    tensor = load_tensor(tar.extractfile(member).read(), key=key, field=field_name)
-                    problem = _compare_shape(field_name, tensor, plan.expected)
-                    if problem:
-                        return f"{manifest.shard}:{key}: {problem}"
+                    members[member.name[len(key) + 1:]] = tar.extractfile(member).read()
+            # Under the fields' own names, as this plan's layout writes them.
+            for field_name, value in Layout.of_plan(plan.settings).read(members, key).items():
+                if not field_name.endswith(".pth") or contract.field_stem(field_name) not in plan.expected:
+                    continue  # only the tensors the plan gives a shape
+                tensor = value if isinstance(value, torch.Tensor) else load_tensor(value, key=key, field=field_name)
+                problem = _compare_shape(field_name, tensor, plan.expected)
+                if problem:
+                    return f"{manifest.shard}:{key}: {problem}"
         except Exception as exc:  # noqa: BLE001 - any unreadable sample is a mismatch to report, not a crash
             return f"{manifest.shard}:{key} cannot be read ({type(exc).__name__}: {exc})"
         return None
@@ -150,7 +154,6 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
                               units_left=[u.unit for u in plan.units])
         if not output.local.is_dir():
             raise ExistingOutputError(f"output {output.uri} exists and is not a directory")
-    output.state.sync()
     entries = output.entries()
     if not entries or (entries == [contract.STATE_DIR] and output.state.is_empty()):
         return Inspection(output.uri, exists=output.exists(), empty=True, plan_fingerprint=None, same_settings=True,
@@ -159,7 +162,7 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
     manifests = output.state.manifests()
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
-    committed, damaged = output.unit_status(plan.fingerprint, manifests)
+    committed, damaged = output.committed_units(plan.fingerprint, manifests)
     done = sorted(u for u in committed if u in planned)
     damaged = sorted(u for u in damaged if u in planned)
     left = [u.unit for u in plan.units if u.unit not in committed and u.unit not in damaged]

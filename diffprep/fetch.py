@@ -39,7 +39,7 @@ def fetch(
     output = as_output(output if output is not None else settings.output.output_dir)
     token = token or resolve_token(settings.auth.hf_token_file)
     encoding = encoding_for(settings, encoding, token)
-    byte, expected = get_encoding(encoding).plan_settings(settings, token)
+    byte, expected = get_encoding(encoding).planned(settings, token)
     fp = fingerprint(byte)
     source = open_source(settings.source, token=token)
     previous = output.state.plan() if output.local.is_dir() else None

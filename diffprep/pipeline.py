@@ -78,7 +78,6 @@ def settings_output(settings: Settings) -> OutputRef:
 
 def plan_output(settings: Settings, output: Output, encoding: str, token: str | None = None) -> Plan:
     """Phase 1: the plan of this run (an append keeps the units of the plan already there)."""
-    output.state.sync()
     plan, _source = fetch(settings, output, token=token, encoding=encoding)
     return plan
 
@@ -316,12 +315,11 @@ def follow_rank(settings: Settings, encoding: str, group: Group, token: str | No
     message = group.broadcast()
     if message == STOP:
         return {"rank": group.ranks.rank, "units": [], "out_dir": None}
-    mine_fp = fingerprint(get_encoding(encoding_for(settings, encoding, token)).plan_settings(settings, token)[0])
+    mine_fp = fingerprint(get_encoding(encoding_for(settings, encoding, token)).planned(settings, token)[0])
     if mine_fp != message["fingerprint"]:
         raise DiffprepError(f"rank {group.ranks.rank} has settings of fingerprint {mine_fp}, rank 0 planned "
                             f"{message['fingerprint']}: every rank must run the same command")
     output = OutputRef(**message["output"]).open()
-    output.state.sync()
     plan = output.state.plan()
     if plan is None or plan.fingerprint != message["fingerprint"]:
         raise DiffprepError(f"rank {group.ranks.rank}: {output.uri} holds no plan of fingerprint "

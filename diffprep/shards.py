@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Mapping, Protocol
 
+import numpy as np
 import torch
 
 from diffprep import contract
@@ -61,9 +62,21 @@ def field_bytes(value: Any) -> bytes:
         return value.encode("utf-8")
     if isinstance(value, torch.Tensor):
         return tensor_bytes(value)
+    if isinstance(value, tuple):  # a tuple of tensors (FastGen's Flux condition), each cloned out of its batch
+        if not all(isinstance(item, torch.Tensor) for item in value):
+            raise TypeError(f"a tuple field must hold tensors only, got {[type(item).__name__ for item in value]}")
+        return torch_bytes(tuple(item.detach().to("cpu").contiguous().clone() for item in value))
     if isinstance(value, (dict, list)):
         return json_bytes(value)
-    raise TypeError(f"cannot store a {type(value).__name__} in a shard; use bytes, str, dict or a tensor")
+    raise TypeError(f"cannot store a {type(value).__name__} in a shard; use bytes, str, dict, a tensor or a tuple "
+                    "of tensors")
+
+
+def npy_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor as a float32 ``.npy`` file (numpy's own format: the header keeps shape and dtype; no pickle)."""
+    buffer = io.BytesIO()
+    np.save(buffer, tensor.detach().to("cpu", torch.float32).numpy(), allow_pickle=False)
+    return buffer.getvalue()
 
 
 TEMP_SUFFIX = ".tmp"
@@ -440,15 +453,28 @@ def _load_failure_reason(error: Exception) -> str:
     return reason if len(reason) <= 300 else reason[:300] + "…"
 
 
-def load_tensor(data: bytes, *, key: str = "?", field: str = "?") -> torch.Tensor:
-    """Decode a ``torch.save``d tensor without unpickling arbitrary objects."""
+def _load_weights(data: bytes, key: str, field: str) -> Any:
     try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as error:
         raise SampleLoadError(
             f"sample {key!r} field {field!r} is not a plain tensor file: torch.load(weights_only=True) refused it "
             f"({_load_failure_reason(error)}); never load it with weights_only=False, it may run code"
         ) from error
+
+
+def load_tensor(data: bytes, *, key: str = "?", field: str = "?") -> torch.Tensor:
+    """Decode a ``torch.save``d tensor without unpickling arbitrary objects."""
+    value = _load_weights(data, key, field)
     if not isinstance(value, torch.Tensor):
         raise SampleLoadError(f"sample {key!r} field {field!r} holds a {type(value).__name__}, expected a tensor")
+    return value
+
+
+def load_tensor_tuple(data: bytes, count: int, *, key: str = "?", field: str = "?") -> tuple[torch.Tensor, ...]:
+    """Decode a ``torch.save``d tuple of ``count`` tensors (weights only)."""
+    value = _load_weights(data, key, field)
+    if not (isinstance(value, tuple) and len(value) == count and all(isinstance(v, torch.Tensor) for v in value)):
+        kinds = [type(v).__name__ for v in value] if isinstance(value, (tuple, list)) else type(value).__name__
+        raise SampleLoadError(f"sample {key!r} field {field!r} holds {kinds}, expected a tuple of {count} tensors")
     return value

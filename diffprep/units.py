@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 from diffprep.errors import DiffprepError
 from diffprep.failpoints import failpoint
 from diffprep.images import ImageSpec
+from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, UnitPlan
 from diffprep.reader import Batch, iter_batches, prefetch
@@ -88,7 +89,8 @@ def encode_unit(
     # closing(): an encoder error must also stop the reader thread and its decode pool at once.
     try:
         with contextlib.closing(batches), UnitWriter(output.local, unit_index, sink) as writer:
-            info = _write_unit(writer, batches, sample_fields, unit, rejects, notes, keys, source_ids, progress)
+            info = _write_unit(writer, batches, sample_fields, Layout.of_plan(plan.settings), unit, rejects, notes,
+                               keys, source_ids, progress)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise DiskSpaceError(disk_full_message(output.local, unit_index)) from exc
@@ -117,10 +119,11 @@ def encode_unit(
     return result
 
 
-def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: SampleFields, unit: UnitPlan,
-                rejects: list[Reject], notes: Counter, keys: list[str], source_ids: list[str],
+def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: SampleFields, layout: Layout,
+                unit: UnitPlan, rejects: list[Reject], notes: Counter, keys: list[str], source_ids: list[str],
                 progress: Progress | None):
-    """Turn the unit's batches into samples in ``writer`` and commit it; returns the shard's info."""
+    """Turn the unit's batches into samples in ``writer`` (under the plan's member names) and commit it; returns
+    the shard's info."""
     for batch in batches:
         failpoint("encode")
         for i, fields in enumerate(sample_fields(batch, notes)):
@@ -129,7 +132,7 @@ def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: Sa
                 continue
             if not batch.captions[i].strip():
                 notes["empty_caption"] += 1
-            writer.write(batch.keys[i], fields)
+            writer.write(batch.keys[i], layout.write(fields))
             failpoint("shard-write")
             keys.append(batch.keys[i])
             source_ids.append(batch.source_ids[i])

@@ -109,10 +109,10 @@ class ArtifactEvents(Events):
 
     def sanity(self, output: Output, started: float) -> None:
         """The sanity report and contact sheet as a Markdown artifact, whether the check passed or failed."""
-        report = output.state.path(f"{contract.SANITY_DIR}/{contract.SANITY_REPORT}")
+        report = output.state.local_copy(f"{contract.SANITY_DIR}/{contract.SANITY_REPORT}")
         # A report older than this run is a previous run's: a check that failed before writing one shows nothing.
         # (One second of slack for file systems with coarse timestamps.)
-        if report.is_file() and report.stat().st_mtime >= started - 1:
+        if report is not None and report.stat().st_mtime >= started - 1:
             data = json.loads(report.read_text(encoding="utf-8"))
             picture = markdown_image(data["contact_sheet"]) if data.get("contact_sheet") else ""
             create_markdown_artifact(key=f"sanity-{slug(output.uri)}", markdown=sanity_markdown(data) + "\n" + picture,

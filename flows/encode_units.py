@@ -22,7 +22,6 @@ def encode_units(output: OutputRef, settings: dict, units: list[int]) -> dict:
     if s.workers.deployment:
         raise ValueError("encode-units runs its units here: workers.deployment must be unset")
     out = output_of(output)
-    out.state.sync()  # a bucket output: this machine's staging folder gets the run's plan
     out.clear_dead_temp_files()
     run_units(s, out, out.state.plan(), list(units), ArtifactProgress(len(units), key=None))
     return {"units": list(units)}

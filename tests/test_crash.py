@@ -173,9 +173,10 @@ def test_prefect_server_going_away_mid_run_leaves_no_half_written_files(prefect_
             except OSError:
                 assert time.monotonic() < deadline, "prefect server did not start"
                 time.sleep(0.5)
+        # One retry of a failed API call, not Prefect's default five with backoff: the server stays gone.
         run = subprocess.Popen([sys.executable, "-m", "diffprep.cli", *_args(data, tiny_model, out)],
-                               env=env | {"PREFECT_API_URL": url}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                               env=env | {"PREFECT_API_URL": url, "PREFECT_CLIENT_MAX_RETRIES": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while not read_manifests(out) and run.poll() is None:
             time.sleep(0.05)
         server.send_signal(signal.SIGKILL)

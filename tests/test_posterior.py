@@ -46,6 +46,13 @@ def test_posterior_mode_stores_mean_and_logvar_and_validates(tmp_path, demo_data
     sample = {"__key__": key, "__restore_key__": (), "__subflavors__": {}, "__sources__": ()}
     sample |= {name[len(key) + 1:]: data for name, data in members.items() if name.startswith(key + ".")}
     assert set(sample) >= {contract.LATENTS, contract.MEAN, contract.LOGVAR}
+    # Primus's cook_preencoded (consumer-formats.md C): each member through a bare torch.load (weights only by
+    # default on torch >= 2.6); it needs latents or mean. (Its CFG files: test_cli's end-to-end test.)
+    bare = {name: torch.load(io.BytesIO(sample[name]))
+            for name in (*contract.TENSOR_FIELDS, *contract.POSTERIOR_FIELDS)}
+    assert {name: tuple(t.shape) for name, t in bare.items()} == {
+        contract.LATENTS: (16, 4, 4), contract.PROMPT_EMBEDS: (16, 32), contract.POOLED_PROMPT_EMBEDS: (32,),
+        contract.MEAN: (16, 4, 4), contract.LOGVAR: (16, 4, 4)}
     cooked = cook_preencoded(sample)
     vae = encoders.vae.config
     assert cooked.mean.shape == cooked.logvar.shape == cooked.latents.shape == (16, 4, 4)

@@ -10,6 +10,7 @@ import json
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from diffusers import WanPipeline
@@ -197,3 +198,33 @@ def test_a_metadata_file_with_paths_relative_to_it(tiny_wan, clips, tmp_path):
     assert result.samples == 1 and result.rejects_by_reason == {"media_not_found": 1}
     [sample] = _samples(tmp_path / "out").values()
     assert json.loads(sample["meta.json"])["bucket"] == [24, 32, 5]
+
+
+def test_fastgen_layout_writes_latent_and_the_umt5_sequence_as_txt_emb(tiny_wan, clips, tmp_path):
+    """Wan under --layout fastgen (consumer-formats.md B): ``latent.pth`` and ``txt_emb.pth`` [L, D] (one tensor,
+    not a tuple), the empty caption as the default negative prompt, shard_counts.json; validate and decode read it."""
+    from diffprep.decode import decode_dataset
+    from test_layouts import fastgen_samples
+
+    out = tmp_path / "out"
+    settings = _settings(out, clips, tiny_wan)
+    settings.output.layout, settings.output.max_samples = "fastgen", 2
+    result = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert result.validation["ok"] and result.samples == 2
+
+    samples = fastgen_samples(out, {"real": contract.FASTGEN_LATENT, "condition": contract.FASTGEN_TXT_EMB})
+    expected = read_plan(out).expected
+    assert len(samples) == 2
+    for sample in samples:
+        assert isinstance(sample[contract.FASTGEN_TXT_EMB], torch.Tensor)
+        assert list(sample[contract.FASTGEN_TXT_EMB].shape) == expected["prompt_embeds"] == [16, 32]
+        assert sample[contract.FASTGEN_LATENT].shape[0] == 16 and sample[contract.FASTGEN_LATENT].ndim == 4
+    negative = np.load(out / contract.NEG_PROMPT_EMB, allow_pickle=False)
+    empty = torch.load(out / contract.STATE_DIR / contract.EMPTY_PROMPT, weights_only=True)["prompt_embeds"]
+    assert negative.dtype == np.float32 and torch.equal(torch.from_numpy(negative), empty.float())
+    assert not (out / contract.NEG_POOLED_PROMPT_EMB).exists()  # umT5 has no pooled embedding
+    counts = json.loads((out / contract.SHARD_COUNTS_JSON).read_text())
+    assert counts == {p.name: len({m.name.partition(".")[0] for m in tarfile.open(p)}) for p in out.glob("*.tar")}
+    assert sum(counts.values()) == 2
+    [clip] = decode_dataset(out, 1, device="cpu", local_only=True).previews
+    assert clip.decoded.dtype == torch.uint8

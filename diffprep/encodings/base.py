@@ -23,6 +23,7 @@ import torch
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.images import ImageSpec, bucket_name, image_buckets, image_size_of
+from diffprep.layouts import LayoutPreset, layout_for
 from diffprep.media.buckets import Bucket, choose_bucket
 from diffprep.output import Output
 from diffprep.plan import Plan
@@ -66,10 +67,37 @@ def with_caption_settings(byte: dict[str, Any], settings: Settings) -> dict[str,
 SampleFields = Callable[[Batch, Counter], list[dict | Reject]]
 
 
+def encoded_samples(batch: Batch, latents: torch.Tensor, truncated: Sequence[bool], notes: Counter, medium: str,
+                    fields: Callable[[int], dict[str, Any]]) -> list[dict | Reject]:
+    """Each sample of an encoded batch: its ``fields(i)`` with its caption and meta, or a reject when its latents
+    are not finite; captions the text encoder truncated are counted in ``notes``."""
+    samples: list[dict | Reject] = []
+    for i in range(len(batch.keys)):
+        if not torch.isfinite(latents[i]).all():
+            samples.append(Reject(batch.source_ids[i], "non_finite_latents",
+                                  f"the VAE produced NaN or inf for this {medium}", phase="encode"))
+            continue
+        if truncated[i]:
+            notes["caption_truncated"] += 1
+        samples.append(fields(i) | {contract.CAPTION: batch.captions[i], contract.META: batch.metas[i]})
+    return samples
+
+
 class Encoding(ABC):
     """One kind of dataset (its Energon subflavor ``encoding: <name>``)."""
 
     name: str
+    #: Named output layouts (``output.layout``) besides energon's own names: a trainer's member names for this
+    #: encoding's fields (``diffprep.layouts``). None: the member names are fixed (no layout, no key map).
+    layout_presets: Mapping[str, LayoutPreset] | None = {}
+
+    def planned(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``plan_settings``, with the output layout when it is not energon's own names (so an energon plan and
+        its fingerprint stay as they always were): what fetch plans and ranks compare."""
+        byte, expected = self.plan_settings(settings, token)
+        layout = layout_for(settings.output, settings.model.negative_prompt, self.name, self.layout_presets,
+                            self.required_fields(expected))
+        return (byte if layout.is_default else byte | {"layout": layout.to_json()}), expected
 
     def byte_settings(self, settings: Settings, identity: dict[str, Any]) -> dict[str, Any]:
         """The settings that change the bytes of a shard, and so the fingerprint."""
@@ -187,4 +215,4 @@ class Encoding(ABC):
         """A ``diffprep.validation`` sample inspector: checks every loaded sample, summarizes them."""
 
 
-__all__ = ["Encoding", "SampleFields"]
+__all__ = ["Encoding", "SampleFields", "encoded_samples", "probe_in_parallel"]

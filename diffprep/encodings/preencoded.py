@@ -9,7 +9,6 @@ folder for classifier-free guidance dropout.
 
 from __future__ import annotations
 
-import io
 import json
 import threading
 import time
@@ -17,7 +16,6 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from diffprep import contract
@@ -26,9 +24,10 @@ from diffprep.config import Settings
 from diffprep.cooker import FluxPreencodedTaskEncoder
 from diffprep.encoders import DTYPES, FluxEncoders, describe_flux, resolve_encoders
 from diffprep.encoders.vae import VaeDecoder
-from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.encodings.base import Encoding, SampleFields, encoded_samples
 from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec, bucket_name, image_buckets, to_uint8
+from diffprep.layouts import Layout, LayoutPreset
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.reader import Batch, first_batch
@@ -40,7 +39,7 @@ from diffprep.sanity import (
     peak_memory,
     project_run,
 )
-from diffprep.shards import Reject, load_tensor, tensor_bytes, torch_bytes
+from diffprep.shards import Reject, load_tensor, npy_bytes, tensor_bytes, torch_bytes
 from diffprep.sources import Source
 from diffprep.workers import claimed_device
 
@@ -101,25 +100,13 @@ def preencoded_fields(encoders) -> SampleFields:
         else:
             latents, mean, logvar = encoders.encode_images(batch.pixels, batch.keys), None, None
         text = encoders.encode_text(batch.captions)
-        samples: list[dict | Reject] = []
-        for i in range(len(batch.keys)):
-            if not torch.isfinite(latents[i]).all():
-                samples.append(Reject(batch.source_ids[i], "non_finite_latents",
-                                      "the VAE produced NaN or inf for this image", phase="encode"))
-                continue
-            if text.t5_truncated[i]:
-                notes["caption_truncated"] += 1
-            sample = {
-                contract.LATENTS: latents[i],
-                contract.PROMPT_EMBEDS: text.prompt_embeds[i],
-                contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i],
-                contract.CAPTION: batch.captions[i],
-                contract.META: batch.metas[i],
-            }
-            if posterior:
-                sample |= {contract.MEAN: mean[i], contract.LOGVAR: logvar[i]}
-            samples.append(sample)
-        return samples
+
+        def sample(i: int) -> dict[str, Any]:
+            tensors = {contract.LATENTS: latents[i], contract.PROMPT_EMBEDS: text.prompt_embeds[i],
+                       contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[i]}
+            return tensors | ({contract.MEAN: mean[i], contract.LOGVAR: logvar[i]} if posterior else {})
+
+        return encoded_samples(batch, latents, text.t5_truncated, notes, "image", sample)
 
     return fields
 
@@ -140,13 +127,6 @@ def write_empty_prompt(output: Output | str, encoders) -> None:
     output.state.write_bytes(contract.EMPTY_PROMPT, torch_bytes(payload))
     for name, tensor in ((contract.T5_EMPTY, text.prompt_embeds[:1]), (contract.CLIP_EMPTY, text.pooled_prompt_embeds[:1])):
         output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/{name}", npy_bytes(tensor))
-
-
-def npy_bytes(tensor: torch.Tensor) -> bytes:
-    """A tensor as a float32 ``.npy`` file (numpy's own format: the header keeps shape and dtype)."""
-    buffer = io.BytesIO()
-    np.save(buffer, tensor.detach().to("cpu", torch.float32).numpy(), allow_pickle=False)
-    return buffer.getvalue()
 
 
 def sanity_check(
@@ -245,6 +225,15 @@ class Preencoded(Encoding):
     """Flux: latents through the VAE, captions through T5 and CLIP."""
 
     name = contract.ENCODING_PREENCODED
+    # FastGen's Flux network unpacks its condition as (pooled, t5); an .npy holds one array, so the negative
+    # prompt's two embeddings are two files.
+    layout_presets = {contract.LAYOUT_FASTGEN: LayoutPreset(
+        members={contract.FASTGEN_LATENT: (contract.LATENTS,),
+                 contract.FASTGEN_TXT_EMB: (contract.POOLED_PROMPT_EMBEDS, contract.PROMPT_EMBEDS)},
+        negative={contract.NEG_PROMPT_EMB: contract.PROMPT_EMBEDS,
+                  contract.NEG_POOLED_PROMPT_EMB: contract.POOLED_PROMPT_EMBEDS},
+        shard_counts=True,
+    )}
 
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         parts = resolve_encoders(settings.model, token=token)
@@ -274,6 +263,11 @@ class Preencoded(Encoding):
                settings: Settings, batch_size: int, units_left: Sequence[int] | None, workers: int,
                staged_samples: int | None) -> SanityReport:
         write_empty_prompt(output, loaded)
+        layout = Layout.of_plan(plan.settings)
+        if layout.negative:  # fastgen: the negative prompt's T5 sequence and CLIP pooled vector, one .npy each
+            text = loaded.encode_text([layout.negative_prompt])
+            layout.write_negative(output, {contract.PROMPT_EMBEDS: text.prompt_embeds[0],
+                                           contract.POOLED_PROMPT_EMBEDS: text.pooled_prompt_embeds[0]})
         return sanity_check(output, plan, loaded, source, spec, batch_size=batch_size, units_left=units_left,
                             workers=workers, min_psnr=settings.model.min_psnr, staged_samples=staged_samples)
 

@@ -159,6 +159,7 @@ class Raw(Encoding):
     """Prepared images stored as image files with their captions; nothing is encoded."""
 
     name = contract.ENCODING_RAW
+    layout_presets = None  # image files keep their names: jpg/png/webp, txt, meta.json
 
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         raw = settings.raw

@@ -34,11 +34,12 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.encoders import DTYPES
-from diffprep.encodings.base import Encoding, SampleFields, probe_in_parallel, with_caption_settings
-from diffprep.encodings.preencoded import PreencodedInspector, npy_bytes
+from diffprep.encodings.base import Encoding, SampleFields, encoded_samples, probe_in_parallel, with_caption_settings
+from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
 from diffprep.images import to_uint8
+from diffprep.layouts import Layout, LayoutPreset
 from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
 from diffprep.media.video import ClipSpec
 from diffprep.output import Output
@@ -46,7 +47,7 @@ from diffprep.pictures import frame_strip
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.reader import Batch, first_batch
 from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip, finish_sanity, peak_memory
-from diffprep.shards import Reject, load_tensor, tensor_bytes, torch_bytes
+from diffprep.shards import Reject, load_tensor, npy_bytes, tensor_bytes, torch_bytes
 from diffprep.sources import Source
 from diffprep.workers import claimed_device
 
@@ -84,6 +85,11 @@ class Wan(Encoding):
     """Wan 2.x: clips (and images as one-frame clips) through AutoencoderKLWan, captions through umT5."""
 
     name = contract.ENCODING_WAN
+    layout_presets = {contract.LAYOUT_FASTGEN: LayoutPreset(
+        members={contract.FASTGEN_LATENT: (contract.LATENTS,), contract.FASTGEN_TXT_EMB: (contract.PROMPT_EMBEDS,)},
+        negative={contract.NEG_PROMPT_EMB: contract.PROMPT_EMBEDS},
+        shard_counts=True,
+    )}
 
     # --- the plan ---------------------------------------------------------------------------------------------
 
@@ -174,21 +180,8 @@ class Wan(Encoding):
         def fields(batch: Batch, notes: Counter) -> list[dict | Reject]:
             latents = loaded.encode_video(batch.pixels, batch.keys)
             text = loaded.encode_text(batch.captions)
-            samples: list[dict | Reject] = []
-            for i in range(len(batch.keys)):
-                if not torch.isfinite(latents[i]).all():
-                    samples.append(Reject(batch.source_ids[i], "non_finite_latents",
-                                          "the VAE produced NaN or inf for this clip", phase="encode"))
-                    continue
-                if text.truncated[i]:
-                    notes["caption_truncated"] += 1
-                samples.append({
-                    contract.LATENTS: latents[i],
-                    contract.PROMPT_EMBEDS: text.prompt_embeds[i],
-                    contract.CAPTION: batch.captions[i],
-                    contract.META: batch.metas[i],
-                })
-            return samples
+            return encoded_samples(batch, latents, text.truncated, notes, "clip",
+                                   lambda i: {contract.LATENTS: latents[i], contract.PROMPT_EMBEDS: text.prompt_embeds[i]})
 
         return fields
 
@@ -202,6 +195,10 @@ class Wan(Encoding):
         empty = loaded.empty_prompt_embeds()
         output.state.write_bytes(contract.EMPTY_PROMPT, torch_bytes({"prompt_embeds": empty.clone()}))
         output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/prompt_embeds_empty.npy", npy_bytes(empty[None]))
+        layout = Layout.of_plan(plan.settings)
+        if layout.negative:  # fastgen: the negative prompt's umT5 sequence
+            layout.write_negative(output, {contract.PROMPT_EMBEDS:
+                                           loaded.encode_text([layout.negative_prompt]).prompt_embeds[0]})
 
         left = set(units_left) if units_left is not None else {u.unit for u in plan.units}
         bucketed = [u for u in plan.units if u.bucket and u.unit in left] or [u for u in plan.units if u.bucket]

@@ -16,7 +16,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from diffprep import contract
 from diffprep.output.locks import OutputLock, pid_alive
@@ -33,9 +33,15 @@ from diffprep.shards import (
 )
 
 
+class CommittedUnits(NamedTuple):
+    done: dict[int, UnitManifest]  # unit -> manifest: committed, shard as written
+    damaged: list[int]  # committed once, but the shard is missing or another size now: to be redone
+
+
 def is_ours(name: str) -> bool:
-    """Whether a top-level entry of an output is one diffprep writes (state, Energon metadata, shards, indexes)."""
-    if name in (contract.NV_META, contract.STATE_DIR, contract.EMPTY_ENCODINGS_DIR):
+    """Whether a top-level entry of an output is one diffprep writes (state, Energon metadata, shards, indexes,
+    a trainer layout's files)."""
+    if name in (contract.NV_META, contract.STATE_DIR, contract.EMPTY_ENCODINGS_DIR, *contract.LAYOUT_FILES):
         return True
     if name.endswith(contract.INDEX_SUFFIX):
         name = name[: -len(".idx")]
@@ -93,30 +99,30 @@ class Output:
     def link(self) -> str:
         return self.local.as_uri()
 
+    def working_copy(self) -> Path:
+        """The working folder, its state and Energon metadata in step with the output's (``output.state``)."""
+        self.state.ensure_current()
+        return self.local
+
     # -- units ----------------------------------------------------------------------------------------------------
     def shard_intact(self, manifest: UnitManifest) -> bool:
         """Whether the shard a manifest records is there as written (size; the hash is checked by validate)."""
         return self.size(manifest.shard) == manifest.bytes
 
-    def unit_status(self, fingerprint: str, manifests: dict[int, UnitManifest] | None = None,
-                    ) -> tuple[dict[int, UnitManifest], list[int]]:
-        """(committed units of ``fingerprint`` by unit, units of it whose manifest's shard is missing or changed);
-        ``manifests``: the state's, when the caller has just read them."""
+    def committed_units(self, fingerprint: str, manifests: dict[int, UnitManifest] | None = None) -> CommittedUnits:
+        """The one answer to "what is done": the units committed for ``fingerprint`` whose shard is intact, and
+        those whose manifest's shard is missing or changed. ``manifests``: the state's, when just read."""
         manifests = self.state.manifests() if manifests is None else manifests
         candidates = [m for m in manifests.values() if m.fingerprint == fingerprint]
         intact = self._check_shards(candidates)
-        return ({m.unit: m for m, ok in zip(candidates, intact) if ok},
-                [m.unit for m, ok in zip(candidates, intact) if not ok])
+        return CommittedUnits({m.unit: m for m, ok in zip(candidates, intact) if ok},
+                              [m.unit for m, ok in zip(candidates, intact) if not ok])
 
     def _check_shards(self, manifests: list[UnitManifest]) -> list[bool]:
         return [self.shard_intact(m) for m in manifests]
 
-    def committed_units(self, fingerprint: str) -> dict[int, UnitManifest]:
-        """The one answer to "what is done": units committed for ``fingerprint`` whose shard is intact."""
-        return self.unit_status(fingerprint)[0]
-
     def committed_unit(self, unit: int, fingerprint: str) -> UnitManifest | None:
-        """The unit's manifest when it is committed for ``fingerprint`` with its shard intact."""
+        """One unit's answer (``committed_units``): its manifest when committed for ``fingerprint``, shard intact."""
         manifest = self.state.manifest(unit)
         if manifest is None or manifest.fingerprint != fingerprint or not self.shard_intact(manifest):
             return None
@@ -208,7 +214,6 @@ class Output:
             return False  # a file of that name
         if not self.entries():
             return True
-        self.state.sync()
         plan = self.state.plan()
         return fingerprint is not None and plan is not None and plan.fingerprint == fingerprint
 
@@ -224,4 +229,4 @@ class Output:
 
 LocalOutput = Output
 
-__all__ = ["LocalOutput", "Output", "is_ours"]
+__all__ = ["CommittedUnits", "LocalOutput", "Output", "is_ours"]

@@ -51,6 +51,8 @@ class OutputRef(BaseModel):
                                                      profile=self.profile)
                 opened.credentials_block = self.credentials_block
                 _OPENED.setdefault(ref_of(opened), opened)  # the same output by its normalized location
+            else:
+                opened.state.reopened()  # another task: others may have written since; the next read looks
             return opened
 
 

@@ -2,10 +2,13 @@
 
 Every read and write of the state goes through the output's ``StateStore``.
 Writes are atomic (temporary file, fsync, rename) in the output's working
-folder; for a bucket output they are also uploaded at once (write-through),
-and ``sync()`` makes the staged copy equal to the bucket's (the bucket is the
-truth). Unit manifests are the commit points: they are written by
-``Output.commit_unit`` only, never here.
+folder; for a bucket output they are also uploaded at once (write-through).
+Reads keep the staged copy equal to the bucket's by themselves (the bucket is
+the truth): the first read after the output is opened (``OutputRef.open``,
+once per task) downloads what changed, and every manifest listing looks at
+the bucket again, so no caller pulls or pushes by hand. Unit manifests are
+the commit points: they are written by ``Output.commit_unit`` only, never
+here.
 """
 
 from __future__ import annotations
@@ -30,35 +33,52 @@ class StateStore:
 
     def __init__(self, output: Output) -> None:
         self.output = output
+        self._current = False  # whether the working copy was made equal to the output's since it was (re)opened
 
     @property
     def root(self) -> Path:
         return self.output.local / contract.STATE_DIR
 
     def path(self, relative: str) -> Path:
-        """The working copy of a state file (``plan.json``, ``sanity/report.json``...)."""
+        """Where the working copy of a state file (``plan.json``, ``sanity/report.json``...) is written; to read
+        one, ``local_copy``."""
         return self.root / relative
+
+    def local_copy(self, relative: str) -> Path | None:
+        """The working copy of a state file, in step with the output's; None when there is none."""
+        self.ensure_current()
+        path = self.path(relative)
+        return path if path.is_file() else None
 
     def _rel(self, relative: str) -> str:
         return f"{contract.STATE_DIR}/{relative}"
 
     # -- reading ----------------------------------------------------------------------------------------------------
-    def sync(self) -> None:
-        """Make the working copy equal to the output's (a bucket's state is downloaded; a folder is its own)."""
-        self.output.sync_state()
+    def reopened(self) -> None:
+        """The output was opened again (another task, another run of this process): the next read looks at the
+        output again, since other processes may have written to it meanwhile."""
+        self._current = False
+
+    def ensure_current(self) -> None:
+        """The working copy, made equal to the output's once since it was opened (a bucket's state downloaded;
+        a folder is its own)."""
+        if not self._current:
+            self.output.sync_state()
+            self._current = True
 
     def exists(self, relative: str) -> bool:
-        return self.path(relative).is_file()
+        return self.local_copy(relative) is not None
 
     def read_bytes(self, relative: str) -> bytes | None:
-        path = self.path(relative)
-        return path.read_bytes() if path.is_file() else None
+        path = self.local_copy(relative)
+        return None if path is None else path.read_bytes()
 
     def read_json(self, relative: str) -> Any:
         data = self.read_bytes(relative)
         return None if data is None else json.loads(data)
 
     def plan(self) -> Plan | None:
+        self.ensure_current()
         return read_plan(self.path(contract.PLAN_JSON))
 
     def manifests(self) -> dict[int, UnitManifest]:
@@ -74,6 +94,8 @@ class StateStore:
         return {int(name) for name in names if name.isdigit()}
 
     def manifest(self, unit: int) -> UnitManifest | None:
+        """The unit's manifest as last listed (``manifests``, ``manifest_units``, or the first read)."""
+        self.ensure_current()
         return read_manifest(self.output.local, unit)
 
     def is_empty(self) -> bool:

@@ -31,8 +31,8 @@ from diffprep import contract
 from diffprep.checks import Check
 from diffprep.encodings import get_encoding
 from diffprep.errors import ConfigError, SourceError
-from diffprep.output import Output, as_output, open_output
-from diffprep.validation.checks import Progress, check_loading, check_shards, check_splits
+from diffprep.output import Output, OutputRef, as_output
+from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
 from diffprep.validation.dataset import normalize_expected, read_dataset
 from diffprep.validation.report import ValidationReport
 
@@ -75,7 +75,6 @@ def validate_dataset(
     if output.remote:
         if not output.exists():
             return _report(output, [Check("metadata", False, f"{output.uri} holds no objects")], {})
-        output.state.sync()
     elif not output.local.is_dir():
         return _report(output, [Check("metadata", False, f"{output.local} is not a directory")], {})
 
@@ -87,7 +86,7 @@ def validate_dataset(
     checks += split_checks
     summary.update(split_summary)
     shard_checks, shard_summary = check_shards(dataset, output, _encoding(dataset.encoding), progress)
-    checks += shard_checks
+    checks += shard_checks + check_layout_files(dataset, output)
     summary.update(shard_summary)
     inspector = None
     if dataset.info is not None and dataset.split_of is not None and dataset.encoding is not None:
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options = {"encoding": args.encoding, "max_load": args.max_load, "previews": args.previews}
     try:
-        out = open_output(args.out, endpoint_url=args.s3_endpoint_url, profile=args.s3_profile)
+        out = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
         if args.json:
             # Energon prints progress and errors on stdout; keep stdout for the JSON alone.
             with contextlib.redirect_stdout(sys.stderr):

@@ -8,20 +8,33 @@
 - ``check_loading``: every sample (or ``max_load`` per split) loaded through
   Energon's own loader with the encoding's task encoder and errors re-raised,
   each split yielding exactly its ``.info.json`` count; the encoding's
-  inspector judges each loaded sample (shapes, dtypes, finite values).
+  inspector judges each loaded sample (shapes, dtypes, finite values);
+- ``check_layout_files``: a trainer layout's files at the top (FastGen's
+  negative prompt ``.npy`` files and ``shard_counts.json``).
+
+Fields are judged under the dataset's own names whatever layout wrote them
+(dataset.yaml's subflavors record its member map).
 
 No check writes a file; ``diffprep.validation`` assembles the report.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
+import json
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
+
+import numpy as np
 
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.encodings import Encoding
 from diffprep.output import Output
+from diffprep.plan import shape_matches
 from diffprep.shards import UnitManifest
 from diffprep.validation.dataset import Dataset
 
@@ -137,9 +150,10 @@ def _check_shard(ds: Dataset, output: Output, encoding: Encoding | None, name: s
         manifests_check.add(f"{name} holds {len(samples)} samples, its manifest records {manifest.count}: "
                             f"missing {missing[:5]}, extra {extra[:5]}")
     for key, exts in samples.items():
-        problem = _field_problem(encoding, exts, ds.expected)
+        problem = _field_problem(encoding, ds.layout.fields_of(exts), ds.expected)
         if problem:
-            fields.add(f"{name} sample {key}: {problem}")
+            under = f" (layout {ds.layout.name}: it has the members {sorted(exts)})" if ds.layout.members else ""
+            fields.add(f"{name} sample {key}: {problem}{under}")
 
 
 def _field_problem(encoding: Encoding | None, exts: list[str], expected: dict[str, Any] | None) -> str:
@@ -151,6 +165,53 @@ def _field_problem(encoding: Encoding | None, exts: list[str], expected: dict[st
     required = (expected or {}).get("fields") or []
     missing = [f for f in required if f not in exts]
     return f"missing {missing} (required by the plan)" if missing else ""
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """The objects of this process left out of garbage-collection scans inside the block (``gc.freeze``)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def check_layout_files(ds: Dataset, output: Output) -> list[Check]:
+    """A trainer layout's files at the output's top: each negative prompt embedding a plain float32 ``.npy`` of one
+    sample (shaped as the plan's field), and ``shard_counts.json`` naming every ``.tar`` there with its samples."""
+    layout = ds.layout
+    if not (layout.negative or layout.shard_counts):
+        return []
+    problems = Findings(f"{layout.name} files")
+    for name, field_name in layout.negative.items():
+        try:
+            with output.open(name) as stream:
+                array = np.load(io.BytesIO(stream.read()), allow_pickle=False)
+        except Exception as error:  # noqa: BLE001 - missing or unreadable: a finding
+            problems.add(f"{name} cannot be read as a plain .npy ({type(error).__name__}: {error}); encode again")
+            continue
+        want = (ds.expected or {}).get(contract.field_stem(field_name))
+        if array.dtype != np.float32 or not shape_matches(array.shape, want):
+            problems.add(f"{name} is {array.dtype} {list(array.shape)}, expected float32 {want} (one sample of "
+                         f"{field_name}, no batch dimension)")
+    if layout.shard_counts:
+        counts = {m.shard: m.count for m in ds.manifests.values()} or dict(ds.info or {})
+        tars = {n for n in output.entries() if n.endswith(contract.SHARD_SUFFIX)}
+        try:
+            with output.open(contract.SHARD_COUNTS_JSON) as stream:
+                recorded = json.loads(stream.read())
+        except Exception as error:  # noqa: BLE001 - missing or unreadable: a finding
+            problems.add(f"{contract.SHARD_COUNTS_JSON} cannot be read ({type(error).__name__}: {error}); finalize")
+        else:
+            if recorded != counts:
+                problems.add(f"{contract.SHARD_COUNTS_JSON} records {recorded}, the committed shards hold {counts}; "
+                             "finalize again")
+            if tars - set(recorded):
+                problems.add(f"{sorted(tars - set(recorded))[:10]} are in the folder but not in "
+                             f"{contract.SHARD_COUNTS_JSON}: a loader listing every .tar there fails on them")
+    return [problems.check(", ".join([*layout.negative, *([contract.SHARD_COUNTS_JSON] if layout.shard_counts
+                                                          else [])]) + " as the layout reads them")]
 
 
 def check_loading(ds: Dataset, output: Output, encoding: Encoding, inspector: Any, splits: dict[str, Any],
@@ -173,13 +234,17 @@ def check_loading(ds: Dataset, output: Output, encoding: Encoding, inspector: An
                 # get_val_dataset reads each split once, in order, without shuffling or repeating.
                 dataset = get_val_dataset(path, split_part=split, batch_size=None, worker_config=worker_config,
                                           task_encoder=encoding.task_encoder())
-                for sample in get_loader(dataset, watchdog_timeout_seconds=None):
-                    loaded += 1
-                    inspector.inspect(sample)
-                    if progress is not None and (loaded % 100 == 0 or loaded == limit):
-                        progress(f"load {split}", loaded, limit)
-                    if loaded >= limit and max_load is not None:
-                        break
+                # The loader runs a full gc.collect() as it starts and every 10 samples: in a process holding
+                # encoders and a Prefect client, seconds per split. The objects that exist now are left out of
+                # those scans (Energon's own GcDataset freezes what exists when it starts iterating, then unfreezes).
+                with frozen_gc():
+                    for sample in get_loader(dataset, watchdog_timeout_seconds=None):
+                        loaded += 1
+                        inspector.inspect(sample)
+                        if progress is not None and (loaded % 100 == 0 or loaded == limit):
+                            progress(f"load {split}", loaded, limit)
+                        if loaded >= limit and max_load is not None:
+                            break
         except Exception as error:  # noqa: BLE001 - a sample that does not load is a finding
             problems.add(f"loading failed after {loaded} samples: {type(error).__name__}: {error}")
         else:
@@ -191,4 +256,4 @@ def check_loading(ds: Dataset, output: Output, encoding: Encoding, inspector: An
     return checks + inspector.checks()
 
 
-__all__ = ["check_loading", "check_shards", "check_splits"]
+__all__ = ["check_layout_files", "check_loading", "check_shards", "check_splits"]

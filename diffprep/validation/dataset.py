@@ -21,6 +21,7 @@ from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.energon import read_assignment, read_split_yaml
 from diffprep.errors import ConfigError, DatasetValidationError
+from diffprep.layouts import Layout
 from diffprep.output import Output
 from diffprep.shards import UnitManifest
 
@@ -44,6 +45,7 @@ class Dataset:
     expected: dict[str, Any] | None = None
     recorded_splits: dict[str, str] | None = None  # shard -> split, from .diffprep/splits.json
     recorded_splits_problem: str | None = None
+    layout: Layout = field(default_factory=Layout)  # the member names, from dataset.yaml's subflavors
 
 
 def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
@@ -86,9 +88,10 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
     ``expected``: already normalized (``normalize_expected``); None: plan.json's.
     """
     problems = Findings("metadata")
-    out = output.local  # a bucket prefix's working copy of its metadata and state
+    out = output.working_copy()  # a bucket prefix's metadata and state, staged
     meta = out / contract.NV_META
     found_encoding = None
+    layout = Layout()
     dataset_yaml = meta / contract.DATASET_YAML
     try:
         config = yaml.safe_load(dataset_yaml.read_text(encoding="utf-8"))
@@ -104,6 +107,11 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
                 problems.add(f"{dataset_yaml} declares encoding {declared!r}, validation asked for {encoding!r}")
             else:
                 found_encoding = declared
+            try:
+                layout = Layout.of_subflavors(subflavors if isinstance(subflavors, dict) else None)
+            except (KeyError, TypeError, AttributeError) as error:
+                problems.add(f"{dataset_yaml} has an unreadable subflavors.layout ({type(error).__name__}: {error}); "
+                             "run finalize")
     except (OSError, yaml.YAMLError) as error:
         problems.add(f"{dataset_yaml}: {error}; run finalize")
 
@@ -153,8 +161,8 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
                      f"{type(error).__name__}: {error}")
 
     if expected is None:
-        plan = output.state.path(contract.PLAN_JSON)
-        if plan.is_file():
+        plan = output.state.local_copy(contract.PLAN_JSON)
+        if plan is not None:
             try:
                 planned = json.loads(plan.read_text(encoding="utf-8"))
                 planned = planned.get("expected") if isinstance(planned, dict) else None
@@ -166,11 +174,12 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
     recorded, recorded_problem = None, None
     if output.state.exists(contract.SPLITS_JSON):
         try:
-            recorded = read_assignment(out)
+            recorded = read_assignment(output)
         except (OSError, ValueError, KeyError, TypeError) as error:
             recorded_problem = f"{output.state.path(contract.SPLITS_JSON)}: {type(error).__name__}: {error}"
 
-    dataset = Dataset(output.uri, found_encoding, info, split_of, manifests, expected, recorded, recorded_problem)
+    dataset = Dataset(output.uri, found_encoding, info, split_of, manifests, expected, recorded, recorded_problem,
+                      layout)
     return dataset, problems.check("dataset.yaml, split.yaml, .info.json, index.sqlite present and consistent")
 
 
