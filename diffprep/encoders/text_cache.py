@@ -11,7 +11,7 @@ Entries are one caption's rows of the encoders' outputs (tensors with storage
 of their own, no batch dimension, plus flags), exactly as computed: a hit
 hands back the bytes a miss would have computed, provided a caption's
 encoding does not depend on the other captions encoded with it. It does on
-some machines when the batch size changes (benchmarks/README.md, section 10:
+some machines when the batch size changes (benchmarks/README.md, section 11:
 CLIP on the CPU with 4 or more threads; GPU kernels choose their algorithm by
 the shape), so the encoders always run their text encoders on batches of
 exactly ``TEXT_BATCH`` captions, the ones to encode followed by empty
