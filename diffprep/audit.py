@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
-from diffprep.encodings import get_encoding
+from diffprep.encodings import get_encoding, ltx_layout
 from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan
@@ -114,6 +114,7 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     notes: Counter[str] = Counter()
     rejected_ids: list[dict] = []
     inputs = written = rejected = 0
+    ltx, audited = ltx_layout.is_ltx(plan), []
     for unit in wanted:
         inputs += len(unit.source_ids)
         manifest = manifests.get(unit.unit)
@@ -133,7 +134,10 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
             )
         if manifest.count != len(manifest.keys):
             problems.append(f"unit {unit.unit:06d}: manifest count {manifest.count} != {len(manifest.keys)} keys")
-        if output.size(manifest.shard) is None:
+        if ltx:  # the trainer's record files instead of a shard
+            problems += ltx_layout.audit_unit(output, manifest, plan)
+            audited.append(manifest)
+        elif output.size(manifest.shard) is None:
             problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} is missing")
         else:
             try:
@@ -156,6 +160,8 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
             if len(rejected_ids) < REJECT_PREVIEW:
                 rejected_ids.append({"source_id": reject.source_id, "reason": reject.reason, "detail": reject.detail})
         notes.update(manifest.notes)
+    if ltx and units is None:  # every folder as a whole: one file per written sample, nothing else
+        problems += ltx_layout.audit_folders(output, plan, audited)
     report = AuditReport(
         units=len(wanted),
         inputs=inputs,

@@ -1,5 +1,7 @@
 """The ``diffprep`` command: encode, raw, decode, finalize, validate, tiny-model, demo.
 
+(Over 400 lines: every subcommand's flags and their settings in one place.)
+
 ``encode`` runs the Prefect flow ``flows/encode.py``, ``raw`` the flow
 ``flows/raw.py`` (an embedded Prefect
 server starts when no ``PREFECT_API_URL`` is set). Only the flags typed on the
@@ -11,6 +13,7 @@ the default.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -32,6 +35,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--caption-key": ("source", "caption_key"),
     "--metadata-file": ("source", "metadata_file"),
     "--video-key": ("source", "video_key"),
+    "--reference-column": ("source", "reference_key"),
     "--caption-template": ("source", "caption_template"),
     "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),
@@ -62,10 +66,15 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--text-cache-mib": ("model", "text_cache_mib"),
     "--negative-prompt": ("model", "negative_prompt"),
     "--family": ("model", "family"),
+    "--text-encoder-path": ("model", "text_encoder_path"),
+    "--load-text-encoder-in-8bit": ("model", "load_text_encoder_in_8bit"),
+    "--lora-trigger": ("model", "lora_trigger"),
     "--resolution-buckets": ("video", "resolution_buckets"),
     "--target-fps": ("video", "target_fps"),
     "--frame-sampling": ("video", "frame_sampling"),
     "--vae-tiling": ("video", "vae_tiling"),
+    "--skip-audio": ("video", "skip_audio"),
+    "--reference-downscale-factor": ("video", "reference_downscale_factor"),
     "--image-size": ("image", "image_size"),
     "--center-crop": ("image", "center_crop"),
     "--variable-size": ("image", "variable_size"),
@@ -91,7 +100,8 @@ RAW_FLAGS: dict[str, tuple[str, str]] = {
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
 }
-BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling"}
+BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling",
+                 "--skip-audio", "--load-text-encoder-in-8bit"}
 LIST_FLAGS = {"--hf-data-files"}
 # Second names of a flag: the LTX trainer's names for the metadata file's columns.
 FLAG_ALIASES = {"--caption-key": ("--caption-column",), "--video-key": ("--video-column",)}
@@ -167,11 +177,19 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
             if ranks.rank != 0:
                 from diffprep.pipeline import follow_rank
 
+                # No Prefect here: warnings and errors (a failure's traceback) to stderr, tagged with the rank;
+                # rank 0's progress has this rank's units.
+                logging.basicConfig(level=logging.WARNING,
+                                    format=f"%(asctime)s | rank {ranks.rank} | %(levelname)s | %(name)s - %(message)s")
                 encoding = "raw" if raw else "preencoded"
-                return follow_rank(load_settings(config, overrides), encoding, group)
-            return _run_flow(config, overrides, raw)
-        finally:
-            launch.leave()
+                result = follow_rank(load_settings(config, overrides), encoding, group)
+            else:
+                result = _run_flow(config, overrides, raw)
+        except BaseException as error:
+            launch.leave(error)  # the other ranks are told, by name
+            raise
+        launch.leave()
+        return result
     return _run_flow(config, overrides, raw)
 
 
@@ -305,6 +323,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
+    if args.family == "ltx2":
+        from diffprep.families.ltx2_tiny import write_tiny_ltx2
+
+        path = write_tiny_ltx2(args.path, seed=args.seed, text_projection=args.ltx2_text)
+        print(f"tiny LTX-2 set ({args.ltx2_text} text projection) written to {path}: a single-file checkpoint and a "
+              "Gemma 3 folder; pass the folder as --model-path (random weights: for tests and demos only)")
+        return 0
     if args.family == "wan":
         from diffprep.families.wan_tiny import write_tiny_wan
 
@@ -428,7 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight encoder set (tests, demos)")
     tiny.add_argument("path")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--family", choices=("flux", "wan"), default="flux", help="model family layout (default flux)")
+    tiny.add_argument("--family", choices=("flux", "wan", "ltx2"), default="flux",
+                      help="model family layout (default flux)")
+    tiny.add_argument("--ltx2-text", choices=("v1", "v2"), default="v1",
+                      help="LTX-2 only: v1 (LTX-2 19B: one text projection) or v2 (LTX-2.3: video and audio ones)")
     tiny.add_argument(
         "--wan-vae", choices=("2.1", "2.2-5b"), default="2.1",
         help="Wan only: 2.1 (16 channels, 8x) or 2.2-5b (48 channels, 16x) VAE structure",

@@ -28,10 +28,11 @@ LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
-FamilyName = Literal["flux", "wan"]
+FamilyName = Literal["flux", "wan", "ltx2"]
 FrameSampling = Literal["head", "uniform"]
-# How the samples' members are named on disk (diffprep.layouts): energon = diffprep's own field names.
-Layout = Literal["energon", "fastgen"]
+# How the samples are laid out on disk (diffprep.layouts): energon = shards under diffprep's own field names;
+# fastgen = shards under FastGen's member names; ltx = the LTX-2 trainer's .precomputed/ folders (LTX-2 only).
+Layout = Literal["energon", "fastgen", "ltx"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
 
@@ -63,6 +64,10 @@ class SourceConfig(_Section):
     video_key: str | None = Field(
         None, description="Column (metadata, huggingface) or tar extension (webdataset) holding the clip; "
         "auto-detected when unset.",
+    )
+    reference_key: str | None = Field(
+        None, description="metadata: the column naming each clip's IC-LoRA reference clip (LTX-2); default "
+        "reference_video or ref_media_path when the file has one.",
     )
     caption_template: str | None = Field(
         None, description="huggingface: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
@@ -115,9 +120,11 @@ class OutputConfig(_Section):
         description="Seconds a paused run waits for an answer in the Prefect UI; then it stops, changing nothing.",
     )
     layout: Layout = Field(
-        "energon", description="Member names of the samples: energon (diffprep's: latents.pth, prompt_embeds.pth, "
-        "...) | fastgen (NVIDIA FastGen's latent loaders: latent.pth, txt_emb.pth, plus neg_prompt_emb.npy and "
-        "shard_counts.json at the top). Energon metadata is written either way.",
+        "energon", description="energon: WebDataset shards finalized for Megatron-Energon, under diffprep's member "
+        "names (latents.pth, prompt_embeds.pth, ...) | fastgen: the same shards under NVIDIA FastGen's latent "
+        "loaders' names (latent.pth, txt_emb.pth, plus neg_prompt_emb.npy and shard_counts.json at the top) | ltx: "
+        "the LTX-2 trainer's <output_dir>/.precomputed/ folders (latents/, conditions/, audio_latents/, "
+        "reference_latents/), one .pt per sample named after its media path (LTX-2, metadata source).",
     )
     key_map: dict[str, str] | None = Field(
         None, description="Other member names for some fields, e.g. 'latents=latent.pth,prompt_embeds=txt_emb.pth' "
@@ -155,7 +162,19 @@ class ModelConfig(_Section):
         "Wan2.1-T2V-...-Diffusers)."
     )
     family: FamilyName | None = Field(
-        None, description="Model family: flux | wan. Unset: read from model_path's model_index.json (_class_name)."
+        None, description="Model family: flux | wan | ltx2. Unset: read from model_path (model_index.json's "
+        "_class_name; an LTX-2 checkpoint's safetensors config)."
+    )
+    text_encoder_path: str | None = Field(
+        None, description="LTX-2: the Gemma 3 folder. Unset: the Gemma folder inside model_path (the layout "
+        "`diffprep tiny-model --family ltx2` writes).",
+    )
+    load_text_encoder_in_8bit: bool = Field(
+        False, description="LTX-2: Gemma's Linear layers in bitsandbytes int8 (threshold 6.0), as the trainer's "
+        "flag: about half the text encoder's memory (benchmarks/README.md); the features differ slightly.",
+    )
+    lora_trigger: str | None = Field(
+        None, description="LTX-2: a trigger word put before every caption ('T ' + caption), as the trainer does.",
     )
     revision: str | None = Field(None, description="Hub revision of model_path (branch, tag or commit).")
     vae_path: str | None = Field(None, description="Override for the VAE (a folder holding the AutoencoderKL).")
@@ -230,6 +249,13 @@ class VideoConfig(_Section):
     )
     frame_sampling: FrameSampling = Field(
         "head", description="Which F frames of a longer clip: head (the first F) | uniform (spread over the clip)."
+    )
+    skip_audio: bool = Field(
+        False, description="LTX-2: video latents and text only, no audio latents (the clips' audio is not read).",
+    )
+    reference_downscale_factor: int = Field(
+        1, ge=1, le=16, description="LTX-2 IC-LoRA: reference clips are encoded at (F, H/N, W/N) of the (single) "
+        "bucket; the scaled sides must stay multiples of 32.",
     )
     vae_tiling: bool = Field(
         False, description="Encode each frame in overlapping tiles (long 720p clips on a small GPU); the latents "
@@ -442,12 +468,21 @@ def check_runnable(settings: Settings) -> None:
     src = settings.source
     if src.type is None:
         raise ConfigError("source.type is not set: pass --source-type directory|huggingface|webdataset or set it in the config")
-    needed = {"directory": "input_dir", "huggingface": "hf_dataset", "webdataset": "input_path"}[src.type]
+    needed = {"directory": "input_dir", "huggingface": "hf_dataset", "webdataset": "input_path",
+              "metadata": "metadata_file"}[src.type]
     if not getattr(src, needed):
         flag = "--" + needed.replace("_", "-")
         raise ConfigError(f"source.type is {src.type!r} but source.{needed} is not set (pass {flag})")
     if not settings.output.output_dir:
         raise ConfigError("output.output_dir is not set (pass --output-dir)")
+    if settings.output.layout == "ltx":
+        if src.type != "metadata":
+            raise ConfigError(f"--layout ltx names each sample after its media path relative to the metadata file, "
+                              f"as the LTX-2 trainer does: use --source-type metadata --metadata-file FILE "
+                              f"(got source.type {src.type!r})")
+        if settings.output.output_dir.startswith("s3://"):
+            raise ConfigError("--layout ltx writes the trainer's folders on a local file system; write it locally "
+                              "and copy the .precomputed folder, or use the default Energon layout for s3://")
     if settings.output.compress:
         raise ConfigError(
             "output.compress is refused: Energon prepare indexes uncompressed .tar shards only, and the tensors "

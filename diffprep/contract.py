@@ -21,6 +21,15 @@ PREENCODED_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, CAPTION, META
 TENSOR_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
 # A video family's sample (Wan): latents [C, F', H/s, W/s] and the text sequence [L, D]; no pooled embedding.
 VIDEO_FIELDS = (LATENTS, PROMPT_EMBEDS, CAPTION, META)
+# An LTX-2 sample (Energon layout): video latents [128, F', H/32, W/32] bf16, the clip's audio latents [8, T, 16]
+# float32 (not with --skip-audio), the Gemma feature extractor's output [1024, D] bf16 (prompt_embeds; the audio
+# one only where the checkpoint projects it separately, LTX-2.3) and its left-padded mask [1024] int64, and an
+# IC-LoRA run's reference clip latents. Audio-only runs (T2A) have no video latents.
+AUDIO_LATENTS = "audio_latents.pth"
+AUDIO_PROMPT_EMBEDS = "audio_prompt_embeds.pth"
+PROMPT_ATTENTION_MASK = "prompt_attention_mask.pth"
+REFERENCE_LATENTS = "reference_latents.pth"
+LTX2_TENSOR_FIELDS = (AUDIO_LATENTS, AUDIO_PROMPT_EMBEDS, PROMPT_ATTENTION_MASK, REFERENCE_LATENTS)
 # latent_mode "posterior" adds the VAE's raw posterior (no shift, no scale; logvar clamped to [-30, 20]).
 MEAN = "mean.pth"
 LOGVAR = "logvar.pth"
@@ -36,10 +45,11 @@ EMPTY_ENCODINGS_DIR = "empty_encodings"
 T5_EMPTY = "t5_empty.npy"
 CLIP_EMPTY = "clip_empty.npy"
 
-# Output layouts (``output.layout``): energon writes the fields above under their own names; a trainer's
-# layout writes the same samples under the member names that trainer reads by default.
+# Output layouts (``output.layout``): energon writes the fields above under their own names; fastgen writes the
+# same shards under the member names FastGen reads by default; ltx writes the LTX-2 trainer's own folders (below).
 LAYOUT_ENERGON = "energon"
 LAYOUT_FASTGEN = "fastgen"
+LAYOUT_LTX = "ltx"
 # NVIDIA FastGen's latent loaders: the latents and the text condition (Flux: the tuple (pooled, t5)).
 FASTGEN_LATENT = "latent.pth"
 FASTGEN_TXT_EMB = "txt_emb.pth"
@@ -56,7 +66,24 @@ LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON)
 ENCODING_PREENCODED = "preencoded"
 ENCODING_RAW = "raw"
 ENCODING_WAN = "wan"  # pre-encoded with a Wan 2.x model (video)
-ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN)
+ENCODING_LTX2 = "ltx2"  # pre-encoded with an LTX-2 checkpoint (video + audio)
+ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2)
+
+# The LTX-2 trainer's layout (--layout ltx; reference/consumer-formats.md A1/A2): under <out>/.precomputed/, one
+# torch.save'd dict per sample and folder, named after the sample's media path relative to the metadata file with
+# the suffix .pt. The .precomputed folder is the output's root: its .diffprep/ state sits inside it, and a new
+# directory is .precomputed-v2.
+PRECOMPUTED_DIR = ".precomputed"
+LATENTS_DIR = "latents"
+CONDITIONS_DIR = "conditions"
+AUDIO_LATENTS_DIR = "audio_latents"
+REFERENCE_LATENTS_DIR = "reference_latents"
+PRECOMPUTED_DIRS = (LATENTS_DIR, CONDITIONS_DIR, AUDIO_LATENTS_DIR, REFERENCE_LATENTS_DIR)
+PRECOMPUTED_SUFFIX = ".pt"
+# The keys of each record (A1).
+VIDEO_RECORD_KEYS = ("latents", "num_frames", "height", "width", "fps")
+AUDIO_RECORD_KEYS = ("latents", "num_time_steps", "frequency_bins", "duration")
+CONDITIONS_RECORD_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
 
 # Energon's metadata folder and the files in it.
 NV_META = ".nv-meta"

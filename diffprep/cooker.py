@@ -215,10 +215,59 @@ def cook_video(sample: dict) -> VideoPreencodedSample:
     )
 
 
+@edataclass
+class Ltx2Sample(Sample):
+    """One LTX-2 sample: the tensors of the LTX-2 trainer's records (reference/consumer-formats.md A1)."""
+
+    #: [128, 1 + (F - 1) / 8, H / 32, W / 32] bf16, normalized posterior mean (the trainer's latents/).
+    latents: torch.Tensor
+    #: [1024, D] bf16: the Gemma feature extractor's video output (conditions/ video_prompt_embeds).
+    prompt_embeds: torch.Tensor
+    #: [1024, D_a] bf16: its audio output (LTX-2: a copy of prompt_embeds; LTX-2.3: a projection of its own).
+    audio_prompt_embeds: torch.Tensor
+    #: [1024] int64, left-padded (conditions/ prompt_attention_mask).
+    prompt_attention_mask: torch.Tensor
+    #: [8, T, 16] float32 (audio_latents/), None in a --skip-audio dataset.
+    audio_latents: torch.Tensor | None
+    #: IC-LoRA datasets: the reference clip's latents (reference_latents/), else None.
+    reference_latents: torch.Tensor | None
+    caption: str
+    meta: dict
+    bucket: str
+
+
+@stateless
+def cook_ltx2(sample: dict) -> Ltx2Sample:
+    """Turn a crude LTX-2 sample into an ``Ltx2Sample``; the optional tensors are None where the dataset has none."""
+    key = sample.get("__key__", "?")
+    meta = _meta_of(sample)
+
+    def tensor(name: str, required: bool = True) -> torch.Tensor | None:
+        if not required and name not in sample:
+            return None
+        return load_tensor(_field(sample, name), key=key, field=name)
+
+    prompt_embeds = tensor(contract.PROMPT_EMBEDS)
+    audio_prompt_embeds = tensor(contract.AUDIO_PROMPT_EMBEDS, required=False)
+    return Ltx2Sample(
+        **basic_sample_keys(sample),
+        latents=tensor(contract.LATENTS),
+        prompt_embeds=prompt_embeds,
+        audio_prompt_embeds=prompt_embeds if audio_prompt_embeds is None else audio_prompt_embeds,
+        prompt_attention_mask=tensor(contract.PROMPT_ATTENTION_MASK),
+        audio_latents=tensor(contract.AUDIO_LATENTS, required=False),
+        reference_latents=tensor(contract.REFERENCE_LATENTS, required=False),
+        caption=_text(sample, contract.CAPTION),
+        meta=meta,
+        bucket="x".join(str(v) for v in meta.get("bucket") or ["?"]),
+    )
+
+
 PREENCODED_COOKER = Cooker(cook_preencoded, has_subflavors={"encoding": contract.ENCODING_PREENCODED})
 RAW_COOKER = Cooker(cook_raw, has_subflavors={"encoding": contract.ENCODING_RAW})
 WAN_COOKER = Cooker(cook_video, has_subflavors={"encoding": contract.ENCODING_WAN})
-COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER]
+LTX2_COOKER = Cooker(cook_ltx2, has_subflavors={"encoding": contract.ENCODING_LTX2})
+COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER, LTX2_COOKER]
 
 
 def _stack(samples: list[Any], name: str) -> torch.Tensor:
@@ -298,3 +347,15 @@ class VideoPreencodedTaskEncoder(VideoSampleTaskEncoder):
             meta=[sample.meta for sample in samples],
             bucket=[sample.bucket for sample in samples],
         )
+
+
+class Ltx2SampleTaskEncoder(DefaultTaskEncoder[Ltx2Sample, Ltx2Sample, Any, Any]):
+    """Loads an LTX-2 dataset (``encoding: ltx2``) sample by sample: ``Ltx2Sample``s with the trainer's tensors.
+
+    Training: ``batch_size=1`` as the LTX-2 trainer (several buckets, and audio lengths that follow each clip's
+    frame rate, do not stack), or a subclass grouping by ``sample.bucket`` with ``batch_group_criterion``.
+    """
+
+    decoder = None
+    cookers = [LTX2_COOKER]
+

@@ -100,6 +100,11 @@ def read_samples(out_dir: str | os.PathLike, count: int) -> list[StoredSample]:
     if count < 1:
         raise ConfigError(f"the number of samples to decode must be >= 1, got {count}")
     out = Path(out_dir)
+    plan = read_plan(out)
+    from diffprep.encodings.ltx_layout import is_ltx, stored_samples
+
+    if is_ltx(plan):
+        return [StoredSample(*found) for found in stored_samples(out, plan, count)]
     manifests = [m for _, m in sorted(read_manifests(out).items()) if m.keys]
     total = sum(len(m.keys) for m in manifests)
     if not total:
@@ -206,7 +211,7 @@ def _prepare(read: Any, spec: ImageSpec | ClipSpec, meta: dict) -> tuple[torch.T
     """
     if isinstance(spec, ClipSpec):
         bucket = Bucket(*meta["bucket"]) if meta.get("bucket") else None
-        clip = spec.prepare(read.media, video=read.video is not None, bucket=bucket)
+        clip = spec.prepare(read.media, video=read.video is not None, bucket=bucket, reference=read.reference)
         return clip.pixels, clip.meta["original_size"], clip.meta["crop_box"]
     if read.image is None:
         raise RejectError("missing_image", "the source gave no image")

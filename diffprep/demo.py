@@ -109,3 +109,49 @@ def write_demo_clips(path: str | Path, samples: int = 10, seed: int = 0) -> Path
         caption = f"{thing} moving {move} on a {bg_name} background"
         (root / "captions" / f"{stem}.txt").write_text(caption + "\n", encoding="utf-8")
     return root
+
+
+def write_av_clip(path: str | Path, *, width: int = 64, height: int = 64, frames: int = 9, fps: int = 24,
+                  audio_layout: str | None = "stereo", seconds: float = 1.0, rate: int = 44100, seed: int = 0,
+                  broken_audio: bool = False) -> np.ndarray | None:
+    """An mp4 clip with sound: ``frames`` frames of H.264 noise at ``fps`` and an AAC track of ``seconds``.
+
+    Each audio channel is a tone of its own (220 Hz, 330 Hz, ...); ``audio_layout``
+    None writes no audio stream; ``broken_audio`` keeps the stream but replaces every
+    AAC packet's payload with noise (the stream is there and does not decode; the
+    video is intact). Returns the samples encoded ``[channels, n]`` (None without audio).
+    """
+    import av
+    from fractions import Fraction
+
+    rng = np.random.default_rng(seed)
+    samples = None
+    with av.open(str(path), mode="w") as out:
+        video = out.add_stream("libx264", rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        if audio_layout is not None:
+            audio = out.add_stream("aac", rate=rate, layout=audio_layout)
+            channels = av.AudioLayout(audio_layout).nb_channels
+            time = np.arange(int(seconds * rate), dtype=np.float32) / rate
+            samples = np.stack([(0.3 * np.sin(2 * np.pi * (220.0 + 110.0 * c) * time)).astype(np.float32)
+                                for c in range(channels)])
+            for start in [*range(0, samples.shape[1], 1024), None]:
+                frame = None
+                if start is not None:
+                    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + 1024]),
+                                                       format="fltp", layout=audio_layout)
+                    frame.sample_rate, frame.pts = rate, start
+                for packet in audio.encode(frame):
+                    if broken_audio:
+                        noise = av.Packet(rng.integers(0, 256, packet.size, dtype=np.uint8).tobytes())
+                        noise.pts, noise.dts, noise.time_base = packet.pts, packet.dts, packet.time_base
+                        noise.stream = audio
+                        packet = noise
+                    out.mux(packet)
+        pixels = rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+        for index in range(frames):
+            frame = av.VideoFrame.from_ndarray(pixels[index], format="rgb24")
+            frame.pts, frame.time_base = index, Fraction(1, fps)
+            out.mux(video.encode(frame))
+        out.mux(video.encode())
+    return samples

@@ -18,7 +18,7 @@ from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError
 from diffprep.layouts import Layout
-from diffprep.output import Output, as_output, is_ours
+from diffprep.output import Output, as_output
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.shards import load_tensor
 
@@ -139,7 +139,7 @@ def _compare_shape(field_name: str, tensor, expected: dict) -> str | None:
     want = expected.get(contract.field_stem(field_name))
     if not shape_matches(tensor.shape, want):
         return f"{field_name} has shape {list(tensor.shape)}, this run writes {want}"
-    dtype = expected.get("dtype")
+    dtype = (expected.get("dtypes") or {}).get(contract.field_stem(field_name)) or expected.get("dtype")
     if dtype and dtype_name(tensor.dtype) != dtype:
         return f"{field_name} has dtype {tensor.dtype}, this run writes {dtype}"
     return None
@@ -175,13 +175,16 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         units_done=done if same else [],
         units_left=left if same else [u.unit for u in plan.units],
         damaged_units=damaged if same else [],
-        foreign=[name for name in entries if not is_ours(name)],
+        foreign=[name for name in entries if not output.owns(name)],
         unmanaged=sorted(name for name in entries if contract.unit_of_shard(name) is not None
                          and contract.unit_of_shard(name) not in manifests),
         bytes_on_disk=output.total_bytes(),
     )
     if same:
-        inspection.shape_problem = _check_shapes(output, plan, {u: committed[u] for u in done})
+        from diffprep.encodings.ltx_layout import check_shapes, is_ltx
+
+        check = check_shapes if is_ltx(plan) else _check_shapes
+        inspection.shape_problem = check(output, plan, {u: committed[u] for u in done})
     return inspection
 
 

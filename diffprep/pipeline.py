@@ -39,7 +39,7 @@ from diffprep.energon import FinalizeResult, finalize, split_question
 from diffprep.errors import DiffprepError
 from diffprep.existing import Decision, Inspection, decide, inspect_output
 from diffprep.fetch import fetch
-from diffprep.launch import STOP, Group, my_units
+from diffprep.launch import Group, my_units
 from diffprep.output import Output, OutputRef, ref_of
 from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
@@ -67,9 +67,14 @@ def ask_here(question: Question, preset: str | None = None, *, release: bool = F
 
 
 def settings_output(settings: Settings) -> OutputRef:
-    """Where the settings say the dataset goes."""
+    """Where the settings say the dataset goes (the LTX layout: its ``.precomputed`` folder)."""
     out = settings.output
-    return OutputRef(location=out.output_dir, endpoint_url=out.s3_endpoint_url, profile=out.s3_profile,
+    location = out.output_dir
+    if out.layout == "ltx" and location:
+        from diffprep.encodings.ltx_layout import precomputed_root
+
+        location = precomputed_root(location)
+    return OutputRef(location=location, endpoint_url=out.s3_endpoint_url, profile=out.s3_profile,
                      credentials_block=settings.auth.aws_credentials_block)
 
 
@@ -143,9 +148,11 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
     start = min(_WORKING_BATCH.get(loaded, encoding.batch_size(settings)), encoding.batch_size(settings))
 
+    writer = encoding.unit_writer(output, plan)
+
     def attempt(batch_size: int) -> UnitResult:
         result = encode_unit(output, plan, unit, fields, source, spec, batch_size=batch_size,
-                             decode_workers=settings.image.decode_workers)
+                             decode_workers=settings.image.decode_workers, writer=writer)
         _WORKING_BATCH[loaded] = batch_size
         return result
 
@@ -163,9 +170,11 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
 def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: Ask = ask_here, *,
                     replace_split: bool = False, finalizer: Callable[..., FinalizeResult] | None = None,
                     ) -> FinalizeResult:
-    """Phase 6: Energon metadata over the committed shards; a change of split is asked first."""
-    question = None if replace_split else split_question(output, train_split=config.train_split,
-                                                         seed=config.shuffle_seed)
+    """Phase 6: Energon metadata over the committed shards (the encoding's, for a trainer's own layout); a change
+    of split is asked first."""
+    own = get_encoding(encoding).own_folders(output.state.plan())
+    question = None if replace_split or own else split_question(output, train_split=config.train_split,
+                                                                 seed=config.shuffle_seed)
     replace = replace_split or (question is not None
                                 and ask(question, config.on_split_change, release=True) == "replace")
     run = finalizer or finalize_split
@@ -173,12 +182,21 @@ def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: 
 
 
 def finalize_split(output: Output, encoding: str, config: FinalizeConfig, replace: bool) -> FinalizeResult:
+    plan = output.state.plan()
+    own = get_encoding(encoding).own_folders(plan)
+    if own is not None:
+        return own.finalize(output, plan)
     return finalize(output, encoding=encoding, train_split=config.train_split, seed=config.shuffle_seed,
                     workers=config.workers, replace_split=replace)
 
 
 def validate_output(output: Output, encoding: str | None = None, max_load: int | None = None) -> ValidationReport:
-    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error)."""
+    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error), by the encoding
+    (a trainer's own folders are read as that trainer reads them); without one, the dataset says what it is."""
+    plan = output.state.plan()
+    own = get_encoding(encoding or plan.encoding).own_folders(plan) if (encoding or plan) else None
+    if own is not None:
+        return own.validate(output, plan)
     return validate_dataset(output, encoding=encoding, max_load=max_load)
 
 
@@ -314,29 +332,38 @@ class Steps:
 
 
 def follow_rank(settings: Settings, encoding: str, group: Group, token: str | None = None) -> dict[str, Any]:
-    """A rank other than 0: wait for rank 0's decision, encode this rank's units, meet the others at the end.
+    """A rank other than 0: wait for rank 0's decision, encode this rank's units, hear how the run ended.
 
     The plan is rank 0's (read from the output); this rank checks that its own
-    settings give the same fingerprint before it writes anything.
+    settings give the same fingerprint before it writes anything. Raises when
+    a rank failed (naming it) or when rank 0 did not finish the run.
     """
-    message = group.broadcast()
-    if message == STOP:
-        return {"rank": group.ranks.rank, "units": [], "out_dir": None}
+    rank = group.ranks.rank
+    message = group.decide()
+    if message is None:
+        return {"rank": rank, "units": [], "out_dir": None}
     mine_fp = fingerprint(get_encoding(encoding_for(settings, encoding, token)).planned(settings, token)[0])
     if mine_fp != message["fingerprint"]:
-        raise DiffprepError(f"rank {group.ranks.rank} has settings of fingerprint {mine_fp}, rank 0 planned "
+        raise DiffprepError(f"rank {rank} has settings of fingerprint {mine_fp}, rank 0 planned "
                             f"{message['fingerprint']}: every rank must run the same command")
     output = OutputRef(**message["output"]).open()
     plan = output.state.plan()
     if plan is None or plan.fingerprint != message["fingerprint"]:
-        raise DiffprepError(f"rank {group.ranks.rank}: {output.uri} holds no plan of fingerprint "
-                            f"{message['fingerprint']}")
+        raise DiffprepError(f"rank {rank}: {output.uri} holds no plan of fingerprint {message['fingerprint']}")
     units = my_units(message["units"], group.ranks)
-    for unit in units:
+
+    def encode(unit: int) -> dict:
         result = encode_one_unit(settings, output, plan, unit, token)
-        log.info("rank %d: unit %06d, %d written, %d rejected", group.ranks.rank, unit, result.count, result.rejected)
-    group.barrier()
-    return {"rank": group.ranks.rank, "units": units, "out_dir": output.uri}
+        return {"unit": unit, "count": result.count, "rejected": result.rejected,
+                "seconds": round(result.seconds, 3), "skipped": result.skipped}
+
+    def done(result: dict) -> None:
+        log.info("rank %d: unit %06d, %d written, %d rejected in %.1f s", rank, result["unit"], result["count"],
+                 result["rejected"], result["seconds"])
+
+    group.encode(units, encode, done)
+    group.outcome()  # rank 0 audits, finalizes and validates meanwhile
+    return {"rank": rank, "units": units, "out_dir": output.uri}
 
 
 # --- the whole run -----------------------------------------------------------------------------------------------------

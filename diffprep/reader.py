@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -39,6 +39,8 @@ class Batch:
     captions: list[str]
     pixels: torch.Tensor  # uint8 [B, 3, H, W] (clips: [B, F, 3, H, W])
     metas: list[dict]
+    audio: list[Any] | None = None  # each clip's ClipAudio, when the ClipSpec reads audio (LTX-2)
+    references: torch.Tensor | None = None  # IC-LoRA reference clips, uint8 [B, F, 3, H', W'] (LTX-2)
 
 
 Spec = ImageSpec | ClipSpec
@@ -55,7 +57,7 @@ def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Pre
     failpoint("decode")
     if isinstance(spec, ClipSpec):
         return spec.prepare(sample.media, video=sample.video is not None,
-                            bucket=parse_bucket(bucket) if bucket else None)
+                            bucket=parse_bucket(bucket) if bucket else None, reference=sample.reference)
     if sample.image is None:
         raise RejectError("unexpected_video", "a clip in an image run: encode it with a video model family",
                           phase="read")
@@ -130,6 +132,9 @@ def iter_batches(
             captions=[s.caption for _, s, _ in items],
             pixels=torch.stack([img.pixels for _, _, img in items]),
             metas=[_meta(s, img, spec) for _, s, img in items],
+            audio=[img.audio for _, _, img in items] if getattr(spec, "audio", False) else None,
+            references=(torch.stack([img.reference.pixels for _, _, img in items])
+                        if getattr(spec, "reference_scale", None) else None),
         )
         items.clear()
         return batch
@@ -138,11 +143,17 @@ def iter_batches(
         if isinstance(result, RejectError):
             rejects.append(Reject(sample.source_id, result.reason, result.detail, result.phase))
             continue
-        if items and (len(items) == batch_size or items[0][2].pixels.shape != result.pixels.shape):
+        if items and (len(items) == batch_size or items[0][2].pixels.shape != result.pixels.shape
+                      or _reference_shape(items[0][2]) != _reference_shape(result)):
             yield flush()
         items.append((index, sample, result))
     if items:
         yield flush()
+
+
+def _reference_shape(prepared: Prepared) -> tuple[int, ...] | None:
+    reference = getattr(prepared, "reference", None)
+    return None if reference is None else tuple(reference.pixels.shape)
 
 
 def prefetch(batches: Iterator[Batch], depth: int = 2) -> Iterator[Batch]:

@@ -159,6 +159,7 @@ class ShardInfo:
     count: int
     bytes: int
     sha256: str
+    files: dict[str, int] | None = None  # a unit written as files (the LTX layout): path -> size
 
 
 class ShardWriter:
@@ -313,13 +314,18 @@ class UnitManifest:
     rejects: list[Reject] = field(default_factory=list)
     notes: dict[str, int] = field(default_factory=dict)  # counted but kept: empty captions, truncated captions...
     version: int = contract.CONTRACT_VERSION
+    # A unit written as files instead of a shard (--layout ltx): every file, relative to the output, and its size.
+    files: dict[str, int] | None = None
 
     @property
     def inputs(self) -> int:
         return self.count + len(self.rejects)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["files"] is None:  # a shard's manifest exactly as before files existed
+            del data["files"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "UnitManifest":

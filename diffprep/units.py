@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from diffprep.errors import DiffprepError
 from diffprep.failpoints import failpoint
@@ -67,12 +67,15 @@ def encode_unit(
     batch_size: int,
     decode_workers: int = 2,
     progress: Progress | None = None,
+    writer: Callable[[], Any] | None = None,
 ) -> UnitResult:
     """Write one unit into its shard and commit it. Idempotent: a committed unit is left as it is.
 
     ``sample_fields`` turns a batch into its samples' fields: the encoding's
     sample writer (``diffprep.encodings``). A bucket output gets the shard's
     bytes as they are written (its sink) and commits the unit there.
+    ``writer`` makes the unit's writer instead of its shard (the LTX layout's
+    files); one with a ``refuse(source_id)`` may turn a sample into a reject.
     """
     output = as_output(output)
     start = time.perf_counter()
@@ -88,7 +91,8 @@ def encode_unit(
     batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
     # closing(): an encoder error must also stop the reader thread and its decode pool at once.
     try:
-        with contextlib.closing(batches), UnitWriter(output.local, unit_index, sink) as writer:
+        made = writer() if writer is not None else UnitWriter(output.local, unit_index, sink)
+        with contextlib.closing(batches), made as writer:
             info = _write_unit(writer, batches, sample_fields, Layout.of_plan(plan.settings), unit, rejects, notes,
                                keys, source_ids, progress)
     except OSError as exc:
@@ -111,6 +115,7 @@ def encode_unit(
         rejects=rejects,
         notes=dict(sorted(notes.items())),
     )
+    manifest.files = info.files
     output.commit_unit(manifest, sink)
     seconds = time.perf_counter() - start
     result = UnitResult(unit_index, info.count, len(rejects), seconds, skipped=False)
@@ -124,11 +129,13 @@ def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: Sa
                 progress: Progress | None):
     """Turn the unit's batches into samples in ``writer`` (under the plan's member names) and commit it; returns
     the shard's info."""
+    refuse = getattr(writer, "refuse", None)
     for batch in batches:
         failpoint("encode")
         for i, fields in enumerate(sample_fields(batch, notes)):
-            if isinstance(fields, Reject):
-                rejects.append(fields)
+            refused = refuse(batch.source_ids[i]) if refuse and not isinstance(fields, Reject) else None
+            if isinstance(fields, Reject) or refused is not None:
+                rejects.append(refused or fields)
                 continue
             if not batch.captions[i].strip():
                 notes["empty_caption"] += 1

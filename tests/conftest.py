@@ -54,6 +54,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-flux")
 
 
+@pytest.fixture(scope="session")
+def tiny_ltx2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LTX-2 set (checkpoint + Gemma 3 folder), as `diffprep tiny-model --family ltx2` writes it (do not
+    modify)."""
+    from diffprep.families.ltx2_tiny import write_tiny_ltx2
+
+    return write_tiny_ltx2(tmp_path_factory.mktemp("tiny") / "ltx2", seed=0)
+
+
 @pytest.fixture
 def demo_data(tmp_path: Path) -> Path:
     """A fresh 12-sample directory source (images/ + captions/) that the test may change."""

@@ -190,3 +190,13 @@ def test_key_map_renames_fields_and_refuses_what_a_loader_cannot_read(tmp_path, 
     with pytest.raises(ConfigError, match="negative_prompt.*add --layout fastgen"):
         layout_for(load_settings().output, "ugly", "preencoded", encoding.layout_presets,
                    encoding.required_fields(TINY_EXPECTED))
+    # Each encoding offers its own layouts: FastGen reads no LTX-2 data, and only LTX-2 has the trainer's folders.
+    ltx = load_settings(overrides={"output": {"layout": "ltx"}}).output
+    with pytest.raises(ConfigError, match="layout 'ltx' is not defined for the preencoded encoding; its layouts: "
+                                          "energon, fastgen"):
+        layout_for(ltx, None, "preencoded", encoding.layout_presets, encoding.required_fields(TINY_EXPECTED))
+    ltx2 = get_encoding("ltx2")
+    with pytest.raises(ConfigError, match="layout 'fastgen' is not defined for the ltx2 encoding; its layouts: "
+                                          "energon, ltx"):
+        layout_for(fastgen, None, "ltx2", ltx2.layout_presets, [contract.LATENTS, contract.CAPTION])
+    assert layout_for(ltx, None, "ltx2", ltx2.layout_presets, [contract.LATENTS]).name == contract.LAYOUT_LTX

@@ -23,34 +23,22 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import io
 import json
-from fractions import Fraction
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pytest
 import torch
 
-from diffprep.errors import ConfigError, RejectError
-
-try:  # ltx-core imports torchaudio; a torchaudio built for another torch (CUDA vs CPU) fails to load.
-    import ltx_core.model.audio_vae  # noqa: F401
-except (ImportError, OSError) as error:  # pragma: no cover - depends on the environment
-    pytest.skip(
-        f"ltx-core does not import here ({error}); install a torchaudio build that matches torch "
-        "(CPU torch: pip install torchaudio --index-url https://download.pytorch.org/whl/cpu)",
-        allow_module_level=True,
-    )
-
-import av
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from diffprep.demo import write_av_clip
+from diffprep.errors import ConfigError
 from diffprep.families import ltx2
 from diffprep.families import ltx2_precomputed as precomputed
-from diffprep.media import audio as clip_audio
 from diffprep.families.ltx2_tiny import TINY_CHECKPOINT_NAME, TINY_GEMMA_FOLDER, write_tiny_ltx2
+from diffprep.media import audio as clip_audio
 
 FPS = 24
 FRAMES = 9
@@ -59,8 +47,8 @@ CAPTIONS = ["a cat in the city", "  a dog walking on the road at night  ", ""]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_ltx2(tmp_path_factory.mktemp("tiny") / "ltx2", seed=0)
+def tiny(tiny_ltx2) -> Path:
+    return tiny_ltx2
 
 
 @pytest.fixture(scope="module")
@@ -89,43 +77,9 @@ def _pixels(seed: int = 0, frames: int = FRAMES, size: int = SIZE) -> torch.Tens
     return torch.randint(0, 256, (1, frames, 3, size, size), dtype=torch.uint8, generator=generator)
 
 
-def write_clip(path: Path, *, audio_layout: str | None, seconds: float = 1.0, rate: int = 44100) -> np.ndarray | None:
-    """An MP4 clip: FRAMES frames of H.264 at FPS, and (unless ``audio_layout`` is None) an AAC track.
-
-    Returns the audio samples written, ``[channels, n]``; each channel has its own tone.
-    """
-    samples = None
-    with av.open(str(path), mode="w") as out:
-        video = out.add_stream("libx264", rate=FPS)
-        video.width = video.height = SIZE
-        video.pix_fmt = "yuv420p"
-        if audio_layout is not None:
-            audio = out.add_stream("aac", rate=rate, layout=audio_layout)
-            channels = av.AudioLayout(audio_layout).nb_channels
-            time = np.arange(int(seconds * rate), dtype=np.float32) / rate
-            samples = np.stack(
-                [(0.3 * np.sin(2 * np.pi * (220.0 + 110.0 * c) * time)).astype(np.float32) for c in range(channels)]
-            )
-            for start in range(0, samples.shape[1], 1024):
-                frame = av.AudioFrame.from_ndarray(
-                    np.ascontiguousarray(samples[:, start : start + 1024]), format="fltp", layout=audio_layout
-                )
-                frame.sample_rate = rate
-                frame.pts = start
-                for packet in audio.encode(frame):
-                    out.mux(packet)
-            for packet in audio.encode(None):
-                out.mux(packet)
-        rgb = _pixels(1)[0].permute(0, 2, 3, 1).numpy()
-        for index in range(FRAMES):
-            frame = av.VideoFrame.from_ndarray(rgb[index], format="rgb24")
-            frame.pts = index
-            frame.time_base = Fraction(1, FPS)
-            for packet in video.encode(frame):
-                out.mux(packet)
-        for packet in video.encode(None):
-            out.mux(packet)
-    return samples
+def write_clip(path: Path, *, audio_layout: str | None) -> np.ndarray | None:
+    """An MP4 clip: FRAMES frames of H.264 at FPS and (unless ``audio_layout`` is None) a 1 s AAC track."""
+    return write_av_clip(path, width=SIZE, height=SIZE, frames=FRAMES, fps=FPS, audio_layout=audio_layout)
 
 
 # --------------------------------------------------------------------------- the tiny set
@@ -314,8 +268,9 @@ def test_diffusers_ltx2_video_vae_gives_the_same_latents(encoders, stored):
 
     vae_tensors = {k: v.clone() for k, v in stored.items() if k.startswith(("vae.encoder.", "vae.per_channel"))}
     converted = convert_ltx2_vae_to_diffusers(vae_tensors)
-    vae = AutoencoderKLLTX2Video(
-        latent_channels=128, block_out_channels=(128, 128, 128, 128), layers_per_block=(1, 1, 1, 1, 1), patch_size=4
+    vae = AutoencoderKLLTX2Video(  # the decoder (not compared) as small as it goes: its default is 528M parameters
+        latent_channels=128, block_out_channels=(128, 128, 128, 128), layers_per_block=(1, 1, 1, 1, 1), patch_size=4,
+        decoder_block_out_channels=(8, 8, 8), decoder_layers_per_block=(1, 1, 1, 1),
     )
     missing, unexpected = vae.load_state_dict(converted, strict=False)
     assert not unexpected and not [k for k in missing if not k.startswith("decoder.")]
@@ -412,56 +367,6 @@ def test_diffusers_ltx2_audio_vae_gives_the_same_latents(encoders, stored):
     packed = mode.permute(0, 2, 1, 3).reshape(b, t, c * f)
     normalized = ((packed - vae.latents_mean) / vae.latents_std).reshape(b, t, c, f).permute(0, 2, 1, 3)
     torch.testing.assert_close(normalized[0], encoders.encode_audio(audio).latents, rtol=1e-4, atol=1e-4)
-
-
-def test_short_audio_is_padded_and_channels_fold_down():
-    audio = torch.ones(1, 100)
-    assert clip_audio.fit_duration(audio, 100, 1.5).shape == (1, 150)
-    assert clip_audio.fit_duration(audio, 100, 0.5).shape == (1, 50)
-    assert clip_audio.fit_duration(audio, 100, 1.5)[0, 100:].abs().sum() == 0
-
-    fl, fr, fc, lfe, bl, br = (torch.full((1, 4), v) for v in (1.0, 2.0, 4.0, 100.0, 8.0, 16.0))
-    stereo = clip_audio.to_stereo(torch.cat([fl, fr, fc, lfe, bl, br]))
-    g = 1 / np.sqrt(2)
-    torch.testing.assert_close(stereo[:, 0], torch.tensor([1 + g * 4 + g * 8, 2 + g * 4 + g * 16], dtype=torch.float32))
-    assert clip_audio.to_stereo(torch.zeros(8, 3)).shape == (2, 3)
-    with pytest.raises(ValueError, match="3-channel"):
-        clip_audio.to_stereo(torch.zeros(3, 3))
-
-
-def test_clip_without_audio_is_rejected(tmp_path):
-    clip = tmp_path / "silent.mp4"
-    write_clip(clip, audio_layout=None)
-    with pytest.raises(RejectError) as caught:
-        clip_audio.load_clip_audio(clip, duration=FRAMES / FPS, key="000000_000001")
-    assert caught.value.reason == clip_audio.REJECT_NO_AUDIO_STREAM == "no_audio_stream"
-    assert "000000_000001" in str(caught.value)
-
-
-def test_audio_that_does_not_decode_is_rejected(tmp_path):
-    buffer = io.BytesIO()
-    clip_audio.write_test_tone(buffer, seconds=1.0)
-    data = bytearray(buffer.getvalue())
-    start, end = data.find(b"mdat"), data.find(b"moov")
-    assert 0 < start < end  # the sample data sits before the index: corrupt the data, keep the index
-    data[start + 4 : end - 4] = np.random.default_rng(0).integers(0, 256, end - start - 8, dtype=np.uint8).tobytes()
-    path = tmp_path / "broken.m4a"
-    path.write_bytes(bytes(data))
-    with pytest.raises(RejectError) as caught:
-        clip_audio.load_clip_audio(path)
-    assert caught.value.reason == clip_audio.REJECT_AUDIO_DECODE_ERROR == "audio_decode_error"
-    assert str(path) in str(caught.value)
-
-
-def test_audio_backend_check_passes_and_fails(monkeypatch):
-    clip_audio.check_audio_backend()
-
-    def broken(*args, **kwargs):
-        raise RejectError(clip_audio.REJECT_AUDIO_DECODE_ERROR, "decoder missing")
-
-    monkeypatch.setattr(clip_audio, "load_clip_audio", broken)
-    with pytest.raises(RuntimeError, match="cannot decode an AAC test tone"):
-        clip_audio.check_audio_backend()
 
 
 # --------------------------------------------------------------------------- text

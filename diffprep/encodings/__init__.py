@@ -1,13 +1,15 @@
-"""What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw, pre-encoded Wan (video)."""
+"""What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw, pre-encoded Wan and LTX-2."""
 
 from diffprep import contract
 from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.encodings.ltx2 import Ltx2
 from diffprep.encodings.preencoded import Preencoded
 from diffprep.encodings.raw import Raw
 from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 
-ENCODINGS: dict[str, Encoding] = {encoding.name: encoding for encoding in (Preencoded(), Raw(), Wan())}
+# Ltx2 before Wan: encoding_of_sample asks in this order, and an LTX-2 sample also has Wan's latents field.
+ENCODINGS: dict[str, Encoding] = {encoding.name: encoding for encoding in (Preencoded(), Raw(), Ltx2(), Wan())}
 
 
 def encoding_for(settings, kind: str, token: str | None = None) -> str:
@@ -36,5 +38,5 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Preencoded", "Raw", "SampleFields", "Wan", "encoding_for", "encoding_of_sample",
+__all__ = ["ENCODINGS", "Encoding", "Ltx2", "Preencoded", "Raw", "SampleFields", "Wan", "encoding_for", "encoding_of_sample",
            "get_encoding"]

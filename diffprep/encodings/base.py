@@ -171,6 +171,15 @@ class Encoding(ABC):
     def load(self, settings: Settings, token: str | None) -> Any:
         """What writes the samples (encoders on a device), loaded once per process; None when nothing is."""
 
+    def unit_writer(self, output: Output, plan: Plan) -> Callable[[], Any] | None:
+        """What makes a unit's writer when it is not a shard (a trainer's own layout); None: the shard writer."""
+        return None
+
+    def own_folders(self, plan: Plan | None) -> Any:
+        """A trainer's own folders that ``plan`` writes instead of Energon shards: what finalizes
+        (``finalize(output, plan)``) and validates (``validate(output, plan)``) them; None: Energon shards."""
+        return None
+
     @abstractmethod
     def sample_fields(self, settings: Settings, loaded: Any) -> SampleFields:
         """The function that turns a batch into its samples' fields."""

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -69,7 +69,8 @@ def planned_spec(plan_settings: dict[str, Any]) -> ClipSpec:
     """The ``ClipSpec`` a plan's byte settings record."""
     video = plan_settings["video"]
     return ClipSpec(tuple(parse_bucket(b) for b in video["buckets"]), target_fps=video["target_fps"],
-                    frame_sampling=video["frame_sampling"], max_pixels=video["max_pixels"])
+                    frame_sampling=video["frame_sampling"], max_pixels=video["max_pixels"],
+                    audio=video.get("audio", False), reference_scale=video.get("reference_scale"))
 
 
 def _voxels(bucket: Bucket) -> int:
@@ -79,6 +80,68 @@ def _voxels(bucket: Bucket) -> int:
 def strips(clips: torch.Tensor) -> torch.Tensor:
     """uint8 clips ``[B, F, 3, H, W]`` -> each clip's frames side by side, ``[B, 3, H, F * W]``."""
     return torch.stack([frame_strip(clip) for clip in clips])
+
+
+def largest_bucket_batch(plan: Plan, source: Source, spec: Any, batch_size: int, units_left: Sequence[int] | None
+                         ) -> tuple[set[int], Batch, float]:
+    """(the units left, the first batch that decodes at the largest planned bucket: the memory peak, its decode
+    seconds)."""
+    left = set(units_left) if units_left is not None else {u.unit for u in plan.units}
+    bucketed = [u for u in plan.units if u.bucket and u.unit in left] or [u for u in plan.units if u.bucket]
+    largest = max((parse_bucket(u.bucket) for u in bucketed), key=_voxels, default=None)
+    units = [u for u in bucketed if largest is not None and parse_bucket(u.bucket) == largest]
+    decode_start = time.perf_counter()
+    batch = first_batch(plan, source, spec, batch_size, units=units or None)
+    return left, batch, time.perf_counter() - decode_start
+
+
+def finish_video_sanity(output: Output, tensors: dict[str, torch.Tensor], buckets: dict[str, dict], *,
+                        problems: list[str], finite: bool, psnrs: list, sheet: Any, seconds: float,
+                        device: torch.device, per_sample: int, settings: Settings,
+                        staged_samples: int | None) -> SanityReport:
+    """The sanity report of a video batch (its tensors stacked per field), its first sample saved, the disk checked."""
+    remaining = sum(e["samples"] for e in buckets.values())
+    report = SanityReport(
+        ok=not problems,
+        samples=next(iter(tensors.values())).shape[0],
+        shapes={name: list(t.shape[1:]) for name, t in tensors.items()},
+        dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
+        finite=finite,
+        psnr_db=psnrs,
+        seconds_per_batch=round(seconds, 4),
+        peak_memory_bytes=peak_memory(device),
+        bytes_per_sample=per_sample,
+        projected_bytes=sum(e["bytes"] for e in buckets.values()),
+        projected_seconds=round(sum(e["seconds"] for e in buckets.values()), 1),
+        free_bytes=shutil.disk_usage(output.local).free,
+        problems=problems,
+        min_psnr=settings.model.min_psnr,
+        contact_sheet=str(sheet) if sheet else None,
+        local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
+        buckets=buckets,
+    )
+    output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
+                             torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
+    return finish_sanity(output, report, remaining)
+
+
+def project_buckets(plan: Plan, left: set[int], per_sample_seconds: float, measured: Bucket,
+                    bytes_of: Callable[[str], int], workers: int) -> dict[str, dict]:
+    """Per bucket, the samples left, their bytes (``bytes_of(bucket)`` per sample) and seconds: the pace measured
+    at ``measured`` scaled by each bucket's voxels, shared among ``workers``."""
+    buckets: dict[str, dict] = {}
+    for unit in plan.units:
+        if unit.unit not in left:
+            continue
+        entry = buckets.setdefault(unit.bucket or "unbucketed", {"samples": 0, "seconds": 0.0, "bytes": 0})
+        n = len(unit.source_ids)
+        entry["samples"] += n
+        if unit.bucket:
+            entry["bytes"] += n * bytes_of(unit.bucket)
+            entry["seconds"] += n * per_sample_seconds * _voxels(parse_bucket(unit.bucket)) / _voxels(measured)
+    for entry in buckets.values():
+        entry["seconds"] = round(entry["seconds"] / max(1, workers), 1)
+    return buckets
 
 
 class Wan(Encoding):
@@ -200,13 +263,7 @@ class Wan(Encoding):
             layout.write_negative(output, {contract.PROMPT_EMBEDS:
                                            loaded.encode_text([layout.negative_prompt]).prompt_embeds[0]})
 
-        left = set(units_left) if units_left is not None else {u.unit for u in plan.units}
-        bucketed = [u for u in plan.units if u.bucket and u.unit in left] or [u for u in plan.units if u.bucket]
-        largest = max((parse_bucket(u.bucket) for u in bucketed), key=_voxels, default=None)
-        units = [u for u in bucketed if largest is not None and parse_bucket(u.bucket) == largest]
-        decode_start = time.perf_counter()
-        batch = first_batch(plan, source, spec, batch_size, units=units or None)
-        decode_seconds = time.perf_counter() - decode_start
+        left, batch, decode_seconds = largest_bucket_batch(plan, source, spec, batch_size, units_left)
         device = loaded.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -240,50 +297,18 @@ class Wan(Encoding):
 
         # On a CPU the units decode and write on the encoders' cores: the pace is the sum (benchmarks/README.md, D).
         paced = seconds + decode_seconds if device.type == "cpu" else seconds
-        per_sample_seconds = paced / len(batch.keys)
         text_bytes = len(tensor_bytes(text.prompt_embeds[0]))
         item = latents.element_size()
-        buckets: dict[str, dict] = {}
-        for unit in plan.units:
-            if unit.unit not in left:
-                continue
-            name = unit.bucket or "unbucketed"
-            entry = buckets.setdefault(name, {"samples": 0, "seconds": 0.0, "bytes": 0})
-            n = len(unit.source_ids)
-            entry["samples"] += n
-            if unit.bucket:
-                shape = plan.expected["buckets"][unit.bucket]
-                per = (item * shape[0] * shape[1] * shape[2] * shape[3] + text_bytes + 256
-                       + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS))
-                entry["bytes"] += n * per
-                entry["seconds"] += n * per_sample_seconds * _voxels(parse_bucket(unit.bucket)) / _voxels(bucket)
-        for entry in buckets.values():
-            entry["seconds"] = round(entry["seconds"] / max(1, workers), 1)
-        remaining = sum(e["samples"] for e in buckets.values())
-        projected_bytes = sum(e["bytes"] for e in buckets.values())
+
+        def bytes_of(unit_bucket: str) -> int:
+            c, f, h, w = plan.expected["buckets"][unit_bucket]
+            return item * c * f * h * w + text_bytes + 256 + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS)
+
+        buckets = project_buckets(plan, left, paced / len(batch.keys), bucket, bytes_of, workers)
         per_sample = len(tensor_bytes(latents[0])) + text_bytes + 256 + TAR_MEMBER_OVERHEAD * len(contract.VIDEO_FIELDS)
-        report = SanityReport(
-            ok=not problems,
-            samples=len(batch.keys),
-            shapes={name: list(t.shape[1:]) for name, t in tensors.items()},
-            dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
-            finite=finite,
-            psnr_db=psnrs,
-            seconds_per_batch=round(seconds, 4),
-            peak_memory_bytes=peak_memory(device),
-            bytes_per_sample=per_sample,
-            projected_bytes=projected_bytes,
-            projected_seconds=round(sum(e["seconds"] for e in buckets.values()), 1),
-            free_bytes=shutil.disk_usage(output.local).free,
-            problems=problems,
-            min_psnr=settings.model.min_psnr,
-            contact_sheet=str(sheet) if sheet else None,
-            local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
-            buckets=buckets,
-        )
-        output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
-                                 torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
-        return finish_sanity(output, report, remaining)
+        return finish_video_sanity(output, tensors, buckets, problems=problems, finite=finite, psnrs=psnrs,
+                                   sheet=sheet, seconds=seconds, device=device, per_sample=per_sample,
+                                   settings=settings, staged_samples=staged_samples)
 
     def rejects_advice(self, report: Any, plan: Plan) -> str:
         """Clips too short for every bucket: the exact --resolution-buckets that would keep them."""
@@ -309,7 +334,8 @@ class Wan(Encoding):
     # --- reading a dataset back -------------------------------------------------------------------------------
 
     def holds(self, fields: Mapping[str, bytes]) -> bool:
-        return contract.LATENTS in fields and contract.POOLED_PROMPT_EMBEDS not in fields
+        return (contract.LATENTS in fields and contract.POOLED_PROMPT_EMBEDS not in fields
+                and contract.PROMPT_ATTENTION_MASK not in fields)  # an LTX-2 sample has the mask
 
     def decode_stored(self, stored: Sequence[Any], plan: Plan | None, *, model_path: str | None = None,
                       device: str = "auto", token: str | None = None, local_only: bool = False,

@@ -1,14 +1,19 @@
-"""Model families, detected from a model folder's ``model_index.json`` ``_class_name``.
+"""Model families, detected from what a model folder holds: ``model_index.json``'s ``_class_name``, or an LTX-2 checkpoint.
 
 A family module declares its hub layout and components, loads and runs its
 encoders, names its sample fields and their shapes, and writes its tiny
 random-weight set. Detection reads the pipeline class diffusers itself would
-instantiate, never the model's name or path.
+instantiate, never the model's name or path. LTX-2 has no diffusers layout: its
+release is one ``.safetensors`` checkpoint whose metadata ``config`` describes
+the components (``vae``, ``audio_vae``, ``transformer``...), plus a Gemma 3
+folder; a model path that is such a file, or a folder holding exactly one, is
+LTX-2 (:func:`ltx2_checkpoint`; the header is read, no tensor).
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +21,8 @@ from typing import Any
 
 from diffprep.errors import ConfigError
 
-__all__ = ["FAMILIES", "Family", "detect_family", "family_for_class", "family_of_model", "get_family"]
+__all__ = ["FAMILIES", "Family", "detect_family", "family_for_class", "family_of_model", "get_family", "ltx2_checkpoint",
+           "safetensors_config"]
 
 MODEL_INDEX = "model_index.json"
 
@@ -39,7 +45,42 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("flux", ("FluxPipeline",), "diffprep.encoders.flux", "preencoded"),
     Family("wan", ("WanPipeline",), "diffprep.families.wan", "wan"),
+    Family("ltx2", (), "diffprep.families.ltx2", "ltx2"),  # a single-file checkpoint (ltx2_checkpoint), no index
 )
+# The sections of an LTX-2 checkpoint's metadata config that make it one (its video and audio VAEs).
+LTX2_CONFIG_SECTIONS = ("vae", "audio_vae")
+_HEADER_LIMIT = 100 * 2**20  # a safetensors JSON header larger than this is not one
+
+
+def safetensors_config(path: str | Path) -> dict[str, Any] | None:
+    """The JSON ``config`` entry of a ``.safetensors`` file's metadata (the header alone is read); None if it has
+    none or the file is not a safetensors file."""
+    try:
+        with open(path, "rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            if not 0 < size <= _HEADER_LIMIT:
+                return None
+            header = json.loads(handle.read(size))
+        config = json.loads((header.get("__metadata__") or {}).get("config") or "null")
+    except (OSError, struct.error, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def ltx2_checkpoint(model_path: str | Path) -> Path | None:
+    """The LTX-2 checkpoint ``model_path`` is, or the one folder ``model_path`` holds at its top; None if neither.
+
+    A checkpoint is a ``.safetensors`` file whose metadata ``config`` has the
+    video and audio VAE sections (what ltx-core's loader builds them from).
+    Two checkpoints in one folder are refused: say which with the file's path.
+    """
+    path = Path(model_path).expanduser()
+    candidates = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    found = [p for p in candidates if all(k in (safetensors_config(p) or {}) for k in LTX2_CONFIG_SECTIONS)]
+    if len(found) > 1:
+        raise ConfigError(f"{path} holds {len(found)} LTX-2 checkpoints ({', '.join(p.name for p in found)}); "
+                          "pass the one to use as --model-path")
+    return found[0] if found else None
 
 
 def get_family(name: str) -> Family:
@@ -87,15 +128,20 @@ def family_of_model(model_path: str, family: str | None = None, *, revision: str
     """The family a run encodes with: ``family`` when given, else ``model_path``'s ``model_index.json``.
 
     A hub repo's ``model_index.json`` is fetched alone (or read from the cache).
-    A folder without one, or a hub index that cannot be fetched, is Flux: the
+    A local LTX-2 checkpoint (the file, or a folder holding one) is LTX-2. A
+    folder without either, or a hub index that cannot be fetched, is Flux: the
     layout diffprep read before families existed (its own loader then says
     what is missing).
     """
     if family is not None:
         return get_family(family)
     folder = Path(model_path).expanduser()
+    if folder.is_dir() and (folder / MODEL_INDEX).is_file():
+        return detect_family(folder)
+    if (folder.is_dir() or folder.is_file()) and ltx2_checkpoint(folder) is not None:
+        return get_family("ltx2")
     if folder.is_dir():
-        return detect_family(folder) if (folder / MODEL_INDEX).is_file() else get_family("flux")
+        return get_family("flux")
     try:
         from huggingface_hub import hf_hub_download
 

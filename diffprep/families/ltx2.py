@@ -99,6 +99,54 @@ def read_checkpoint_config(checkpoint: str | Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Ltx2Parts:
+    """Where a run's LTX-2 files are: the single-file checkpoint and the Gemma 3 folder."""
+
+    checkpoint: Path
+    gemma: Path
+
+
+def resolve_ltx2(model_path: str | Path, text_encoder_path: str | Path | None = None) -> Ltx2Parts:
+    """The checkpoint and Gemma folder of a model path (as ``diffprep.families`` detects it).
+
+    ``model_path`` is the ``.safetensors`` checkpoint, or a folder holding it at
+    its top (what ``diffprep tiny-model --family ltx2`` writes: the checkpoint
+    beside a Gemma folder). The Gemma folder is ``text_encoder_path`` when given
+    (the trainer's ``--text-encoder-path``), else the one subfolder of the model
+    folder whose ``config.json`` is a Gemma 3 model's (``model_type: gemma3``).
+    """
+    from diffprep.families import ltx2_checkpoint
+
+    checkpoint = ltx2_checkpoint(model_path)
+    if checkpoint is None:
+        raise ConfigError(f"{model_path} is not an LTX-2 checkpoint nor a folder holding one (a .safetensors file "
+                          "whose metadata has the config with 'vae' and 'audio_vae'); pass the single-file release, "
+                          "e.g. ltx-2-19b-dev.safetensors")
+    if text_encoder_path is not None:
+        gemma = Path(text_encoder_path).expanduser()
+        if not (gemma / "config.json").is_file():
+            raise ConfigError(f"--text-encoder-path {gemma} has no config.json; pass the Gemma 3 folder as downloaded")
+        return Ltx2Parts(checkpoint, gemma)
+    folder = Path(model_path).expanduser()
+    found = [p.parent for p in sorted(folder.glob("*/config.json")) if folder.is_dir() and _is_gemma3(p)]
+    if len(found) != 1:
+        what = "no Gemma 3 folder" if not found else f"{len(found)} Gemma 3 folders ({', '.join(p.name for p in found)})"
+        raise ConfigError(f"{folder} holds {what} beside the checkpoint; pass the Gemma 3 text encoder folder "
+                          "with --text-encoder-path")
+    return Ltx2Parts(checkpoint, found[0])
+
+
+def _is_gemma3(config_file: Path) -> bool:
+    import json
+
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") == "gemma3"
+
+
+@dataclass(frozen=True)
 class VideoScaleFactors:
     """How much the video VAE compresses: latent frames = 1 + (frames - 1) / time, height / space, width / space."""
 
@@ -339,6 +387,11 @@ class Ltx2Encoders:
             text_encoder_8bit=text_encoder_8bit,
         )
 
+    @property
+    def separate_audio_text(self) -> bool:
+        """Whether the feature extractor projects audio features of their own (V2, LTX-2.3); V1's are a copy."""
+        return type(self.feature_extractor).__name__ == "FeatureExtractorV2"
+
     # Identity
 
     def describe(self) -> dict[str, Any]:
@@ -572,7 +625,8 @@ def _find_parent(root: Path, pattern: str, what: str) -> Path:
 
 def _file_identity(path: Path) -> dict[str, Any]:
     stat = path.stat()
-    return {"name": path.name, "bytes": stat.st_size}
+    # The path too, as Flux and Wan record their local folders: decoding a dataset finds its checkpoint again.
+    return {"name": path.name, "bytes": stat.st_size, "path": str(path.resolve())}
 
 
 def _folder_identity(path: Path | None) -> dict[str, Any] | None:

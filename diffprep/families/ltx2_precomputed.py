@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from diffprep import contract
 from diffprep.families.ltx2 import (
     AUDIO_LATENTS_DTYPE,
     CONDITIONS_DTYPE,
@@ -22,20 +23,10 @@ from diffprep.families.ltx2 import (
     TextConditions,
 )
 
-# The trainer's .precomputed/ layout (consumer-formats.md A1/A2).
-PRECOMPUTED_DIR = ".precomputed"
-LATENTS_DIR = "latents"
-CONDITIONS_DIR = "conditions"
-AUDIO_LATENTS_DIR = "audio_latents"
-REFERENCE_LATENTS_DIR = "reference_latents"
-REFERENCE_AUDIO_LATENTS_DIR = "reference_audio_latents"
-PRECOMPUTED_SUFFIX = ".pt"
-
-# What each record holds (A1); the dtypes are the encoders' (ltx2: video latents and text features bf16,
-# audio latents float32, the mask int64).
-VIDEO_LATENTS_KEYS = ("latents", "num_frames", "height", "width", "fps")
-AUDIO_LATENTS_KEYS = ("latents", "num_time_steps", "frequency_bins", "duration")
-CONDITIONS_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+# The trainer's folder and record names are in diffprep.contract (PRECOMPUTED_DIR, LATENTS_DIR, ...).
+VIDEO_LATENTS_KEYS = contract.VIDEO_RECORD_KEYS
+AUDIO_LATENTS_KEYS = contract.AUDIO_RECORD_KEYS
+CONDITIONS_KEYS = contract.CONDITIONS_RECORD_KEYS
 
 
 # --------------------------------------------------------------------------- .precomputed records
@@ -114,12 +105,12 @@ def precomputed_relative_path(media: str, metadata_dir: str | Path) -> PurePosix
         relative = Path(*target.parts[1:])
     if not relative.parts or relative.name in ("", "."):
         raise ValueError(f"the media path {media!r} names the metadata folder itself, not a file")
-    return PurePosixPath(relative.with_suffix(PRECOMPUTED_SUFFIX).as_posix())
+    return PurePosixPath(relative.with_suffix(contract.PRECOMPUTED_SUFFIX).as_posix())
 
 
 def precomputed_path(output_root: str | Path, kind: str, relative: PurePosixPath) -> Path:
     """``<output_root>/<kind>/<relative>``; ``output_root`` is the ``.precomputed`` folder the trainer is pointed at."""
-    kinds = (LATENTS_DIR, CONDITIONS_DIR, AUDIO_LATENTS_DIR, REFERENCE_LATENTS_DIR, REFERENCE_AUDIO_LATENTS_DIR)
+    kinds = contract.PRECOMPUTED_DIRS
     if kind not in kinds:
         raise ValueError(f"kind must be one of {', '.join(kinds)}, got {kind!r}")
     return Path(output_root) / kind / Path(relative)

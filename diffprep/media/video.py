@@ -32,9 +32,15 @@ Everything that is not a usable clip ends as a
 ``video_too_large``, ``video_no_timestamps``, ``video_truncated`` (the
 container lists more frames than the decoder returns) and ``too_few_frames``.
 
+With ``audio`` (LTX-2), the clip's audio track is decoded too
+(:mod:`diffprep.media.audio`) and fitted to the frames taken: ``F / fps`` seconds
+from the start, ``fps`` the frame rate of the frames encoded (``target_fps``, else
+the source's); ``no_audio_stream`` and ``audio_decode_error`` are rejects like the
+video's.
+
 Not handled yet: non-square pixels (the sample aspect ratio is ignored and
 recorded in ``meta``), colour matrices other than FFmpeg's default YUV->RGB
-conversion, audio decoding (``probe`` reports the audio stream only).
+conversion.
 """
 
 from __future__ import annotations
@@ -54,10 +60,12 @@ import torch
 from PIL import Image
 
 from diffprep.errors import RejectError
+from diffprep.media.audio import ClipAudio, load_clip_audio
 from diffprep.media.buckets import Bucket, choose_bucket, cover_box
 
 __all__ = [
     "FRAME_SAMPLINGS",
+    "clip_fps",
     "mp4_bytes",
     "ClipInfo",
     "ClipSpec",
@@ -123,6 +131,8 @@ class PreparedClip:
     bucket: Bucket
     info: ClipInfo | None
     meta: dict[str, Any]
+    audio: ClipAudio | None = None  # the clip's audio track fitted to the frames (ClipSpec.audio)
+    reference: PreparedClip | None = None  # its IC-LoRA reference clip (ClipSpec.reference_scale)
 
 
 def probe(source: VideoSource) -> ClipInfo:
@@ -141,12 +151,14 @@ def prepare_clip(
     target_fps: float | None = None,
     frame_sampling: FrameSampling = "head",
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    audio: bool = False,
 ) -> PreparedClip:
     """Decode ``source`` (bytes or a path) into the frames of the bucket it belongs to.
 
     ``meta`` records the source size, fps and frame count, the resampling,
     the source frame index and time of every output frame, the bucket and
-    the crop box (display coordinates, after rotation).
+    the crop box (display coordinates, after rotation) and, with ``audio``, the
+    audio track's rate, channels and the seconds kept (``F / fps``, :func:`clip_fps`).
     """
     if frame_sampling not in FRAME_SAMPLINGS:
         raise ValueError(f"frame_sampling must be one of {', '.join(FRAME_SAMPLINGS)}, got {frame_sampling!r}")
@@ -178,7 +190,21 @@ def prepare_clip(
         "bucket": [bucket.width, bucket.height, bucket.frames],
         "crop_box": list(box),
     }
-    return PreparedClip(pixels=pixels, bucket=bucket, info=info, meta=meta)
+    track = None
+    if audio:
+        fps = clip_fps(meta)
+        if not fps > 0:
+            raise RejectError("audio_decode_error", "the clip has no frame rate, so the audio to keep is unknown")
+        track = load_clip_audio(source if isinstance(source, (str, os.PathLike)) else io.BytesIO(bytes(source)),
+                                duration=bucket.frames / fps)
+        meta["audio"] = {"sample_rate": track.sample_rate, "source_channels": track.source_channels,
+                         "duration": track.duration}
+    return PreparedClip(pixels=pixels, bucket=bucket, info=info, meta=meta, audio=track)
+
+
+def clip_fps(meta: dict[str, Any]) -> float:
+    """The frame rate of a prepared clip's frames, from its ``meta``: ``target_fps`` when resampled, else the source's."""
+    return float(meta["target_fps"] if meta.get("target_fps") is not None else meta.get("source_fps") or 0.0)
 
 
 def prepare_image_clip(data: bytes, buckets: Sequence[Bucket], *, max_pixels: int = 89_478_485) -> PreparedClip:
@@ -224,13 +250,39 @@ class ClipSpec:
     target_fps: float | None = None
     frame_sampling: FrameSampling = "head"
     max_pixels: int = DEFAULT_MAX_PIXELS
+    audio: bool = False  # decode each clip's audio track too (LTX-2); an image then has none to give
+    reference_scale: int | None = None  # IC-LoRA: each clip's reference clip, in its bucket with W and H / this
 
-    def prepare(self, data: bytes, *, video: bool, bucket: Bucket | None = None) -> PreparedClip:
-        """The sample's frames, in ``bucket`` when its unit has one (the plan chose it), else in its own."""
+    def prepare(self, data: bytes, *, video: bool, bucket: Bucket | None = None,
+                reference: bytes | None = None) -> PreparedClip:
+        """The sample's frames, in ``bucket`` when its unit has one (the plan chose it), else in its own.
+
+        With ``reference_scale``, ``reference`` (the reference clip's bytes) is
+        prepared too, in the clip's bucket with its sides divided by the scale;
+        its rejects are the clip's, named ``reference_<reason>``.
+        """
         buckets = (bucket,) if bucket is not None else self.buckets
         if video:
-            return prepare_clip(data, buckets, target_fps=self.target_fps, frame_sampling=self.frame_sampling,
-                                max_pixels=self.max_pixels)
+            clip = prepare_clip(data, buckets, target_fps=self.target_fps, frame_sampling=self.frame_sampling,
+                                max_pixels=self.max_pixels, audio=self.audio)
+            if self.reference_scale is None:
+                return clip
+            if reference is None:
+                raise RejectError("missing_reference", "this IC-LoRA run needs a reference clip for every sample "
+                                  "(the metadata file's reference_video column)")
+            scaled = Bucket(clip.bucket.width // self.reference_scale, clip.bucket.height // self.reference_scale,
+                            clip.bucket.frames)
+            try:
+                ref = prepare_clip(reference, [scaled], target_fps=self.target_fps,
+                                   frame_sampling=self.frame_sampling, max_pixels=self.max_pixels)
+            except RejectError as error:
+                raise RejectError(f"reference_{error.reason}", f"the reference clip: {error.detail}",
+                                  error.phase) from None
+            return PreparedClip(clip.pixels, clip.bucket, clip.info, {**clip.meta, "reference": ref.meta},
+                                clip.audio, ref)
+        if self.audio:
+            raise RejectError("no_audio_stream", "an image has no audio track; this run encodes audio with every "
+                              "sample (--skip-audio leaves it out)")
         return prepare_image_clip(data, buckets)
 
     def bucket_of(self, data: bytes, *, video: bool) -> Bucket:

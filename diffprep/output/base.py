@@ -106,8 +106,18 @@ class Output:
 
     # -- units ----------------------------------------------------------------------------------------------------
     def shard_intact(self, manifest: UnitManifest) -> bool:
-        """Whether the shard a manifest records is there as written (size; the hash is checked by validate)."""
+        """Whether the shard a manifest records is there as written (size; the hash is checked by validate); a
+        unit written as files (the LTX layout): every file at its size."""
+        if manifest.files is not None:
+            return all(self.size(name) == size for name, size in manifest.files.items())
         return self.size(manifest.shard) == manifest.bytes
+
+    def owns(self, name: str) -> bool:
+        """Whether a top-level entry is diffprep's: ``is_ours``, and in a ``.precomputed`` root (the LTX layout)
+        the trainer's record folders."""
+        precomputed = self.local.name == contract.PRECOMPUTED_DIR or self.local.name.startswith(
+            contract.PRECOMPUTED_DIR + "-v")
+        return is_ours(name) or (precomputed and name in contract.PRECOMPUTED_DIRS)
 
     def committed_units(self, fingerprint: str, manifests: dict[int, UnitManifest] | None = None) -> CommittedUnits:
         """The one answer to "what is done": the units committed for ``fingerprint`` whose shard is intact, and
@@ -166,7 +176,7 @@ class Output:
         """
         removed = []
         for name in self.entries():
-            if not is_ours(name):
+            if not self.owns(name):
                 continue
             path = self.local / name
             if name == contract.STATE_DIR:

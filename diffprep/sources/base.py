@@ -76,6 +76,7 @@ class SourceSample:
     caption: str | None  # decoded caption text, None when absent/undecodable
     reject: RejectError | None = None  # set when the source itself cannot give a usable sample
     video: bytes | None = None  # the encoded clip file bytes (mp4/webm/mov/mkv...) of a video sample
+    reference: bytes | None = None  # an IC-LoRA reference clip's file bytes (metadata source, LTX-2)
 
     @property
     def media(self) -> bytes | None:

@@ -29,6 +29,12 @@ and a row without a path is ``#<row>``. So ids stay the same when rows are
 appended, and a row's id does not move when rows before it change unless they
 hold the same path.
 
+An IC-LoRA reference clip (LTX-2) is read from the column
+``source.reference_key`` (``--reference-column``; the trainer's are
+``reference_video`` and ``ref_media_path``) when it is set; its path resolves as
+the media's, and a row without one, or whose file is missing, is a
+``missing_reference`` / ``reference_not_found`` reject.
+
 A row is a reject, never dropped: no path (``missing_media``), a path that is
 not text (``invalid_media_path``), no file at the path (``media_not_found``),
 a file that cannot be read (``source_read_error``), no caption or a null one
@@ -76,6 +82,7 @@ METADATA_FORMATS = (".json", ".jsonl", ".csv")
 CAPTION_COLUMN = "caption"
 MEDIA_COLUMNS = ("video", "media_path", "image")  # the first one the file has, when none is named
 IMAGE_COLUMN = "image"
+REFERENCE_COLUMNS = ("reference_video", "ref_media_path")  # the LTX trainer's names for an IC-LoRA reference
 DUPLICATE_MARK = "#"
 _ABSENT = object()
 
@@ -86,6 +93,7 @@ class _Row:
     line: int | None  # the line the record starts on (JSONL, CSV), None in a JSON list
     media: Any  # the media column's value, _ABSENT when the record lacks it
     caption: Any  # the caption column's value, _ABSENT when the record lacks it
+    reference: Any = None  # the reference column's value (None: no such column), _ABSENT when the record lacks it
 
 
 def _where_row(file: str, row: _Row) -> str:
@@ -175,7 +183,7 @@ class MetadataSource:
 
     def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
                  image_key: str | None = None, s3_endpoint_url: str | None = None,
-                 s3_profile: str | None = None) -> None:
+                 s3_profile: str | None = None, reference_key: str | None = None) -> None:
         self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
         self._client = None
         fmt = posixpath.splitext(metadata_file)[1].lower()
@@ -208,6 +216,12 @@ class MetadataSource:
                                      MEDIA_COLUMNS, columns, where, "media path", "--video-column")
         else:  # an empty list: no rows, nothing to check
             self.caption_key, self.media_key = caption_key or CAPTION_COLUMN, video_key or image_key or MEDIA_COLUMNS[0]
+        if reference_key and reference_key not in columns:
+            raise SourceError(f"{where}: source.reference_key {reference_key!r} is not a column; the columns are "
+                              f"{columns}")
+        self.reference_key = reference_key
+        # The trainer's reference columns the file has: an LTX-2 run refuses to leave them out unasked.
+        self.reference_columns = [c for c in REFERENCE_COLUMNS if c in columns]
         self.columns = columns
         # Paths with neither an image nor a video extension are images only in an image column.
         self._column_is_image = not video_key and (bool(image_key) or self.media_key == IMAGE_COLUMN)
@@ -216,7 +230,8 @@ class MetadataSource:
         self._by_id: dict[str, int] = {}
         self._ids: list[str] = []
         for number, (line, record) in enumerate(records, start=1):
-            row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT))
+            row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT),
+                       record.get(self.reference_key, _ABSENT) if self.reference_key else None)
             source_id = self._id_of(row)
             self._by_id[source_id] = len(self._rows)
             self._rows.append(row)
@@ -252,6 +267,7 @@ class MetadataSource:
             # The media column under the setting that reopens it as the same kind of column.
             "image_key": self.media_key if self._column_is_image else None,
             "video_key": None if self._column_is_image else self.media_key,
+            **({"reference_key": self.reference_key} if self.reference_key else {}),
             "s3_endpoint_url": self._endpoint_url,
             "s3_profile": self._profile,
         }
@@ -282,10 +298,21 @@ class MetadataSource:
         except RejectError as exc:
             return SourceSample(source_id, None, None, exc)
 
+        reference = None
+        if self.reference_key is not None:
+            value = row.reference
+            if value is _ABSENT or not isinstance(value, str) or not value.strip():
+                return rejected(source_id, "missing_reference",
+                                f"{where}: no reference clip path in column {self.reference_key!r}")
+            try:
+                reference = self._read_media(value.strip(), where, missing="reference_not_found")
+            except RejectError as exc:
+                return SourceSample(source_id, None, None, exc)
+
         def sample(caption: str | None, error: RejectError | None = None) -> SourceSample:
             if is_video:
-                return SourceSample(source_id, None, caption, error, video=data)
-            return SourceSample(source_id, data, caption, error)
+                return SourceSample(source_id, None, caption, error, video=data, reference=reference)
+            return SourceSample(source_id, data, caption, error, reference=reference)
 
         caption_where = f"{where} column {self.caption_key!r}"
         if row.caption is _ABSENT:
@@ -295,7 +322,7 @@ class MetadataSource:
         except RejectError as exc:
             return sample(None, exc)
 
-    def _read_media(self, media: str, where: str) -> bytes:
+    def _read_media(self, media: str, where: str, missing: str = "media_not_found") -> bytes:
         """The bytes of the file a row names, or a reject saying why not."""
         if is_s3_url(media):
             try:
@@ -319,7 +346,7 @@ class MetadataSource:
         except StorageUnavailableError:
             raise  # the store, not the sample: the unit fails and its task can run again
         except FileNotFoundError:
-            raise reject("media_not_found", f"{where}: {media!r} is not a file ({location})") from None
+            raise reject(missing, f"{where}: {media!r} is not a file ({location})") from None
         except OSError as exc:
             raise reject("source_read_error", f"{where}: {location}: {exc}") from None
 

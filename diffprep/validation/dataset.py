@@ -25,11 +25,13 @@ from diffprep.layouts import Layout
 from diffprep.output import Output
 from diffprep.shards import UnitManifest
 
-TENSOR_NAMES = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS)
+TENSOR_NAMES = tuple(contract.field_stem(name) for name in
+                     contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS + contract.LTX2_TENSOR_FIELDS)
 # plan.json's "expected": a shape per tensor (None for a free dimension), the dtype, and optionally
-# "fields", the fields every sample must have (how a raw plan names its image and caption fields), and for a
-# video plan "buckets", the latents' shape per resolution bucket ("WxHxF").
-EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "fields", "buckets")
+# "fields", the fields every sample must have (how a raw plan names its image and caption fields), for a
+# video plan "buckets", the latents' shape per resolution bucket ("WxHxF"), and where tensors differ in dtype
+# (LTX-2) "dtypes", one per tensor.
+EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "dtypes", "fields", "buckets")
 TENSOR_FIELD_STEMS = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)  # always in a plan
 
 
@@ -61,6 +63,12 @@ def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
     if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise ConfigError(f"expected fields from {where} must be a list of field names, got {fields!r}")
     result: dict[str, Any] = {"dtype": dtype, "fields": fields}
+    dtypes = expected.get("dtypes")
+    if dtypes is not None:
+        if not (isinstance(dtypes, dict) and all(isinstance(getattr(torch, str(d), None), torch.dtype)
+                                                 for d in dtypes.values())):
+            raise ConfigError(f"expected dtypes from {where} must map tensor names to torch dtype names, got {dtypes!r}")
+        result["dtypes"] = dict(dtypes)
     buckets = expected.get("buckets")
     if buckets is not None:
         valid = isinstance(buckets, dict) and all(

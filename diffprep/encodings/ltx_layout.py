@@ -1,0 +1,363 @@
+"""``--layout ltx``: an LTX-2 run written as the LTX-2 trainer's ``.precomputed/`` folders, with diffprep's safety.
+
+The output's root is ``<output_dir>/.precomputed`` (the folder the trainer's
+``preprocessed_data_root`` points at): ``latents/``, ``conditions/``,
+``audio_latents/`` (runs with audio) and ``reference_latents/`` (IC-LoRA runs),
+one ``torch.save``d dict per sample in each, named after the sample's media path
+relative to the metadata file with the suffix ``.pt``
+(reference/consumer-formats.md A1; the records are ``families/ltx2_precomputed``).
+Its ``.diffprep/`` state sits inside it, so everything else holds as for shards:
+
+- a unit writes its samples' files atomically (each to a temporary name, then
+  renamed) and its manifest last, listing every file and its size: the manifest
+  is the commit point; a unit that fails removes the files it wrote;
+- a name belongs to the first sample of the plan that gives it; a later one (a
+  row repeating a path, or ``a.mp4`` after ``a.mov``) is a ``duplicate_media_path``
+  reject, where the trainer's tool would silently keep only the last;
+- verify-existing loads one sample of every folder and checks its keys, dtypes and
+  shapes against the plan, and a new directory is ``.precomputed-v2``;
+- the audit checks each unit's files and that every required folder holds exactly
+  one ``.pt`` per written sample, under the same relative paths, and nothing else;
+- validation reads the folders as the trainer's ``PrecomputedDataset`` does (glob
+  ``latents/**/*.pt``, the same relative path in every source,
+  ``torch.load(weights_only=True)``) and checks every record against A1.
+There is no Energon metadata to finalize.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any, Mapping
+
+import torch
+
+from diffprep import contract
+from diffprep.checks import Check, Findings
+from diffprep.layouts import Layout
+from diffprep.plan import Plan, dtype_name, shape_matches
+from diffprep.shards import Reject, ShardInfo, UnitManifest, atomic_write_bytes, torch_bytes
+from diffprep.sources.base import unescape_id
+
+_NAMES: dict[str, dict[str, PurePosixPath | str]] = {}  # plan fingerprint -> source id -> name (or first owner)
+
+
+def is_ltx(plan: Plan | None) -> bool:
+    return plan is not None and Layout.of_plan(plan.settings).name == contract.LAYOUT_LTX
+
+
+def precomputed_root(output_dir: str) -> str:
+    """``<output_dir>/.precomputed``; a path already naming a ``.precomputed`` folder (or ``-vN``) is kept."""
+    name = os.path.basename(os.path.normpath(output_dir))
+    if name == contract.PRECOMPUTED_DIR or name.startswith(contract.PRECOMPUTED_DIR + "-v"):
+        return output_dir
+    return os.path.join(output_dir, contract.PRECOMPUTED_DIR)
+
+
+def folders(plan: Plan) -> list[str]:
+    """The record folders a plan writes (what the trainer's t2v / v2v strategies read)."""
+    video = plan.settings["video"]
+    kinds = [contract.LATENTS_DIR, contract.CONDITIONS_DIR]
+    if video.get("audio"):
+        kinds.append(contract.AUDIO_LATENTS_DIR)
+    if video.get("reference_scale"):
+        kinds.append(contract.REFERENCE_LATENTS_DIR)
+    return kinds
+
+
+def sample_names(plan: Plan) -> dict[str, PurePosixPath | str]:
+    """Source id -> its ``.pt`` name, or (a later sample giving a name already taken) the id that owns it."""
+    from diffprep.families.ltx2_precomputed import precomputed_relative_path
+
+    if plan.fingerprint + str(plan.total_samples) in _NAMES:
+        return _NAMES[plan.fingerprint + str(plan.total_samples)]
+    folder = os.path.dirname(plan.source["metadata_file"])
+    names: dict[str, PurePosixPath | str] = {}
+    owners: dict[PurePosixPath, str] = {}
+    for unit in plan.units:
+        for source_id in unit.source_ids:
+            media = unescape_id(source_id.split("#", 1)[0].replace("%23", "#"))
+            if not media:
+                names[source_id] = source_id  # no path: the read phase rejects it (missing_media)
+                continue
+            name = precomputed_relative_path(media, folder)
+            owner = owners.setdefault(name, source_id)
+            names[source_id] = name if owner == source_id else owner
+    _NAMES.clear()
+    _NAMES[plan.fingerprint + str(plan.total_samples)] = names
+    return names
+
+
+class PrecomputedWriter:
+    """Writes one unit's samples as trainer records; ``commit()`` returns the files written (for the manifest)."""
+
+    def __init__(self, root: Path, plan: Plan) -> None:
+        self.root = Path(root)
+        self.plan = plan
+        self.kinds = folders(plan)
+        self.names = sample_names(plan)
+        self.files: dict[str, int] = {}
+        self._digest = hashlib.sha256()
+        self._count = 0
+        self._done = False
+
+    def refuse(self, source_id: str) -> Reject | None:
+        """A sample whose name another sample of the plan owns: a reject naming the owner."""
+        name = self.names.get(source_id)
+        if isinstance(name, PurePosixPath):
+            return None
+        return Reject(source_id, "duplicate_media_path",
+                      f"its records would be named like those of {name!r} (the trainer names a sample after its "
+                      "media path without the extension): list each clip once, under a name of its own",
+                      phase="encode")
+
+    def write(self, key: str, fields: Mapping[str, Any]) -> None:
+        meta = fields[contract.META]
+        name = self.names[meta["source_id"]]
+        for kind, record in records(fields).items():
+            if kind not in self.kinds:
+                continue
+            data = torch_bytes(record)
+            relative = f"{kind}/{name}"
+            path = self.root / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, data)
+            self.files[relative] = len(data)
+            self._digest.update(f"{relative}\0{hashlib.sha256(data).hexdigest()}\n".encode())
+        self._count += 1
+
+    def commit(self) -> ShardInfo:
+        self._done = True
+        return ShardInfo(name="", count=self._count, bytes=sum(self.files.values()),
+                         sha256=self._digest.hexdigest(), files=dict(sorted(self.files.items())))
+
+    def abort(self) -> None:
+        """Remove what this unit wrote: without its manifest, none of it is data."""
+        self._done = True
+        for relative in self.files:
+            (self.root / relative).unlink(missing_ok=True)
+
+    def __enter__(self) -> PrecomputedWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._done:
+            self.abort()
+
+
+def records(fields: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """One sample's fields (the Energon layout's) -> its trainer records, per folder."""
+    from diffprep.families.ltx2 import AudioLatents, TextConditions
+    from diffprep.families.ltx2_precomputed import audio_latents_record, conditions_record, video_latents_record
+
+    meta = fields[contract.META]
+    embeds = fields[contract.PROMPT_EMBEDS]
+    result = {
+        contract.LATENTS_DIR: video_latents_record(fields[contract.LATENTS], fps=meta["fps"]),
+        contract.CONDITIONS_DIR: conditions_record(TextConditions(
+            video_prompt_embeds=embeds, audio_prompt_embeds=fields.get(contract.AUDIO_PROMPT_EMBEDS, embeds),
+            prompt_attention_mask=fields[contract.PROMPT_ATTENTION_MASK], truncated=False)),
+    }
+    if contract.AUDIO_LATENTS in fields:
+        result[contract.AUDIO_LATENTS_DIR] = audio_latents_record(
+            AudioLatents(fields[contract.AUDIO_LATENTS], duration=meta["audio_duration"]))
+    if contract.REFERENCE_LATENTS in fields:
+        result[contract.REFERENCE_LATENTS_DIR] = video_latents_record(fields[contract.REFERENCE_LATENTS],
+                                                                      fps=meta["fps"])
+    return result
+
+
+# --- checking records ------------------------------------------------------------------------------------------
+
+
+def load_record(path: Path) -> Any:
+    """A record as the trainer loads it: ``torch.load(map_location="cpu", weights_only=True)``."""
+    return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
+
+
+def record_problem(kind: str, record: Any, plan: Plan) -> str | None:
+    """What is wrong with a record of folder ``kind`` against A1 and the plan (None: nothing)."""
+    expected, dtypes = plan.expected, plan.expected.get("dtypes", {})
+    keys = {contract.LATENTS_DIR: contract.VIDEO_RECORD_KEYS, contract.REFERENCE_LATENTS_DIR: contract.VIDEO_RECORD_KEYS,
+            contract.AUDIO_LATENTS_DIR: contract.AUDIO_RECORD_KEYS,
+            contract.CONDITIONS_DIR: contract.CONDITIONS_RECORD_KEYS}[kind]
+    if not isinstance(record, dict) or sorted(record) != sorted(keys):
+        return f"holds {sorted(record) if isinstance(record, dict) else type(record).__name__}, expected keys {list(keys)}"
+    tensors = {contract.LATENTS_DIR: {"latents": "latents"},
+               contract.REFERENCE_LATENTS_DIR: {"latents": "reference_latents"},
+               contract.AUDIO_LATENTS_DIR: {"latents": "audio_latents"},
+               contract.CONDITIONS_DIR: {"video_prompt_embeds": "prompt_embeds",
+                                         "audio_prompt_embeds": "audio_prompt_embeds"
+                                         if "audio_prompt_embeds" in expected else "prompt_embeds",
+                                         "prompt_attention_mask": "prompt_attention_mask"}}[kind]
+    for key, stem in tensors.items():
+        value = record[key]
+        if not isinstance(value, torch.Tensor):
+            return f"{key} is a {type(value).__name__}, not a tensor"
+        want = expected.get(stem)
+        if not shape_matches(value.shape, want):
+            return f"{key} has shape {list(value.shape)}, the plan writes {want}"
+        if dtypes.get(stem) and dtype_name(value.dtype) != dtypes[stem]:
+            return f"{key} has dtype {value.dtype}, the trainer reads {dtypes[stem]}"
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return f"{key} has NaN or Inf values"
+    sizes = [k for k in keys if k != "latents" and k in ("num_frames", "height", "width", "num_time_steps",
+                                                            "frequency_bins")]
+    if any(type(record[k]) is not int for k in sizes) or any(
+            type(record[k]) is not float for k in ("fps", "duration") if k in record):
+        return "its sizes must be ints and fps/duration floats"
+    latents = record.get("latents")
+    if kind in (contract.LATENTS_DIR, contract.REFERENCE_LATENTS_DIR) and list(latents.shape[1:]) != [
+            record["num_frames"], record["height"], record["width"]]:
+        return f"num_frames/height/width {record['num_frames']}/{record['height']}/{record['width']} do not match " \
+               f"the latents {list(latents.shape)}"
+    return None
+
+
+def check_shapes(output: Any, plan: Plan, manifests: Mapping[int, UnitManifest]) -> str | None:
+    """verify-existing: the first sample of one finished unit, every folder's record, against the plan."""
+    for manifest in manifests.values():
+        if not manifest.files:
+            continue
+        name = next(iter(manifest.files)).split("/", 1)[1]
+        for kind in folders(plan):
+            path = output.local / kind / name
+            try:
+                problem = record_problem(kind, load_record(path), plan)
+            except Exception as error:  # noqa: BLE001 - any unreadable record is a mismatch to report
+                problem = f"cannot be read ({type(error).__name__}: {error})"
+            if problem:
+                return f"{kind}/{name}: {problem}"
+        return None
+    return None
+
+
+def audit_unit(output: Any, manifest: UnitManifest, plan: Plan) -> list[str]:
+    """A unit's files: every one its manifest lists is there at its size, one per folder per written sample."""
+    problems = []
+    files = manifest.files or {}
+    missing = [name for name, size in files.items() if output.size(name) != size]
+    if missing:
+        problems.append(f"unit {manifest.unit:06d}: {len(missing)} of its files are missing or changed, e.g. "
+                        f"{missing[:3]}")
+    for kind in folders(plan):
+        count = sum(1 for name in files if name.startswith(kind + "/"))
+        if count != manifest.count:
+            problems.append(f"unit {manifest.unit:06d}: {count} files in {kind}/ for {manifest.count} samples")
+    return problems
+
+
+def audit_folders(output: Any, plan: Plan, manifests: list[UnitManifest]) -> list[str]:
+    """Every required folder holds exactly one ``.pt`` per written sample, under the same names, and no other."""
+    listed: dict[str, set[str]] = {kind: set() for kind in folders(plan)}
+    for manifest in manifests:
+        for name in manifest.files or {}:
+            kind, _, relative = name.partition("/")
+            listed.setdefault(kind, set()).add(relative)
+    written = sum(m.count for m in manifests)
+    problems = []
+    for kind in folders(plan):
+        found = on_disk(output.local / kind)
+        extra, lost = sorted(found - listed[kind]), sorted(listed[kind] - found)
+        if len(found) != written or extra or lost:
+            problems.append(f"{contract.PRECOMPUTED_DIR}/{kind}/ holds {len(found)} .pt files for {written} written "
+                            f"samples" + (f"; not in any manifest: {extra[:5]}" if extra else "")
+                            + (f"; missing: {lost[:5]}" if lost else ""))
+    for kind in sorted(set(contract.PRECOMPUTED_DIRS) - set(folders(plan))):
+        stray = on_disk(output.local / kind)
+        if stray:
+            problems.append(f"{kind}/ holds {len(stray)} files this run does not write (e.g. {sorted(stray)[:3]}): "
+                            "the trainer would read them")
+    return problems
+
+
+def on_disk(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*" + contract.PRECOMPUTED_SUFFIX)} \
+        if folder.is_dir() else set()
+
+
+def check_folders(output: Any, plan: Plan, written: int | None) -> list[Check]:
+    """The trainer's reading (``PrecomputedDataset``): glob the primary folder, keep a sample only where every other
+    folder has the same relative path, load each with weights_only=True; every record checked against A1."""
+    kinds = folders(plan)
+    primary = on_disk(output.local / kinds[0])
+    matching = Findings("matching across folders")
+    records_check = Findings("records (keys, shapes, dtypes)")
+    for kind in kinds[1:]:
+        found = on_disk(output.local / kind)
+        if found != primary:
+            matching.add(f"{kind}/ has {len(found)} files, {kinds[0]}/ {len(primary)}; "
+                         f"without a partner: {sorted(found ^ primary)[:5]}")
+    loaded = 0
+    for name in sorted(primary):
+        for kind in kinds:
+            path = output.local / kind / name
+            if not path.is_file():
+                continue
+            try:
+                problem = record_problem(kind, load_record(path), plan)
+            except Exception as error:  # noqa: BLE001 - a file the trainer could not load is a finding
+                problem = f"torch.load(weights_only=True) refused it ({type(error).__name__}: {error})"
+            if problem:
+                records_check.add(f"{kind}/{name}: {problem}")
+        loaded += 1
+    count = Check("samples", bool(primary) and (written is None or len(primary) == written),
+                  f"{len(primary)} samples in {kinds[0]}/" + ("" if written is None else f", {written} written"))
+    return [count, matching.check(f"{', '.join(k + '/' for k in kinds)} hold the same {len(primary)} names"),
+            records_check.check(f"{loaded} samples x {len(kinds)} records load and match the plan")]
+
+
+def finalize(output: Any, plan: Plan) -> Any:
+    """Finalizing the folders: nothing to write (the trainer reads them as they are); the samples they hold."""
+    from diffprep.energon import FinalizeResult
+
+    written = sum(m.count for m in output.state.manifests().values() if m.fingerprint == plan.fingerprint)
+    return FinalizeResult(splits={}, counts={"train": written}, parts=folders(plan), changed=False)
+
+
+def validate(output: Any, plan: Plan) -> Any:
+    """The validation report of an LTX-layout output (``.diffprep/validation.json``), as for a shard dataset."""
+    from diffprep.validation.report import ValidationReport
+
+    audit = output.state.read_json(contract.AUDIT_JSON)
+    written = audit.get("written") if audit else None
+    checks = check_folders(output, plan, written)
+    summary = {"encoding": plan.encoding, "layout": contract.LAYOUT_LTX, "samples": written,
+               "folders": {kind: len(on_disk(output.local / kind)) for kind in folders(plan)}}
+    if audit:
+        summary["rejects"] = {key: audit[key] for key in ("inputs", "rejected", "by_reason")}
+    report = ValidationReport(out_dir=output.uri, ok=all(c.ok for c in checks), checks=checks, summary=summary)
+    output.state.write_json(contract.VALIDATION_JSON, report.to_json())
+    return report
+
+
+def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, dict[str, bytes]]]:
+    """``count`` committed samples spread over the dataset, as (key, file, the Energon fields) for ``diffprep
+    decode``'s ``StoredSample``: the records' tensors, and a meta.json naming the source id, bucket and fps."""
+    from diffprep.errors import DatasetValidationError
+    from diffprep.shards import json_bytes, read_manifests
+
+    manifests = [m for _, m in sorted(read_manifests(root).items()) if m.keys and m.fingerprint == plan.fingerprint]
+    picked = [(m, i) for m in manifests for i in range(len(m.keys))]
+    if not picked:
+        raise DatasetValidationError(f"{root} has no committed samples (no unit manifest lists any); encode first")
+    count = min(count, len(picked))
+    names = sample_names(plan)
+    samples = []
+    for manifest, index in (picked[i * len(picked) // count] for i in range(count)):
+        source_id = manifest.source_ids[index]
+        name = names[source_id]
+        video = load_record(root / contract.LATENTS_DIR / name)
+        fields = {contract.LATENTS: torch_bytes(video["latents"])}
+        audio_path = root / contract.AUDIO_LATENTS_DIR / name
+        if audio_path.is_file():
+            audio = load_record(audio_path)
+            fields[contract.AUDIO_LATENTS] = torch_bytes(audio["latents"])
+        bucket = plan.unit(manifest.unit).bucket
+        meta = {"source_id": source_id, "fps": video["fps"], "name": str(name),
+                "bucket": [int(v) for v in bucket.split("x")] if bucket else None}
+        fields[contract.META] = json_bytes(meta)
+        samples.append((manifest.keys[index], f"{contract.LATENTS_DIR}/{name}", fields))
+    return samples

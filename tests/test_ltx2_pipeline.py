@@ -1,0 +1,325 @@
+"""LTX-2 through the whole pipeline on the tiny set (ltx-core's own loader), real mp4 clips with AAC audio written
+here and a dataset.json beside them: the default Energon layout and the LTX trainer's .precomputed/ layout, the audio
+gate, and decoding back to clips."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffprep import contract
+from diffprep.approvals import ApprovalRefused
+from diffprep.config import load_settings
+from diffprep.demo import write_av_clip
+from diffprep.encodings import encoding_for, get_encoding
+from diffprep.errors import ConfigError
+from diffprep.families import family_of_model
+from diffprep.pipeline import run
+from diffprep.shards import load_tensor
+
+BUCKET = "64x64x9"
+FPS = 24
+
+
+def write_dataset(root: Path, clips: dict[str, dict], *, name: str = "dataset.json", **columns) -> Path:
+    """``clips``: relative path -> write_av_clip options (``caption`` too); a JSON list beside them."""
+    rows = []
+    for index, (relative, options) in enumerate(clips.items()):
+        options = dict(options)
+        caption = options.pop("caption", f"a cat walking in the city {index}")
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            write_av_clip(path, fps=FPS, seed=index, **options)
+        rows.append({"caption": caption, "video": relative, **{k: v[index] for k, v in columns.items()}})
+    listing = root / name
+    listing.write_text(json.dumps(rows), encoding="utf-8")
+    return listing
+
+
+def settings_for(out: Path, listing: Path, model_path: Path, **sections):
+    overrides = {
+        "source": {"type": "metadata", "metadata_file": str(listing)},
+        "output": {"output_dir": str(out), "shard_size": 2, "on_existing": "resume"},
+        "model": {"model_path": str(model_path), "precision": "fp32", "device": "cpu", "batch_size": 2, "min_psnr": 0.0},
+        "video": {"resolution_buckets": BUCKET},
+        "finalize": {"train_split": 1.0},
+    }
+    for section, values in sections.items():
+        overrides.setdefault(section, {}).update(values)
+    return load_settings(overrides=overrides)
+
+
+def never_ask(question, preset=None, *, release=False):
+    pytest.fail(f"asked {question.key}: {question.title}")
+
+
+def shard_samples(out: Path) -> dict[str, dict[str, bytes]]:
+    samples: dict[str, dict[str, bytes]] = {}
+    for tar in sorted(out.glob("*.tar")):
+        with tarfile.open(tar) as archive:
+            for member in archive.getmembers():
+                key, field = member.name.split(".", 1)
+                samples.setdefault(key, {})[field] = archive.extractfile(member).read()
+    return samples
+
+
+def test_family_detection_reads_the_checkpoint_not_its_name(tiny_ltx2, tmp_path):
+    assert family_of_model(str(tiny_ltx2)).name == "ltx2"
+    renamed = tmp_path / "FLUX.1-dev.safetensors"  # a name says nothing: the metadata config does
+    renamed.symlink_to(next(tiny_ltx2.glob("*.safetensors")))
+    assert family_of_model(str(renamed)).name == "ltx2"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "ltx-2-19b-dev.safetensors"))
+    assert family_of_model(str(tmp_path / "ltx-2-19b-dev.safetensors")).name != "ltx2"
+    settings = settings_for(tmp_path / "out", tmp_path / "d.json", tiny_ltx2)
+    assert encoding_for(settings, "preencoded") == "ltx2"
+
+
+def test_t2v_with_audio_end_to_end_in_energon_shards(tiny_ltx2, tmp_path):
+    data = tmp_path / "data"
+    listing = write_dataset(data, {"clips/a.mp4": {"audio_layout": "stereo"}, "clips/b.mp4": {"audio_layout": "mono"},
+                                   "c.mp4": {"audio_layout": "5.1", "caption": "a dog"}})
+    out = tmp_path / "out"
+    settings = settings_for(out, listing, tiny_ltx2, model={"lora_trigger": "sks"})
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 3 and result.rejected == 0 and result.validation["ok"]
+    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert plan["encoding"] == "ltx2" and "layout" not in plan["settings"]  # energon: the default, recorded nowhere
+    assert plan["expected"]["buckets"] == {BUCKET: [128, 2, 2, 2]}
+
+    stored = shard_samples(out)
+    assert len(stored) == 3
+    fields = sorted([contract.LATENTS, contract.AUDIO_LATENTS, contract.PROMPT_EMBEDS,
+                     contract.PROMPT_ATTENTION_MASK, contract.CAPTION, contract.META])
+    for key, sample in stored.items():
+        assert sorted(sample) == fields
+        latents = load_tensor(sample[contract.LATENTS])
+        audio = load_tensor(sample[contract.AUDIO_LATENTS])
+        embeds = load_tensor(sample[contract.PROMPT_EMBEDS])
+        mask = load_tensor(sample[contract.PROMPT_ATTENTION_MASK])
+        assert latents.shape == (128, 2, 2, 2) and latents.dtype == torch.bfloat16
+        assert audio.shape[0] == 8 and audio.shape[2] == 16 and audio.dtype == torch.float32
+        assert abs(audio.shape[1] - 25 * 9 / FPS) <= 2  # T about 25 per second of the 9 frames kept
+        assert embeds.shape == (1024, 32) and embeds.dtype == torch.bfloat16
+        assert mask.shape == (1024,) and mask.dtype == torch.int64 and mask[-1] == 1 and mask[0] == 0
+        caption = sample[contract.CAPTION].decode()
+        meta = json.loads(sample[contract.META])
+        assert caption.startswith("sks ") and meta["lora_trigger"] == "sks"
+        assert meta["fps"] == FPS and meta["audio_duration"] == pytest.approx(9 / FPS, abs=1e-3)
+    channels = sorted(json.loads(s[contract.META])["audio"]["source_channels"] for s in stored.values())
+    assert channels == [1, 2, 6]
+
+    # Loaded back through Energon with the LTX-2 cooker.
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    dataset = get_train_dataset(out, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                                task_encoder=get_encoding("ltx2").task_encoder(), repeat=False,
+                                worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    loaded = list(get_loader(dataset))
+    assert len(loaded) == 3 and all(s.audio_latents is not None and s.reference_latents is None for s in loaded)
+    assert all(torch.equal(s.audio_prompt_embeds, s.prompt_embeds) for s in loaded)  # V1: audio is video's copy
+
+
+def test_skip_audio_reads_no_audio_and_stores_none(tiny_ltx2, tmp_path):
+    data = tmp_path / "data"
+    listing = write_dataset(data, {"silent.mp4": {"audio_layout": None}, "loud.mp4": {"audio_layout": "stereo"}})
+    out = tmp_path / "out"
+    result = run(settings_for(out, listing, tiny_ltx2, video={"skip_audio": True}), "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejected == 0
+    assert all(contract.AUDIO_LATENTS not in s for s in shard_samples(out).values())
+    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert plan["settings"]["video"]["audio"] is False and "audio" not in plan["settings"]["encoders"]
+
+
+def test_an_unnamed_reference_column_and_bad_reference_buckets_are_refused(tiny_ltx2, tmp_path):
+    data = tmp_path / "data"
+    listing = write_dataset(data, {"a.mp4": {}}, reference_video=["a.mp4"])
+    settings = settings_for(tmp_path / "out", listing, tiny_ltx2)
+    with pytest.raises(ConfigError, match="--reference-column reference_video"):
+        get_encoding("ltx2").plan_settings(settings, None)
+    settings = settings_for(tmp_path / "out", listing, tiny_ltx2, source={"reference_key": "reference_video"},
+                            video={"reference_downscale_factor": 4})
+    with pytest.raises(ConfigError, match="64x64 / 4 is not a multiple of 32"):
+        get_encoding("ltx2").plan_settings(settings, None)
+
+
+# --------------------------------------------------------------------------- --layout ltx
+
+
+def trainer_samples(root: Path, sources: tuple[str, ...]) -> dict[str, dict[str, dict]]:
+    """What the LTX-2 trainer's PrecomputedDataset reads (consumer-formats.md A2): the .pt files globbed in the
+    primary folder, kept where every other source has the same relative path, loaded with weights_only=True."""
+    primary = root / sources[0]
+    samples = {}
+    for path in sorted(primary.glob("**/*.pt")):
+        relative = path.relative_to(primary)
+        if all((root / source / relative).is_file() for source in sources[1:]):
+            samples[relative.as_posix()] = {
+                source: torch.load(root / source / relative, map_location="cpu", weights_only=True)
+                for source in sources}
+    return samples
+
+
+def assert_a1(sample: dict[str, dict], *, frames: int, size: int, fps: float, seconds: float, width: int = 32):
+    """Every record's keys, shapes and dtypes as consumer-formats.md A1 states them."""
+    video = sample["latents"]
+    assert set(video) == {"latents", "num_frames", "height", "width", "fps"}
+    assert video["latents"].dtype == torch.bfloat16
+    assert tuple(video["latents"].shape) == (128, 1 + (frames - 1) // 8, size // 32, size // 32)
+    assert (video["num_frames"], video["height"], video["width"]) == tuple(video["latents"].shape[1:])
+    assert all(type(video[k]) is int for k in ("num_frames", "height", "width")) and video["fps"] == fps
+    conditions = sample["conditions"]
+    assert set(conditions) == {"video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"}
+    assert conditions["video_prompt_embeds"].shape == (1024, width)
+    assert conditions["video_prompt_embeds"].dtype == conditions["audio_prompt_embeds"].dtype == torch.bfloat16
+    mask = conditions["prompt_attention_mask"]
+    assert mask.shape == (1024,) and mask.dtype == torch.int64 and mask[-1] == 1 and mask[0] == 0  # left-padded
+    if "audio_latents" in sample:
+        audio = sample["audio_latents"]
+        assert set(audio) == {"latents", "num_time_steps", "frequency_bins", "duration"}
+        assert audio["latents"].dtype == torch.float32 and audio["latents"].shape[0] == 8
+        assert (audio["num_time_steps"], audio["frequency_bins"]) == tuple(audio["latents"].shape[1:]) \
+            and audio["frequency_bins"] == 16
+        assert abs(audio["num_time_steps"] - 25 * seconds) <= 2 and audio["duration"] == pytest.approx(seconds, 1e-3)
+
+
+def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_ltx2, tmp_path, capsys):
+    """The issue's command, on the tiny set: a dataset.json beside real clips with AAC audio."""
+    from diffprep.cli import main
+
+    data = tmp_path / "dataset"
+    listing = write_dataset(data, {"clips/a.mp4": {"audio_layout": "stereo"}, "clips/b.mp4": {"audio_layout": "mono"},
+                                   "c.mp4": {"audio_layout": "5.1"}})
+    args = ["encode", "--source-type", "metadata", "--metadata-file", str(listing), "--output-dir", str(data),
+            "--model-path", str(tiny_ltx2), "--layout", "ltx", "--resolution-buckets", BUCKET, "--precision", "fp32",
+            "--device", "cpu", "--batch-size", "2", "--shard-size", "2", "--min-psnr", "0"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "samples written: 3" in printed
+
+    root = data / contract.PRECOMPUTED_DIR
+    samples = trainer_samples(root, ("latents", "conditions", "audio_latents"))
+    assert sorted(samples) == ["c.pt", "clips/a.pt", "clips/b.pt"]
+    for sample in samples.values():
+        assert_a1(sample, frames=9, size=64, fps=float(FPS), seconds=9 / FPS)
+    assert sorted(p.name for p in root.iterdir()) == [".diffprep", "audio_latents", "conditions", "latents"]
+    assert not (data / contract.STATE_DIR).exists() and not (root / contract.NV_META).exists()
+
+    # The audit's figures and a re-run: complete, nothing rewritten.
+    audit = json.loads((root / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    assert (audit["written"], audit["rejected"], audit["problems"]) == (3, 0, [])
+    before = {p: p.read_bytes() for p in root.rglob("*.pt")}
+    assert main(args) == 0 and "complete" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in root.rglob("*.pt")} == before
+
+
+def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
+    data = tmp_path / "dataset"
+    clips = {"a.mp4": {}, "b.mp4": {}, "silent.mp4": {"audio_layout": None},
+             "broken.mp4": {"broken_audio": True}}
+    listing = write_dataset(data, clips)
+    settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx"})
+    asked = []
+
+    def abort(question, preset=None, *, release=False):
+        asked.append(question)
+        return question.check("abort")
+
+    # The audio gate: two clips without usable audio of four; the run stops, naming them, and does not finalize.
+    with pytest.raises(ApprovalRefused, match="aborted"):
+        run(settings, "preencoded", ask=abort)
+    [question] = asked
+    assert question.key == "rejected-samples" and "2 of 4 samples" in question.description
+    assert "`no_audio_stream`" in question.description and "`audio_decode_error`" in question.description
+    assert "silent.mp4" in question.description and "broken.mp4" in question.description
+    assert "--skip-audio" in question.description  # the audio advice
+    root = data / contract.PRECOMPUTED_DIR
+    assert not (root / contract.STATE_DIR / contract.VALIDATION_JSON).exists()
+
+    # Accepted ahead of time, it completes: the two clips with audio, every folder one file each.
+    settings.output.accept_rejects = 0.5
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejects_by_reason == {"audio_decode_error": 1, "no_audio_stream": 1}
+    assert result.validation["ok"]
+    for kind in ("latents", "conditions", "audio_latents"):
+        assert sorted(p.name for p in (root / kind).glob("**/*.pt")) == ["a.pt", "b.pt"]
+
+    # The audit checks every folder holds one file per written sample: a stray file fails it.
+    from diffprep.audit import audit
+    from diffprep.plan import read_plan
+
+    stray = root / "audio_latents" / "stray.pt"
+    torch.save({"latents": torch.zeros(1)}, stray)
+    report = audit(root, read_plan(root))
+    assert any("audio_latents/ holds 3 .pt files for 2 written samples" in p and "stray.pt" in p
+               for p in report.problems)
+    stray.unlink()
+
+    # Other settings over it: verify-existing asks (reuse / new directory / abort); new-dir is .precomputed-v2.
+    other = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.5, "on_existing": None},
+                         video={"skip_audio": True})
+    asked.clear()
+    with pytest.raises(ApprovalRefused):
+        run(other, "preencoded", ask=abort)
+    assert asked[0].key == "existing-output" and "new-dir" in asked[0].choices
+    other.output.on_existing = "new-dir"
+    result = run(other, "preencoded", ask=never_ask)
+    assert result.out_dir.endswith(".precomputed-v2") and result.samples == 4
+    v2 = data / ".precomputed-v2"
+    assert sorted(p.name for p in v2.iterdir()) == [".diffprep", "conditions", "latents"]
+    assert len(list((root / "audio_latents").glob("*.pt"))) == 2  # the first one untouched
+
+    # A record changed behind diffprep's back: its unit is damaged (re-encoded on resume), and verify-existing's
+    # look at one sample of every folder names what differs from the plan.
+    from diffprep.encodings.ltx_layout import check_shapes
+    from diffprep.existing import inspect_output
+    from diffprep.output import Output
+    from diffprep.shards import read_manifests
+
+    path = root / "latents" / "a.pt"
+    record = torch.load(path, weights_only=True)
+    torch.save({**record, "latents": record["latents"].float()}, path)
+    assert inspect_output(Output(root), read_plan(root)).damaged_units == [0]
+    problem = check_shapes(Output(root), read_plan(root), read_manifests(root))
+    assert problem == "latents/a.pt: latents has dtype torch.float32, the trainer reads bfloat16"
+
+
+def test_ic_lora_references_skip_audio_and_decode_in_the_ltx_layout(tiny_ltx2, tmp_path):
+    """V2V IC-LoRA: reference clips at (F, H/2, W/2) in reference_latents/; a row without its reference is named;
+    decode writes each clip back as mp4 with its PSNR."""
+    data = tmp_path / "dataset"
+    refs = data / "refs"
+    refs.mkdir(parents=True)
+    for name in ("a.mp4", "b.mp4"):
+        write_av_clip(refs / name, fps=FPS, audio_layout=None, seed=7)
+    listing = write_dataset(data, {"a.mp4": {}, "b.mp4": {}, "c.mp4": {}},
+                            reference_video=["refs/a.mp4", "refs/b.mp4", "refs/gone.mp4"])
+    settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.34},
+                            source={"reference_key": "reference_video"},
+                            video={"reference_downscale_factor": 2, "skip_audio": True})
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejects_by_reason == {"reference_not_found": 1}
+    root = data / contract.PRECOMPUTED_DIR
+    samples = trainer_samples(root, ("latents", "conditions", "reference_latents"))
+    assert sorted(samples) == ["a.pt", "b.pt"] and not (root / "audio_latents").exists()
+    for sample in samples.values():
+        assert_a1(sample, frames=9, size=64, fps=float(FPS), seconds=9 / FPS)
+        reference = sample["reference_latents"]
+        assert set(reference) == {"latents", "num_frames", "height", "width", "fps"}
+        assert reference["latents"].shape == (128, 2, 1, 1) and reference["latents"].dtype == torch.bfloat16
+
+    from diffprep.decode import decode_dataset
+
+    report = decode_dataset(root, 2, to_dir=tmp_path / "decoded", device="cpu")
+    assert [p.source_id for p in report.previews] == ["a.mp4", "b.mp4"]
+    assert all(p.psnr_db is not None and p.psnr_db > 5 for p in report.previews), [(p.psnr_db, p.note) for p in report.previews]
+    import av
+
+    with av.open(str(tmp_path / "decoded" / f"{report.previews[0].key}.mp4")) as clip:
+        assert clip.streams.video[0].frames == 9
