@@ -353,8 +353,8 @@ def encode_in_memory(encoders, batches: Iterable[Batch]) -> int:
 
 @torch.no_grad()
 def encode_text_batched(encoders: FluxEncoders, captions: list[str]) -> int:
-    """T5 and CLIP on a whole batch of captions in one forward pass each: what ``encode_text`` did before it
-    encoded each caption alone (``FluxEncoders.encode_rows``), the reference for what that costs."""
+    """T5 and CLIP on a batch of captions as it is, one forward pass each: what ``encode_text`` did before it
+    encoded in batches of exactly ``TEXT_BATCH`` (``FluxEncoders.encode_rows``), the reference for what that costs."""
     t5_ids, _ = encoders._t5_input_ids(captions)
     clip_ids = encoders._clip_input_ids(captions)
     encoders.t5_text(t5_ids.to(encoders.device))[0].to("cpu")
