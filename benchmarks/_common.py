@@ -281,8 +281,11 @@ def settings_for(config: Config, model: Path, input_dir: Path, out_dir: Path) ->
     return load_settings(overrides={
         "source": {"type": "directory", "input_dir": str(input_dir)},
         "output": {"output_dir": str(out_dir), "shard_size": config.shard_size, "max_samples": config.samples},
+        # text_cache_mib 0: rounds repeat the same captions, which a cache would answer from memory from the second
+        # round on; a run over distinct captions never does. caption_dedup.py measures the cache.
         "model": {"model_path": str(model), "precision": config.precision, "device": "cpu",
-                  "batch_size": config.batch_size, "t5_max_length": config.t5_max_length, "latent_mode": "sample"},
+                  "batch_size": config.batch_size, "t5_max_length": config.t5_max_length, "latent_mode": "sample",
+                  "text_cache_mib": 0},
         "image": {"image_size": config.image_size, "decode_workers": config.decode_workers},
     })
 
@@ -347,6 +350,17 @@ def encode_in_memory(encoders, batches: Iterable[Batch]) -> int:
         encoders.encode_text(batch.captions)
         count += len(batch.keys)
     return count
+
+
+@torch.no_grad()
+def encode_text_batched(encoders: FluxEncoders, captions: list[str]) -> int:
+    """T5 and CLIP on a batch of captions as it is, one forward pass each: what ``encode_text`` did before it
+    encoded in batches of exactly ``TEXT_BATCH`` (``FluxEncoders.encode_rows``), the reference for what that costs."""
+    t5_ids, _ = encoders._t5_input_ids(captions)
+    clip_ids = encoders._clip_input_ids(captions)
+    encoders.t5_text(t5_ids.to(encoders.device))[0].to("cpu")
+    encoders.clip_text(clip_ids.to(encoders.device)).pooler_output.to("cpu")
+    return len(captions)
 
 
 def encode_with_library(setup: Setup, out_dir: Path | None = None, encoders=None) -> int:

@@ -64,6 +64,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--t5-max-length": ("model", "t5_max_length"),
     "--latent-mode": ("model", "latent_mode"),
     "--min-psnr": ("model", "min_psnr"),
+    "--text-cache-mib": ("model", "text_cache_mib"),
     "--negative-prompt": ("model", "negative_prompt"),
     "--family": ("model", "family"),
     "--text-encoder-path": ("model", "text_encoder_path"),

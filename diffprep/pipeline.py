@@ -156,8 +156,15 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
         _WORKING_BATCH[loaded] = batch_size
         return result
 
-    return with_smaller_batches_on_oom(attempt, start, what=f"unit {unit}",
-                                       advice=encoding.oom_advice(settings, loaded))
+    result = with_smaller_batches_on_oom(attempt, start, what=f"unit {unit}",
+                                         advice=encoding.oom_advice(settings, loaded))
+    cache = getattr(loaded, "text_cache", None)
+    if cache is not None and not result.skipped:
+        stats = cache.stats
+        log.info("text encoders in this process so far: %d of %d captions encoded, %d from the cache (%d kept, "
+                 "%.0f of %.0f MiB)", stats.encoded, stats.captions, stats.hits, len(cache), cache.bytes / 2**20,
+                 cache.max_bytes / 2**20)
+    return result
 
 
 def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: Ask = ask_here, *,

@@ -136,6 +136,14 @@ def test_text_embeddings_equal_wan_pipeline(encoders, pipe):
     assert ours.lengths == [6, 1, 15, 29, 33] and ours.truncated == [False] * 5
     for row, length in zip(ours.prompt_embeds, ours.lengths):
         assert row[length:].abs().sum() == 0 and row[length - 1].abs().sum() > 0
+    # Again, in another order: every caption from the cache, the same bytes; the cache keeps the rows only up to
+    # each caption's true length (the rest is zero).
+    encoded = encoders.text_cache.stats.encoded
+    again = encoders.encode_text(CAPTIONS[::-1])
+    assert torch.equal(again.prompt_embeds, ours.prompt_embeds.flip(0)) and again.lengths == ours.lengths[::-1]
+    assert encoders.text_cache.stats.encoded == encoded
+    kept = sum(ours.lengths) * 32 * 4 + sum(len(c.encode()) for c in CAPTIONS)
+    assert encoders.text_cache.bytes == kept
 
 
 def test_truncated_text_equals_wan_pipeline_and_warns(encoders, pipe, caplog):

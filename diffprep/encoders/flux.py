@@ -36,6 +36,7 @@ import torch
 
 from diffprep.config import LatentMode, ModelConfig
 from diffprep.encoders.hub import ResolvedPart, resolve_encoders
+from diffprep.encoders.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
 from diffprep.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -156,11 +157,13 @@ class FluxEncoders:
         t5_max_length: int,
         latent_mode: LatentMode = "sample",
         parts: Mapping[str, ResolvedPart] | None = None,
+        text_cache_bytes: int | None = None,
     ) -> None:
         """Wrap loaded components; the models must already be on ``device`` in ``dtype``.
 
         ``parts`` records where the components came from (``load`` fills it);
-        ``describe()`` needs it.
+        ``describe()`` needs it. ``text_cache_bytes``: the bound of the caption
+        cache (None: the default; 0: none).
         """
         if latent_mode not in LATENT_MODES:
             raise ConfigError(f"latent_mode must be one of {', '.join(LATENT_MODES)}, got {latent_mode!r}")
@@ -184,6 +187,7 @@ class FluxEncoders:
         self.clip_max_length = clip_max_length
         self.latent_mode = latent_mode
         self.parts = dict(parts) if parts is not None else None
+        self.text_cache = TextCache(cache_bytes(None) if text_cache_bytes is None else text_cache_bytes)
 
         self.scaling_factor, self.shift_factor = _vae_normalization(vae.config)
         self.latent_channels: int = vae.config.latent_channels
@@ -221,6 +225,7 @@ class FluxEncoders:
             t5_max_length=model.t5_max_length,
             latent_mode=model.latent_mode,
             parts=parts,
+            text_cache_bytes=cache_bytes(model.text_cache_mib),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -297,22 +302,36 @@ class FluxEncoders:
     def encode_text(self, captions: Sequence[str]) -> TextEmbeddings:
         """Captions -> T5 sequence embeddings and CLIP pooled embeddings, as FluxPipeline.encode_prompt.
 
-        Identical captions within the call are encoded once.
+        Each distinct caption is encoded once while this process's ``text_cache`` holds it, always in a batch of
+        one shape (``encode_rows``): the bytes are the same with or without the cache, in any batch.
         """
         captions = checked_captions(captions)
+        rows = self.text_cache.rows(captions, self.encode_rows)
+        return TextEmbeddings(torch.stack([row[0] for row in rows]), torch.stack([row[1] for row in rows]),
+                              [row[2] for row in rows])
 
-        distinct = list(dict.fromkeys(captions))
-        prompt_embeds, t5_truncated = self._t5_prompt_embeds(distinct)
-        pooled_prompt_embeds = self._clip_prompt_embeds(distinct)
-        if len(distinct) < len(captions):
-            slot = {caption: position for position, caption in enumerate(distinct)}
-            index = torch.tensor([slot[caption] for caption in captions])
-            prompt_embeds = prompt_embeds.index_select(0, index)
-            pooled_prompt_embeds = pooled_prompt_embeds.index_select(0, index)
-            t5_truncated = [t5_truncated[slot[caption]] for caption in captions]
-        return TextEmbeddings(prompt_embeds, pooled_prompt_embeds, t5_truncated)
+    def encode_rows(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """``(T5 [L, D], CLIP pooled [D], truncated)`` of each prompt, in forward passes of exactly
+        ``TEXT_BATCH`` captions (the rest empty captions; see ``diffprep.encoders.text_cache``)."""
+        t5_ids, truncated = self._t5_input_ids(prompts)
+        clip_ids = self._clip_input_ids(prompts)
+        t5_filler, _ = self._t5_input_ids([""])
+        clip_filler = self._clip_input_ids([""])
+        rows = []
+        for start in range(0, len(prompts), TEXT_BATCH):
+            n = min(TEXT_BATCH, len(prompts) - start)
+            t5_batch = fill_rows(t5_ids[start : start + n], t5_filler)
+            clip_batch = fill_rows(clip_ids[start : start + n], clip_filler)
+            prompt_embeds = self.t5_text(t5_batch.to(self.device), output_hidden_states=False)[0]
+            # Flux uses the pooled output of CLIPTextModel.
+            pooled_prompt_embeds = self.clip_text(clip_batch.to(self.device), output_hidden_states=False).pooler_output
+            prompt_embeds = prompt_embeds[:n].to(device="cpu", dtype=self.dtype)
+            pooled_prompt_embeds = pooled_prompt_embeds[:n].to(device="cpu", dtype=self.dtype)
+            # Cloned: a row of its own, not a view keeping the whole batch alive in the cache.
+            rows += [(prompt_embeds[i].clone(), pooled_prompt_embeds[i].clone(), truncated[start + i]) for i in range(n)]
+        return rows
 
-    def _t5_prompt_embeds(self, prompts: list[str]) -> tuple[torch.Tensor, list[bool]]:
+    def _t5_input_ids(self, prompts: list[str]) -> tuple[torch.Tensor, list[bool]]:
         text_inputs = self.t5_tokenizer(
             prompts,
             padding="max_length",
@@ -322,7 +341,6 @@ class FluxEncoders:
             return_overflowing_tokens=False,
             return_tensors="pt",
         )
-        text_input_ids = text_inputs.input_ids
         truncated, removed_text = _truncation(self.t5_tokenizer, prompts, self.t5_max_length)
         if removed_text:
             logger.warning(
@@ -332,11 +350,9 @@ class FluxEncoders:
                 self.t5_max_length,
                 removed_text,
             )
+        return text_inputs.input_ids, truncated
 
-        prompt_embeds = self.t5_text(text_input_ids.to(self.device), output_hidden_states=False)[0]
-        return prompt_embeds.to(device="cpu", dtype=self.dtype), truncated
-
-    def _clip_prompt_embeds(self, prompts: list[str]) -> torch.Tensor:
+    def _clip_input_ids(self, prompts: list[str]) -> torch.Tensor:
         text_inputs = self.clip_tokenizer(
             prompts,
             padding="max_length",
@@ -346,7 +362,6 @@ class FluxEncoders:
             return_length=False,
             return_tensors="pt",
         )
-        text_input_ids = text_inputs.input_ids
         _, removed_text = _truncation(self.clip_tokenizer, prompts, self.clip_max_length)
         if removed_text:
             # Info, not warning: Flux reads long captions through T5; CLIP's 77 tokens cut them by design.
@@ -357,10 +372,7 @@ class FluxEncoders:
                 self.clip_max_length,
                 removed_text,
             )
-
-        prompt_embeds = self.clip_text(text_input_ids.to(self.device), output_hidden_states=False)
-        # Flux uses the pooled output of CLIPTextModel.
-        return prompt_embeds.pooler_output.to(device="cpu", dtype=self.dtype)
+        return text_inputs.input_ids
 
 
 def _truncation(tokenizer, prompts: list[str], max_length: int) -> tuple[list[bool], list[str]]:

@@ -33,7 +33,7 @@ from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.encoders import DTYPES
 from diffprep.encodings import clips
-from diffprep.encodings.base import SampleFields, encoded_samples
+from diffprep.encodings.base import SampleFields, encoded_samples, with_caption_settings
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
@@ -91,6 +91,7 @@ class Wan(clips.ClipEncoding):
             "shard_size": settings.output.shard_size,
             "video": clips.video_settings(spec),
         }
+        byte = with_caption_settings(byte, settings)
         text_config = json.loads((parts["text_encoder"].path / "config.json").read_text(encoding="utf-8"))
         channels, s, t = identity["latent_channels"], identity["spatial_factor"], identity["temporal_factor"]
         shapes = {str(b): [channels, 1 + (b.frames - 1) // t, b.height // s, b.width // s] for b in spec.buckets}
@@ -126,7 +127,7 @@ class Wan(clips.ClipEncoding):
                 _LOADED[key] = WanEncoders.load(
                     model.model_path, device=device, dtype=model.precision, latent_mode=model.latent_mode,
                     tiling=VaeTiling() if settings.video.vae_tiling else None, text_max_length=model.t5_max_length,
-                    revision=model.revision, token=token,
+                    revision=model.revision, token=token, text_cache_mib=model.text_cache_mib,
                 )
             return _LOADED[key]
 
