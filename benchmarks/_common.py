@@ -4,7 +4,7 @@ Inputs (JPEG sources, model folders) are written once under a cache folder
 (``--cache-dir``, default ``~/.cache/diffprep-bench``) and reused by every
 script. Nothing is downloaded: the models are random-weight sets in the
 FLUX.1-dev folder layout, written with the same diffusers/transformers classes
-that ``diffprep.tiny`` uses.
+that ``diffprep.families.flux_tiny`` uses.
 
 Times on a shared machine are noisy, so every figure is a ratio of two
 measurements taken in the same process, interleaved (A B B A ...), each side
@@ -35,13 +35,13 @@ from diffprep.config import Settings, load_settings
 from diffprep.encodings.preencoded import preencoded_fields
 from diffprep.reader import Batch, iter_batches, prefetch
 from diffprep.units import encode_unit
-from diffprep.encoders.flux import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec, prepare_image
 from diffprep.plan import Plan
 from diffprep.shards import ShardWriter, UnitManifest, write_manifest
 from diffprep.sources import Source
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 # --- environment ---------------------------------------------------------------------------------
 

@@ -29,8 +29,8 @@ import _common as c
 import numpy as np
 
 from diffprep.config import load_settings
-from diffprep.encoders.flux import FluxEncoders
-from diffprep.encoders.text_cache import TEXT_BATCH, TextCache, cache_bytes
+from diffprep.families.flux import FluxEncoders
+from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
 

@@ -39,11 +39,12 @@ import _env  # first: offline environment, --malloc re-exec before torch is impo
 import _common as c
 import torch
 
-from diffprep.encoders.flux import DTYPES, FluxEncoders, resolve_device
-from diffprep.encoders.hub import resolve_encoders
+from diffprep.families.base import DTYPES, resolve_device
+from diffprep.families.flux import FluxEncoders
+from diffprep.families.flux import resolve_encoders
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 # FLUX.1-dev vae/config.json (AutoencoderKL).
 FLUX_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "norm_num_groups": 32,

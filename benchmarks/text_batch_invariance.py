@@ -1,6 +1,6 @@
 """Does a caption's text embedding depend on the batch it is encoded in? Bit for bit, on this machine.
 
-Why ``diffprep`` encodes captions in batches of exactly ``TEXT_BATCH`` (``diffprep/encoders/text_cache.py``):
+Why ``diffprep`` encodes captions in batches of exactly ``TEXT_BATCH`` (``diffprep/families/text_cache.py``):
 a cached caption must have the bytes it would have had in any other batch. This script encodes the same
 captions alone, in batches of 2, 3, 4 and N, in a shuffled batch of N and each one in a batch of N filled with
 empty captions, through the text encoders' forward passes as diffprep runs them (T5 padded to max_length,
@@ -25,7 +25,7 @@ from pathlib import Path
 import _common as c
 import torch
 
-from diffprep.encoders.flux import DTYPES
+from diffprep.families.base import DTYPES
 from diffprep.families.wan import clean_caption
 
 WORDS = ("a photo of the cat dog bird horse red blue green small large sitting on in with water sky city house "

@@ -266,7 +266,7 @@ def cmd_raw(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     from diffprep.decode import decode_dataset
-    from diffprep.encoders import resolve_token
+    from diffprep.hub import resolve_token
     from diffprep.errors import ConfigError
     from diffprep.storage import is_s3_url
 
@@ -340,7 +340,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         path = write_tiny_wan(args.path, seed=args.seed, vae_variant=args.wan_vae)
         print(f"tiny Wan encoder set (VAE {args.wan_vae}) written to {path} (random weights: for tests and demos only)")
         return 0
-    from diffprep.tiny import write_tiny_model
+    from diffprep.families.flux_tiny import write_tiny_model
 
     path = write_tiny_model(args.path, seed=args.seed)
     print(f"tiny Flux encoder set written to {path} (random weights: for tests and demos only)")
@@ -353,7 +353,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.family == "wan":
         return _demo_wan(work, args.samples or 10)
     from diffprep.demo import write_demo_dataset
-    from diffprep.tiny import write_tiny_model
+    from diffprep.families.flux_tiny import write_tiny_model
 
     model = work / "tiny-flux"
     data = work / "demo-data"
@@ -455,10 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     _s3_arguments(validate)
     validate.set_defaults(func=cmd_validate)
 
+    from diffprep.families import FAMILIES
+
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight encoder set (tests, demos)")
     tiny.add_argument("path")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--family", choices=("flux", "wan", "ltx2"), default="flux",
+    tiny.add_argument("--family", choices=[family.name for family in FAMILIES], default="flux",
                       help="model family layout (default flux)")
     tiny.add_argument("--ltx2-text", choices=("v1", "v2"), default="v1",
                       help="LTX-2 only: v1 (LTX-2 19B: one text projection) or v2 (LTX-2.3: video and audio ones)")

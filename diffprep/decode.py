@@ -6,7 +6,7 @@ and validate phases share these pieces:
 - :func:`read_samples`: N samples spread evenly over the committed units, read
   straight from their tars (tensors with ``weights_only=True``).
 - each encoding's ``decode_stored``: stored samples back to pixels (the
-  pre-encoded latents through the dataset's own VAE, ``diffprep.encoders.vae``;
+  pre-encoded latents through the dataset's own VAE, ``diffprep.families.flux_vae``;
   raw image files as stored);
 - :func:`source_pixels`: the source images re-read through the plan's source
   and prepared with the plan's image settings: exactly the pixels that were

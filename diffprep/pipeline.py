@@ -33,7 +33,7 @@ import torch
 from diffprep.approvals import ABORT, Question, ask_terminal
 from diffprep.audit import AuditReport, audit, rejects_accepted, rejects_question
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
-from diffprep.encoders import resolve_token
+from diffprep.hub import resolve_token
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.energon import FinalizeResult, finalize, split_question
 from diffprep.errors import DiffprepError

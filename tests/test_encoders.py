@@ -22,10 +22,11 @@ import torch
 from diffusers import FluxPipeline
 
 from diffprep.config import ModelConfig
-from diffprep.encoders import FluxEncoders, describe_flux, noise_seed, resolve_device, resolve_encoders
-from diffprep.encoders.text_cache import TEXT_BATCH
+from diffprep.families.base import noise_seed, resolve_device
+from diffprep.families.flux import FluxEncoders, describe_flux, resolve_encoders
+from diffprep.families.text_cache import TEXT_BATCH
 from diffprep.errors import ConfigError
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 T5_LENGTH = 16  # short, so that ordinary captions get truncated
 CAPTIONS = [
@@ -112,7 +113,7 @@ def test_tiny_tokenizers_have_flux_special_tokens(encoders):
 
 
 def test_text_embeddings_equal_flux_pipeline(encoders, pipe, caplog):
-    with caplog.at_level(logging.WARNING, logger="diffprep.encoders"):
+    with caplog.at_level(logging.WARNING, logger="diffprep.families.flux"):
         ours = encoders.encode_text(CAPTIONS)
     with torch.no_grad():
         prompt_embeds, pooled_prompt_embeds, _ = pipe.encode_prompt(

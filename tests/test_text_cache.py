@@ -1,4 +1,4 @@
-"""Text encodings computed once per distinct caption (``diffprep/encoders/text_cache.py``), through a whole run.
+"""Text encodings computed once per distinct caption (``diffprep/families/text_cache.py``), through a whole run.
 
 A class-label dataset (an HF ``ClassLabel`` captioned through ``--caption-template``) whose captions repeat
 inside batches, across batches and across units is encoded twice, with the cache and without it: the text
@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from diffprep import contract
-from diffprep.encoders.text_cache import TEXT_BATCH
+from diffprep.families.text_cache import TEXT_BATCH
 from diffprep.encodings import preencoded
 from diffprep.encodings.preencoded import load_encoders
 from diffprep.pipeline import run

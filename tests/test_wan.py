@@ -21,7 +21,7 @@ import torch
 from diffusers import WanPipeline
 
 from diffprep.contract import LATENTS, PROMPT_EMBEDS
-from diffprep.encoders.flux import noise_seed
+from diffprep.families.base import noise_seed
 from diffprep.errors import ConfigError
 from diffprep.families import detect_family, family_for_class, get_family
 from diffprep.families.wan import VaeTiling, WanEncoders, clean_caption, vae_factors
@@ -112,6 +112,17 @@ def test_family_registry_refusals(tmp_path):
     with pytest.raises(ConfigError, match="model_index.json does not exist"):
         detect_family(tmp_path)
     assert get_family("wan").load_module().PIPELINE_CLASS == "WanPipeline"
+    # One list of families: the settings' Literal and the CLI's choices are the registry's.
+    from typing import get_args
+
+    from diffprep.cli import build_parser
+    from diffprep.config import FamilyName
+    from diffprep.families import FAMILIES
+
+    assert list(get_args(FamilyName)) == [family.name for family in FAMILIES]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tiny-model", str(tmp_path), "--family", "sd3"])
+    assert build_parser().parse_args(["tiny-model", str(tmp_path), "--family", "ltx2"]).family == "ltx2"
 
 
 # Text

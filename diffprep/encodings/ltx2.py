@@ -33,7 +33,7 @@ import torch
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import Ltx2SampleTaskEncoder
-from diffprep.encoders import DTYPES, resolve_device
+from diffprep.families.base import DTYPES, resolve_device
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.encodings import clips
 from diffprep.encodings.wan import Wan

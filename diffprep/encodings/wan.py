@@ -31,7 +31,7 @@ import torch
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import VideoSampleTaskEncoder
-from diffprep.encoders import DTYPES
+from diffprep.families.base import DTYPES
 from diffprep.encodings import clips
 from diffprep.encodings.base import SampleFields, encoded_samples, with_caption_settings
 from diffprep.encodings.preencoded import PreencodedInspector
@@ -223,7 +223,7 @@ class Wan(clips.ClipEncoding):
                       device: str = "auto", token: str | None = None, local_only: bool = False,
                       decoder: Any = None, where: str = "the dataset") -> tuple[list[torch.Tensor], str | None]:
         """The latents through the dataset's Wan VAE: uint8 frames ``[F, 3, H, W]`` per sample."""
-        from diffprep.encoders.vae import planned_vae_folder
+        from diffprep.families.flux_vae import planned_vae_folder
 
         if plan is None and not model_path:
             raise ConfigError(f"{where} has no plan.json naming its VAE; pass the Wan model with --model-path")

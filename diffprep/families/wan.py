@@ -31,7 +31,7 @@ into overlapping tiles as well (for 720p and up), at the cost of results that
 differ slightly from untiled ones (the tiles are blended).
 
 ``sample`` noise is generated on the CPU per sample key (see
-:func:`diffprep.encoders.flux.noise_seed`), so it does not depend on the
+:func:`diffprep.families.base.noise_seed`), so it does not depend on the
 batch, the device or where a run resumed. Everything runs under
 ``torch.no_grad()``.
 """
@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffprep.contract import LATENTS, PROMPT_EMBEDS
-from diffprep.encoders.flux import DTYPES, LATENT_MODES, _truncation, checked_captions, key_noise, resolve_device
-from diffprep.encoders.hub import ResolvedPart, resolve_component
-from diffprep.encoders.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
 from diffprep.errors import ConfigError
+from diffprep.families.base import DTYPES, LATENT_MODES, checked_captions, key_noise, resolve_device, truncation
+from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
+from diffprep.hub import ResolvedPart, resolve_component
 from diffprep.media.buckets import Bucket
 
 if TYPE_CHECKING:
@@ -386,12 +386,12 @@ class WanEncoders:
 
     def encode_rows(self, captions: list[str]) -> list[tuple[torch.Tensor, int, bool]]:
         """``(embedding up to the true length [n, D], n, truncated)`` of each caption, in forward passes of exactly
-        ``TEXT_BATCH`` captions (the rest empty captions; see ``diffprep.encoders.text_cache``)."""
+        ``TEXT_BATCH`` captions (the rest empty captions; see ``diffprep.families.text_cache``)."""
         prompts = [clean_caption(caption) for caption in captions]
         input_ids, mask = self._input_ids(prompts)
         filler_ids, filler_mask = self._input_ids([""])
         lengths = [int(n) for n in mask.gt(0).sum(dim=1)]
-        truncated, removed_text = _truncation(self.tokenizer, prompts, self.text_max_length)
+        truncated, removed_text = truncation(self.tokenizer, prompts, self.text_max_length)
         if removed_text:
             logger.warning(
                 "umT5: %d of %d captions were truncated at %d tokens; removed text: %s",

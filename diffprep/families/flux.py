@@ -25,7 +25,6 @@ fp16 support, so prefer bf16.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -35,18 +34,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffprep.config import LatentMode, ModelConfig
-from diffprep.encoders.hub import ResolvedPart, resolve_encoders
-from diffprep.encoders.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
+from diffprep.families.base import DTYPES, LATENT_MODES, checked_captions, key_noise, resolve_device, truncation
+from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
+from diffprep.hub import Part, ResolvedPart, resolve_parts
 from diffprep.errors import ConfigError
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-logger = logging.getLogger("diffprep.encoders")
+logger = logging.getLogger("diffprep.families.flux")
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LATENT_MODES: tuple[str, ...] = ("sample", "mode", "posterior")
 
 # The classes loaded for each part, as diffusers' FluxPipeline declares them.
 FLUX_CLASSES: dict[str, str] = {
@@ -58,6 +56,21 @@ FLUX_CLASSES: dict[str, str] = {
 }
 
 
+# Where each part sits in the FLUX.1-dev layout, and the override that replaces model_path for it.
+FLUX_PARTS: tuple[Part, ...] = (
+    Part("vae", "VAE", "vae_path", "vae", ("config.json",)),
+    Part("clip_text", "CLIP", "clip_path", "text_encoder", ("config.json",)),
+    Part("clip_tokenizer", "CLIP", "clip_path", "tokenizer", ("tokenizer_config.json", "tokenizer.json")),
+    Part("t5_text", "T5", "t5_path", "text_encoder_2", ("config.json",)),
+    Part("t5_tokenizer", "T5", "t5_path", "tokenizer_2", ("tokenizer_config.json", "tokenizer.json")),
+)
+
+
+def resolve_encoders(model: ModelConfig, *, token: str | None = None) -> dict[str, ResolvedPart]:
+    """Every part of the Flux encoders resolved (downloaded if needed), keyed by part name (``FLUX_PARTS``)."""
+    return resolve_parts(model, FLUX_PARTS, "FLUX.1-dev", token=token)
+
+
 @dataclass(frozen=True)
 class TextEmbeddings:
     """Embeddings of a batch of captions, on the CPU in the encoders' dtype."""
@@ -65,56 +78,6 @@ class TextEmbeddings:
     prompt_embeds: torch.Tensor  # [B, t5_max_length, t5_hidden]
     pooled_prompt_embeds: torch.Tensor  # [B, clip_hidden]
     t5_truncated: list[bool]  # caption longer than t5_max_length tokens
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> the first CUDA device when there is one, else the CPU; otherwise the device named."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"model.device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"model.device is {name!r} but CUDA is not available here; use cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"model.device is {name!r} but there are {torch.cuda.device_count()} CUDA devices "
-                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
-            )
-    return device
-
-
-def noise_seed(key: str) -> int:
-    """Seed of a sample's VAE noise: the first 8 bytes of sha256(key), so it depends on the key alone."""
-    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
-
-
-def checked_captions(captions: Sequence[str]) -> list[str]:
-    """The captions as a list; a single string, an empty batch or a non-string caption is refused, named."""
-    if isinstance(captions, str):
-        raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
-    captions = list(captions)
-    if not captions:
-        raise ValueError("captions is empty; pass at least one caption")
-    for position, caption in enumerate(captions):
-        if not isinstance(caption, str):
-            raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
-    return captions
-
-
-def key_noise(keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
-    """Standard normal noise shaped like ``like`` [B, ...], each sample's drawn from its key alone.
-
-    One CPU generator per sample: a sample's noise does not depend on the batch
-    it is in, on the device, or on where an interrupted run resumed.
-    """
-    draws = [
-        torch.randn(like.shape[1:], generator=torch.Generator("cpu").manual_seed(noise_seed(key)))
-        for key in keys
-    ]
-    return torch.stack(draws).to(like.device, like.dtype)
 
 
 def describe_flux(
@@ -312,7 +275,7 @@ class FluxEncoders:
 
     def encode_rows(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
         """``(T5 [L, D], CLIP pooled [D], truncated)`` of each prompt, in forward passes of exactly
-        ``TEXT_BATCH`` captions (the rest empty captions; see ``diffprep.encoders.text_cache``)."""
+        ``TEXT_BATCH`` captions (the rest empty captions; see ``diffprep.families.text_cache``)."""
         t5_ids, truncated = self._t5_input_ids(prompts)
         clip_ids = self._clip_input_ids(prompts)
         t5_filler, _ = self._t5_input_ids([""])
@@ -341,7 +304,7 @@ class FluxEncoders:
             return_overflowing_tokens=False,
             return_tensors="pt",
         )
-        truncated, removed_text = _truncation(self.t5_tokenizer, prompts, self.t5_max_length)
+        truncated, removed_text = truncation(self.t5_tokenizer, prompts, self.t5_max_length)
         if removed_text:
             logger.warning(
                 "T5: %d of %d captions were truncated because t5_max_length is %d tokens; removed text: %s",
@@ -362,7 +325,7 @@ class FluxEncoders:
             return_length=False,
             return_tensors="pt",
         )
-        _, removed_text = _truncation(self.clip_tokenizer, prompts, self.clip_max_length)
+        _, removed_text = truncation(self.clip_tokenizer, prompts, self.clip_max_length)
         if removed_text:
             # Info, not warning: Flux reads long captions through T5; CLIP's 77 tokens cut them by design.
             logger.info(
@@ -373,15 +336,6 @@ class FluxEncoders:
                 removed_text,
             )
         return text_inputs.input_ids
-
-
-def _truncation(tokenizer, prompts: list[str], max_length: int) -> tuple[list[bool], list[str]]:
-    """Which prompts lose tokens at ``max_length``, and the text each truncated one loses."""
-    untruncated_ids = tokenizer(prompts).input_ids
-    truncated = [len(ids) > max_length for ids in untruncated_ids]
-    # What is kept ends with max_length - 1 tokens then EOS; what followed them, up to EOS, is lost.
-    removed_ids = [ids[max_length - 1 : -1] for ids, cut in zip(untruncated_ids, truncated) if cut]
-    return truncated, tokenizer.batch_decode(removed_ids)
 
 
 def _vae_normalization(config: Mapping[str, Any]) -> tuple[float, float]:
