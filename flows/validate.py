@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from prefect import flow, get_run_logger
 from pydantic import Field
 
+from diffprep import contract
 from diffprep.output import OutputRef, ref_of
 from diffprep.tasks.common import output_of
 from diffprep.tasks.validate import validate_task
@@ -21,7 +22,7 @@ from diffprep.tasks.validate import validate_task
 @flow(name="validate-dataset", log_prints=True)
 def validate_dataset_flow(
     out_dir: str,
-    encoding: Literal["preencoded", "raw", "wan", "ltx2", "raw_video"] | None = None,
+    encoding: Literal[contract.ENCODINGS] | None = None,  # every encoding, a dropdown in the UI
     max_load: Annotated[int, Field(ge=1)] | None = None,
     s3_endpoint_url: str | None = None,
     aws_credentials_block: str | None = None,

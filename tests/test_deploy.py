@@ -182,7 +182,7 @@ def test_prefect_yaml_deploys_forms_and_an_inactive_nightly_schedule(deployed):
     assert "YAML config" in schema["definitions"]["EncodeParameters"]["properties"]["config"]["description"]
     vschema = validate.parameter_openapi_schema
     assert vschema["required"] == ["out_dir"] and vschema["properties"]["out_dir"]["description"]
-    assert vschema["properties"]["encoding"]["anyOf"][0]["enum"] == ["preencoded", "raw"]
+    assert vschema["properties"]["encoding"]["anyOf"][0]["enum"] == ["preencoded", "raw", "wan", "ltx2", "raw_video"]
 
     # The server enforces the bounds before a run exists.
     with pytest.raises(PrefectHTTPStatusError, match="shard_size.*less than the minimum of 1"):
