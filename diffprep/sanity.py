@@ -49,11 +49,13 @@ class SanityReport:
     contact_sheet: str | None = None  # the batch's images next to their round trip
     local_bytes: int | None = None  # needed on this disk when less than projected_bytes (a bucket output)
     buckets: dict[str, dict] | None = None  # video runs: per bucket, samples left and their projected s and bytes
+    audio_mel_l1: list[float] | None = None  # LTX-2 with audio: each sample's sound decoded again, log-mel L1
 
     def to_json(self) -> dict:
         data = asdict(self)
-        if data["buckets"] is None:
-            del data["buckets"]
+        for optional in ("buckets", "audio_mel_l1"):
+            if data[optional] is None:
+                del data[optional]
         return data
 
 
@@ -68,6 +70,8 @@ def sanity_markdown(report: dict) -> str:
         "|---|---|",
         *(f"| {name} | {shape} {report['dtypes'][name]} |" for name, shape in report["shapes"].items()),
         f"| round-trip PSNR (dB) | {psnrs} (median must reach {report['min_psnr']}) |",
+        *([f"| audio round trip, log-mel L1 | {', '.join(f'{v:.3f}' for v in report['audio_mel_l1'])} |"]
+          if report.get("audio_mel_l1") is not None else []),
         f"| seconds per batch of {report['samples']} | {report['seconds_per_batch']} |",
         f"| peak memory | {report['peak_memory_bytes'] / gib:.2f} GiB |",
         f"| bytes per sample | {report['bytes_per_sample']} |",

@@ -1,26 +1,31 @@
-"""What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw, pre-encoded Wan and LTX-2."""
+"""What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw, pre-encoded Wan and LTX-2
+(clips, and audio only)."""
 
 from diffprep import contract
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.encodings.ltx2 import Ltx2
+from diffprep.encodings.ltx2_audio import Ltx2Audio
 from diffprep.encodings.preencoded import Preencoded
 from diffprep.encodings.raw import Raw
 from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 
 # Ltx2 before Wan: encoding_of_sample asks in this order, and an LTX-2 sample also has Wan's latents field.
-ENCODINGS: dict[str, Encoding] = {encoding.name: encoding for encoding in (Preencoded(), Raw(), Ltx2(), Wan())}
+ENCODINGS: dict[str, Encoding] = {encoding.name: encoding
+                                  for encoding in (Preencoded(), Raw(), Ltx2Audio(), Ltx2(), Wan())}
 
 
 def encoding_for(settings, kind: str, token: str | None = None) -> str:
     """The encoding a run of ``kind`` (``preencoded``, ``raw``) writes: a pre-encoded run writes its model
-    family's (``--family``, or the model's ``model_index.json``)."""
+    family's (``--family``, or the model's ``model_index.json``), or the variant its settings ask for (LTX-2's
+    audio only)."""
     if kind != contract.ENCODING_PREENCODED:
         return kind
     from diffprep.families import family_of_model
 
     model = settings.model
-    return family_of_model(model.model_path, model.family, revision=model.revision, token=token).encoding
+    family = family_of_model(model.model_path, model.family, revision=model.revision, token=token)
+    return get_encoding(family.encoding).variant(settings)
 
 
 def encoding_of_sample(fields) -> Encoding:
@@ -38,5 +43,5 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Ltx2", "Preencoded", "Raw", "SampleFields", "Wan", "encoding_for", "encoding_of_sample",
+__all__ = ["ENCODINGS", "Encoding", "Ltx2", "Ltx2Audio", "Preencoded", "Raw", "SampleFields", "Wan", "encoding_for", "encoding_of_sample",
            "get_encoding"]

@@ -98,7 +98,7 @@ def largest_bucket_batch(plan: Plan, source: Source, spec: Any, batch_size: int,
 def finish_video_sanity(output: Output, tensors: dict[str, torch.Tensor], buckets: dict[str, dict], *,
                         problems: list[str], finite: bool, psnrs: list, sheet: Any, seconds: float,
                         device: torch.device, per_sample: int, settings: Settings,
-                        staged_samples: int | None) -> SanityReport:
+                        staged_samples: int | None, audio_mel_l1: list[float] | None = None) -> SanityReport:
     """The sanity report of a video batch (its tensors stacked per field), its first sample saved, the disk checked."""
     remaining = sum(e["samples"] for e in buckets.values())
     report = SanityReport(
@@ -119,16 +119,19 @@ def finish_video_sanity(output: Output, tensors: dict[str, torch.Tensor], bucket
         contact_sheet=str(sheet) if sheet else None,
         local_bytes=None if staged_samples is None else per_sample * min(remaining, staged_samples),
         buckets=buckets,
+        audio_mel_l1=audio_mel_l1,
     )
     output.state.write_bytes(f"{contract.SANITY_DIR}/{contract.SANITY_SAMPLE}",
                              torch_bytes({name: t[0].clone() for name, t in tensors.items()}))
     return finish_sanity(output, report, remaining)
 
 
-def project_buckets(plan: Plan, left: set[int], per_sample_seconds: float, measured: Bucket,
-                    bytes_of: Callable[[str], int], workers: int) -> dict[str, dict]:
+def project_buckets(plan: Plan, left: set[int], per_sample_seconds: float, measured: Bucket | str,
+                    bytes_of: Callable[[str], int], workers: int,
+                    weight: Callable[[str], float] | None = None) -> dict[str, dict]:
     """Per bucket, the samples left, their bytes (``bytes_of(bucket)`` per sample) and seconds: the pace measured
-    at ``measured`` scaled by each bucket's voxels, shared among ``workers``."""
+    at ``measured`` scaled by each bucket's ``weight`` (default: its voxels), shared among ``workers``."""
+    weight = weight or (lambda name: _voxels(parse_bucket(name)))
     buckets: dict[str, dict] = {}
     for unit in plan.units:
         if unit.unit not in left:
@@ -138,7 +141,7 @@ def project_buckets(plan: Plan, left: set[int], per_sample_seconds: float, measu
         entry["samples"] += n
         if unit.bucket:
             entry["bytes"] += n * bytes_of(unit.bucket)
-            entry["seconds"] += n * per_sample_seconds * _voxels(parse_bucket(unit.bucket)) / _voxels(measured)
+            entry["seconds"] += n * per_sample_seconds * weight(unit.bucket) / weight(str(measured))
     for entry in buckets.values():
         entry["seconds"] = round(entry["seconds"] / max(1, workers), 1)
     return buckets

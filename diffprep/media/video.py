@@ -60,7 +60,7 @@ import torch
 from PIL import Image
 
 from diffprep.errors import RejectError
-from diffprep.media.audio import ClipAudio, load_clip_audio
+from diffprep.media.audio import ClipAudio, add_audio_stream, load_clip_audio, mux_audio
 from diffprep.media.buckets import Bucket, choose_bucket, cover_box
 
 __all__ = [
@@ -318,17 +318,26 @@ def sample_indices(available: int, frames: int, sampling: FrameSampling) -> list
     raise ValueError(f"frame_sampling must be one of {', '.join(FRAME_SAMPLINGS)}, got {sampling!r}")
 
 
-def mp4_bytes(frames: torch.Tensor, fps: float = 16.0) -> bytes:
-    """uint8 RGB frames ``[F, 3, H, W]`` (even H and W) as an H.264 mp4 at ``fps`` (crf 18: for looking at)."""
+# The decoded sound of an mp4 (diffprep decode): AAC-LC at a fixed bit rate. Its bytes follow FFmpeg's own AAC
+# encoder, i.e. the `av` wheel pinned in pyproject.toml (av 18.1.0, FFmpeg 8.1): the same inputs give the same file.
+MP4_AUDIO_BIT_RATE = 128_000
+
+
+def mp4_bytes(frames: torch.Tensor, fps: float = 16.0, audio: ClipAudio | None = None) -> bytes:
+    """uint8 RGB frames ``[F, 3, H, W]`` (even H and W) as an H.264 mp4 at ``fps`` (crf 18: for looking at), with
+    ``audio`` (a stereo waveform, clipped to [-1, 1]) as its AAC track when given."""
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=Fraction(str(fps)).limit_denominator(1001),
                                       options={"crf": "18"})
         stream.height, stream.width = int(frames.shape[2]), int(frames.shape[3])
         stream.pix_fmt = "yuv420p"
+        sound = None if audio is None else add_audio_stream(container, audio.sample_rate, bit_rate=MP4_AUDIO_BIT_RATE)
         for frame in frames.permute(0, 2, 3, 1).contiguous().numpy():
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+        if sound is not None:
+            mux_audio(container, sound, audio.waveform.clamp(-1.0, 1.0).numpy())
     return buffer.getvalue()
 
 
