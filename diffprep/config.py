@@ -59,7 +59,8 @@ class SourceConfig(_Section):
     # Video sources: a metadata file (the LTX trainer's dataset.json convention) and the clip's column or member.
     metadata_file: str | None = Field(
         None, description="metadata: a JSON list, JSONL or CSV file (local or s3://) with a caption column and a "
-        "video / media_path / image column; paths are relative to the file's folder.",
+        "video / media_path / image column (LTX-2 audio only: an audio column); paths are relative to the file's "
+        "folder.",
     )
     video_key: str | None = Field(
         None, description="Column (metadata, huggingface) or tar extension (webdataset) holding the clip; "

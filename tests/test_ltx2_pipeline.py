@@ -68,6 +68,16 @@ def aborting(asked: list):
     return abort
 
 
+def rejects_question(settings):
+    """Run ``settings`` answering abort: the one question asked must be the rejects' (encoding done, not finalized)."""
+    asked = []
+    with pytest.raises(ApprovalRefused, match="aborted"):
+        run(settings, "preencoded", ask=aborting(asked))
+    [question] = asked
+    assert question.key == "rejected-samples"
+    return question
+
+
 def shard_samples(out: Path) -> dict[str, dict[str, bytes]]:
     samples: dict[str, dict[str, bytes]] = {}
     for tar in sorted(out.glob("*.tar")):
@@ -257,14 +267,10 @@ def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
              "broken.mp4": {"broken_audio": True}}
     listing = write_dataset(data, clips)
     settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx"})
-    asked = []
-    abort = aborting(asked)
 
     # The audio gate: two clips without usable audio of four; the run stops, naming them, and does not finalize.
-    with pytest.raises(ApprovalRefused, match="aborted"):
-        run(settings, "preencoded", ask=abort)
-    [question] = asked
-    assert question.key == "rejected-samples" and "2 of 4 samples" in question.description
+    question = rejects_question(settings)
+    assert "2 of 4 samples" in question.description
     assert "`no_audio_stream`" in question.description and "`audio_decode_error`" in question.description
     assert "silent.mp4" in question.description and "broken.mp4" in question.description
     assert "--skip-audio" in question.description  # the audio advice
@@ -293,9 +299,9 @@ def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
     # Other settings over it: verify-existing asks (reuse / new directory / abort); new-dir is .precomputed-v2.
     other = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.5, "on_existing": None},
                          video={"skip_audio": True})
-    asked.clear()
+    asked = []
     with pytest.raises(ApprovalRefused):
-        run(other, "preencoded", ask=abort)
+        run(other, "preencoded", ask=aborting(asked))
     assert asked[0].key == "existing-output" and "new-dir" in asked[0].choices
     other.output.on_existing = "new-dir"
     result = run(other, "preencoded", ask=never_ask)
@@ -398,13 +404,8 @@ def test_t2a_end_to_end_in_energon_shards_rejects_and_decode(tiny_ltx2, tmp_path
     out = tmp_path / "out"
     settings = settings_for(out, listing, tiny_ltx2, video={"audio_durations": "2.0;4.0"},
                             model={"lora_trigger": "sks"})
-    asked = []
-    abort = aborting(asked)
-
-    with pytest.raises(ApprovalRefused, match="aborted"):
-        run(settings, "preencoded", ask=abort)
-    [question] = asked
-    assert question.key == "rejected-samples" and "3 of 7 samples" in question.description
+    question = rejects_question(settings)
+    assert "3 of 7 samples" in question.description
     assert '--audio-durations "1.4;2;4"' in question.description and "1.400 s" in question.description
     assert "**Audio gate:** 2 files" in question.description
     assert "`broken.m4a`" in question.description and "`silent.mp4`" in question.description
@@ -511,8 +512,13 @@ def test_t2a_needs_an_audio_file_and_durations(tiny_ltx2, tmp_path):
     with pytest.raises(ConfigError, match="has an 'audio' column beside its clips"):
         get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2), None)
     get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2, video={"skip_audio": True}), None)
-    for durations, message in (("2.0;x", "'x' is not a number"), ("0", "must be a number of seconds > 0"),
-                               ("2;2.0", "repeats a duration")):
-        settings = settings_for(tmp_path / "o", audio_only, tiny_ltx2, video={"audio_durations": durations})
+    for video, message in (({"audio_durations": "2.0;x"}, "'x' is not a number"),
+                           ({"audio_durations": "0"}, "must be a number of seconds > 0"),
+                           ({"audio_durations": "2;2.0"}, "repeats a duration"),
+                           ({"audio_durations": "2", "target_fps": 24}, "an audio-only \\(T2A\\) run has none"),
+                           ({"audio_durations": "2", "skip_audio": True}, "choose one")):
+        settings = settings_for(tmp_path / "o", audio_only, tiny_ltx2, video=video)
         with pytest.raises(ConfigError, match=message):
             get_encoding("ltx2_audio").plan_settings(settings, None)
+    with pytest.raises(ConfigError, match="the wan encoding has no audio"):
+        get_encoding("wan").variant(settings)

@@ -86,6 +86,11 @@ class Encoding(ABC):
 
     def variant(self, settings: Settings) -> str:
         """The encoding a run of this family with ``settings`` writes (its own name, or a variant's)."""
+        if settings.video.audio_durations:
+            from diffprep.errors import ConfigError
+
+            raise ConfigError(f"--audio-durations {settings.video.audio_durations!r} is LTX-2's audio-only mode; "
+                              f"the {self.name} encoding has no audio: remove it")
         return self.name
 
     def planned(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -72,6 +72,9 @@ class Ltx2Audio(Ltx2):
         if video.skip_audio:
             raise ConfigError("--audio-durations makes an audio-only (T2A) run and --skip-audio one without audio: "
                               "choose one")
+        if video.target_fps is not None:
+            raise ConfigError(f"--target-fps {video.target_fps} resamples clips' frames; an audio-only (T2A) run has "
+                              "none: remove it")
         if source.reference_key:
             raise ConfigError("an audio-only (T2A) run has no clips to take IC-LoRA references for: remove "
                               f"--reference-column {source.reference_key}")
@@ -177,6 +180,10 @@ class Ltx2Audio(Ltx2):
                 "fingerprint), or accept and train without them.")
         advice.append(audio_gate_advice(report, "files", "fix or re-export their audio and encode them again"))
         return "\n\n".join(a for a in advice if a)
+
+    def oom_advice(self, settings: Settings, loaded: Any) -> str:
+        return (f"use shorter --audio-durations (now {settings.video.audio_durations}), --load-text-encoder-in-8bit "
+                f"(Gemma 3 12B in int8), --batch-size 1, or free memory on {loaded.device}")
 
     def holds(self, fields: Mapping[str, bytes]) -> bool:
         return contract.PROMPT_ATTENTION_MASK in fields and contract.LATENTS not in fields
