@@ -4,7 +4,7 @@ Inputs (JPEG sources, model folders) are written once under a cache folder
 (``--cache-dir``, default ``~/.cache/diffprep-bench``) and reused by every
 script. Nothing is downloaded: the models are random-weight sets in the
 FLUX.1-dev folder layout, written with the same diffusers/transformers classes
-that ``diffprep.tiny`` uses.
+that ``diffprep.families.flux_tiny`` uses.
 
 Times on a shared machine are noisy, so every figure is a ratio of two
 measurements taken in the same process, interleaved (A B B A ...), each side
@@ -35,13 +35,13 @@ from diffprep.config import Settings, load_settings
 from diffprep.encodings.preencoded import preencoded_fields
 from diffprep.reader import Batch, iter_batches, prefetch
 from diffprep.units import encode_unit
-from diffprep.encoders.flux import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec, prepare_image
 from diffprep.plan import Plan
 from diffprep.shards import ShardWriter, UnitManifest, write_manifest
 from diffprep.sources import Source
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 # --- environment ---------------------------------------------------------------------------------
 
@@ -149,11 +149,12 @@ MEDIUM_T5 = {"d_model": 256, "d_kv": 64, "d_ff": 1024, "num_layers": 4, "num_hea
              "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128}
 
 
-def tiny_model(cache: Path) -> Path:
-    root = cache / "tiny-flux"
+def tiny_model(cache: Path, name: str = "tiny-flux", write: Callable[[Path], Path] = write_tiny_model) -> Path:
+    """A tiny set in the cache (``write`` it once: the Flux set, or another family's writer)."""
+    root = cache / name
     if not (root / "model_index.json").is_file():
         shutil.rmtree(root, ignore_errors=True)
-        write_tiny_model(root)
+        write(root)
     return root
 
 
@@ -280,8 +281,11 @@ def settings_for(config: Config, model: Path, input_dir: Path, out_dir: Path) ->
     return load_settings(overrides={
         "source": {"type": "directory", "input_dir": str(input_dir)},
         "output": {"output_dir": str(out_dir), "shard_size": config.shard_size, "max_samples": config.samples},
+        # text_cache_mib 0: rounds repeat the same captions, which a cache would answer from memory from the second
+        # round on; a run over distinct captions never does. caption_dedup.py measures the cache.
         "model": {"model_path": str(model), "precision": config.precision, "device": "cpu",
-                  "batch_size": config.batch_size, "t5_max_length": config.t5_max_length, "latent_mode": "sample"},
+                  "batch_size": config.batch_size, "t5_max_length": config.t5_max_length, "latent_mode": "sample",
+                  "text_cache_mib": 0},
         "image": {"image_size": config.image_size, "decode_workers": config.decode_workers},
     })
 
@@ -346,6 +350,17 @@ def encode_in_memory(encoders, batches: Iterable[Batch]) -> int:
         encoders.encode_text(batch.captions)
         count += len(batch.keys)
     return count
+
+
+@torch.no_grad()
+def encode_text_batched(encoders: FluxEncoders, captions: list[str]) -> int:
+    """T5 and CLIP on a batch of captions as it is, one forward pass each: what ``encode_text`` did before it
+    encoded in batches of exactly ``TEXT_BATCH`` (``FluxEncoders.encode_rows``), the reference for what that costs."""
+    t5_ids, _ = encoders._t5_input_ids(captions)
+    clip_ids = encoders._clip_input_ids(captions)
+    encoders.t5_text(t5_ids.to(encoders.device))[0].to("cpu")
+    encoders.clip_text(clip_ids.to(encoders.device)).pooler_output.to("cpu")
+    return len(captions)
 
 
 def encode_with_library(setup: Setup, out_dir: Path | None = None, encoders=None) -> int:

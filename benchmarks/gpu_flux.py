@@ -11,7 +11,10 @@ diffprep's tiny ones: T5 pads to ``t5_max_length`` and CLIP to 77 tokens
 whatever the words, so the encoders' work is the real one.
 
 Figures (samples/s, sides interleaved, the fastest of ``--rounds``):
-VAE alone, T5 alone, CLIP alone (pre-stacked batches, no I/O), the compute
+VAE alone; the text encoders (T5 and CLIP) on batches of exactly
+``TEXT_BATCH`` captions as ``encode_text`` runs them, and on the batch as it
+is, what that shape costs against (pre-stacked batches, no I/O; the caption
+cache off); the compute
 limit (all three), the input limit (the reader alone), end to end
 (``encode_unit`` writing real shards) and end to end with the proposed
 background shard writer. Efficiency = end to end / compute limit.
@@ -36,11 +39,12 @@ import _env  # first: offline environment, --malloc re-exec before torch is impo
 import _common as c
 import torch
 
-from diffprep.encoders.flux import DTYPES, FluxEncoders, resolve_device
-from diffprep.encoders.hub import resolve_encoders
+from diffprep.families.base import DTYPES, resolve_device
+from diffprep.families.flux import FluxEncoders
+from diffprep.families.flux import resolve_encoders
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 # FLUX.1-dev vae/config.json (AutoencoderKL).
 FLUX_VAE = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "norm_num_groups": 32,
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, source = fetch(settings)
         encoders = FluxEncoders(vae, clip, clip_tok, t5, t5_tok, device=device, dtype=dtype,
                                 t5_max_length=config.t5_max_length, latent_mode="sample",
-                                parts=resolve_encoders(settings.model))
+                                parts=resolve_encoders(settings.model), text_cache_bytes=0)
         setup = c.Setup(config, settings, plan, source, ImageSpec.from_config(settings.image), encoders,
                         scratch / "out")
         batches = c.decoded_batches(setup)
@@ -164,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 c.use_background_writer(False)
 
-        # _t5_prompt_embeds / _clip_prompt_embeds: the exact per-encoder halves of encode_text.
+        # encode_rows: what encode_text runs on captions it has not seen (T5 and CLIP on batches of exactly
+        # TEXT_BATCH captions, the rest empty ones, rows cloned for the cache; the cache itself off here);
+        # text batched: one forward pass per encoder over the batch as it is, what that shape costs against.
         times = c.interleaved(args.rounds, {
             "VAE alone": lambda: alone(lambda b: encoders.encode_images(b.pixels, b.keys)),
-            "T5 alone": lambda: alone(lambda b: encoders._t5_prompt_embeds(b.captions)),
-            "CLIP alone": lambda: alone(lambda b: encoders._clip_prompt_embeds(b.captions)),
+            "text, fixed shape": lambda: alone(lambda b: encoders.encode_rows(b.captions)),
+            "text batched": lambda: alone(lambda b: c.encode_text_batched(encoders, b.captions)),
             "compute limit": lambda: c.encode_in_memory(encoders, batches),
             "input limit": lambda: c.read_only(setup),
             "end to end": lambda: c.encode_with_library(setup),
@@ -188,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if peak is not None:
         print(f"  peak device memory {peak / 2**30:.1f} GiB")
     print(f"\nSUMMARY gpu_flux{' (smoke)' if smoke else ''} on {args.device}: VAE {rate['VAE alone']:.1f}, "
-          f"T5 {rate['T5 alone']:.1f}, CLIP {rate['CLIP alone']:.1f}, all {rate['compute limit']:.1f}, "
+          f"text fixed shape {rate['text, fixed shape']:.1f} / batched {rate['text batched']:.1f}, "
+          f"all {rate['compute limit']:.1f}, "
           f"end to end {rate['end to end']:.1f} samples/s: efficiency {efficiency:.3f} "
           f"({efficiency_bg:.3f} with the background writer) [{_env.malloc_description()}]")
     return 0

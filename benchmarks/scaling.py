@@ -42,7 +42,7 @@ import torch
 
 from diffprep.encodings.preencoded import preencoded_fields
 from diffprep.units import encode_unit
-from diffprep.encoders.flux import TextEmbeddings
+from diffprep.families.flux import TextEmbeddings
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
 from diffprep.plan import Plan

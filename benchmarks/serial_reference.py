@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from diffprep.config import ImageConfig, load_settings
-    from diffprep.encoders.flux import FluxEncoders
+    from diffprep.families.flux import FluxEncoders
     from diffprep.images import ImageSpec, prepare_image
 
     settings = load_settings(overrides={"model": {

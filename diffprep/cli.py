@@ -1,5 +1,7 @@
 """The ``diffprep`` command: encode, raw, decode, finalize, validate, tiny-model, demo.
 
+(Over 400 lines: every subcommand's flags and their settings in one place.)
+
 ``encode`` runs the Prefect flow ``flows/encode.py``, ``raw`` the flow
 ``flows/raw.py`` (an embedded Prefect
 server starts when no ``PREFECT_API_URL`` is set). Only the flags typed on the
@@ -11,11 +13,13 @@ the default.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.errors import ConfigError, DiffprepError
 
@@ -61,6 +65,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--t5-max-length": ("model", "t5_max_length"),
     "--latent-mode": ("model", "latent_mode"),
     "--min-psnr": ("model", "min_psnr"),
+    "--text-cache-mib": ("model", "text_cache_mib"),
     "--negative-prompt": ("model", "negative_prompt"),
     "--family": ("model", "family"),
     "--text-encoder-path": ("model", "text_encoder_path"),
@@ -91,12 +96,15 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
 }
-# `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored image format.
+# `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored formats; the clip
+# flags (--resolution-buckets: store clips) without the VAE's tiling.
 RAW_FLAGS: dict[str, tuple[str, str]] = {
     **{flag: target for flag, target in ENCODE_FLAGS.items()
-       if target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map")},
+       if (target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map"))
+       or flag in ("--resolution-buckets", "--target-fps", "--frame-sampling")},
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
+    "--video-crf": ("raw", "video_crf"),
 }
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling",
                  "--skip-audio", "--load-text-encoder-in-8bit"}
@@ -175,11 +183,19 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
             if ranks.rank != 0:
                 from diffprep.pipeline import follow_rank
 
+                # No Prefect here: warnings and errors (a failure's traceback) to stderr, tagged with the rank;
+                # rank 0's progress has this rank's units.
+                logging.basicConfig(level=logging.WARNING,
+                                    format=f"%(asctime)s | rank {ranks.rank} | %(levelname)s | %(name)s - %(message)s")
                 encoding = "raw" if raw else "preencoded"
-                return follow_rank(load_settings(config, overrides), encoding, group)
-            return _run_flow(config, overrides, raw)
-        finally:
-            launch.leave()
+                result = follow_rank(load_settings(config, overrides), encoding, group)
+            else:
+                result = _run_flow(config, overrides, raw)
+        except BaseException as error:
+            launch.leave(error)  # the other ranks are told, by name
+            raise
+        launch.leave()
+        return result
     return _run_flow(config, overrides, raw)
 
 
@@ -252,7 +268,7 @@ def cmd_raw(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     from diffprep.decode import decode_dataset
-    from diffprep.encoders import resolve_token
+    from diffprep.hub import resolve_token
     from diffprep.errors import ConfigError
     from diffprep.storage import is_s3_url
 
@@ -326,7 +342,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         path = write_tiny_wan(args.path, seed=args.seed, vae_variant=args.wan_vae)
         print(f"tiny Wan encoder set (VAE {args.wan_vae}) written to {path} (random weights: for tests and demos only)")
         return 0
-    from diffprep.tiny import write_tiny_model
+    from diffprep.families.flux_tiny import write_tiny_model
 
     path = write_tiny_model(args.path, seed=args.seed)
     print(f"tiny Flux encoder set written to {path} (random weights: for tests and demos only)")
@@ -339,7 +355,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.family == "wan":
         return _demo_wan(work, args.samples or 10)
     from diffprep.demo import write_demo_dataset
-    from diffprep.tiny import write_tiny_model
+    from diffprep.families.flux_tiny import write_tiny_model
 
     model = work / "tiny-flux"
     data = work / "demo-data"
@@ -407,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_encode_flags(encode)
     encode.set_defaults(func=cmd_encode)
 
-    raw = sub.add_parser("raw", help="store resized images and captions without encoding (runs the encode-raw flow)")
+    raw = sub.add_parser("raw", help="store resized images (with --resolution-buckets: bucketed clips as mp4) and "
+                         "captions without encoding (runs the encode-raw flow)")
     _add_encode_flags(raw, RAW_FLAGS)
     raw.set_defaults(func=cmd_raw)
 
@@ -425,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     finalize.add_argument("out")
     finalize.add_argument("--train-split", type=float, default=1.0, help="share of shards for train; the rest "
                           "split evenly into val and test (default 1.0)")
-    finalize.add_argument("--encoding", choices=["preencoded", "raw"], default=None)
+    finalize.add_argument("--encoding", choices=contract.ENCODINGS, default=None)
     finalize.add_argument("--seed", type=int, default=42)
     finalize.add_argument("--workers", type=int, default=2)
     finalize.add_argument("--replace-split", action="store_true",
@@ -435,15 +452,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="strictly validate a finalized dataset (exit 1 on any failure)")
     validate.add_argument("out")
-    validate.add_argument("--encoding", choices=["preencoded", "raw"], default=None)
+    validate.add_argument("--encoding", choices=contract.ENCODINGS, default=None)
     validate.add_argument("--max-load", type=int, default=None, help="load at most N samples per split")
     _s3_arguments(validate)
     validate.set_defaults(func=cmd_validate)
 
+    from diffprep.families import FAMILIES
+
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight encoder set (tests, demos)")
     tiny.add_argument("path")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--family", choices=("flux", "wan", "ltx2"), default="flux",
+    tiny.add_argument("--family", choices=[family.name for family in FAMILIES], default="flux",
                       help="model family layout (default flux)")
     tiny.add_argument("--ltx2-text", choices=("v1", "v2"), default="v1",
                       help="LTX-2 only: v1 (LTX-2 19B: one text projection) or v2 (LTX-2.3: video and audio ones)")

@@ -195,6 +195,12 @@ class ModelConfig(_Section):
         "posterior: its mean as latents, plus the raw posterior (mean.pth, logvar.pth) for a trainer that draws a "
         "fresh latent every epoch (Primus vae_latent_mode: resample)."
     )
+    text_cache_mib: int = Field(
+        4096, ge=0, le=1024 * 1024,
+        description="Memory per worker process for text encodings kept by caption, so each distinct caption is "
+        "encoded once (class-label datasets: almost all text-encoder work). 4096 MiB holds 1,000 FLUX.1-dev T5 "
+        "embeddings in bf16; 0 turns the cache off. The bytes written are the same either way.",
+    )
     negative_prompt: str | None = Field(
         None, description="layout fastgen: the text whose embeddings are written to neg_prompt_emb.npy (FastGen's "
         "neg_condition through files_map). Unset: the empty caption.",
@@ -238,11 +244,12 @@ class ImageConfig(_Section):
 
 
 class VideoConfig(_Section):
-    resolution_buckets: str = Field(
-        "832x480x81;480x832x81",
-        description="Video families: output sizes WxHxF separated by ';' (the LTX trainer's syntax). W and H must "
-        "be multiples of the VAE's spatial factor, F = 4k+1 for Wan. A clip goes to the bucket of nearest aspect "
-        "ratio among those it has enough frames for; an image to an F = 1 bucket.",
+    resolution_buckets: str | None = Field(
+        None,
+        description="Output sizes WxHxF separated by ';' (the LTX trainer's syntax). A video family: W and H "
+        "multiples of the VAE's spatial factor, F = 4k+1 for Wan (unset: 832x480x81;480x832x81). `diffprep raw`: "
+        "set, it stores clips (W and H even); unset, images. A clip goes to the bucket of nearest aspect ratio "
+        "among those it has enough frames for; an image to an F = 1 bucket.",
     )
     target_fps: float | None = Field(
         None, gt=0, description="Resample clips to this frame rate by timestamp. Unset: keep the source frames."
@@ -272,6 +279,10 @@ class RawConfig(_Section):
     image_format: RawImageFormat = Field("jpg", description="Raw pipeline: file format of the stored images.")
     image_quality: int = Field(
         95, ge=1, le=100, description="Raw pipeline: jpg/webp quality, 1-100 (ignored for png, which is lossless)."
+    )
+    video_crf: int = Field(
+        18, ge=0, le=51, description="Raw pipeline, clips: x264's constant quality for the stored H.264 mp4, 0-51 "
+        "(lower: better and larger; 18 looks lossless to most eyes).",
     )
 
 
@@ -410,7 +421,10 @@ class EncodeParameters(_RunParameters):
 class RawParameters(_RunParameters):
     """The parameters of the encode-raw flow: images and captions stored without encoders."""
 
-    raw: RawConfig = Field(default_factory=RawConfig, description="File format and quality of the stored images.")
+    raw: RawConfig = Field(default_factory=RawConfig, description="File format and quality of the stored images "
+                           "and clips.")
+    video: VideoConfig = Field(default_factory=VideoConfig, description="Clips: buckets (set them to store clips), "
+                               "frame rate, frame sampling.")
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

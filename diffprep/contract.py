@@ -38,6 +38,11 @@ POSTERIOR_FIELDS = (MEAN, LOGVAR)
 # Per-sample fields of a raw (not pre-encoded) shard: one image file and its caption.
 RAW_IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 RAW_CAPTION = "txt"
+# A raw video shard (FastGen's VideoWDSLoader and most webdataset video loaders): the bucketed clip as an H.264 mp4,
+# its caption and its metadata (source id, fps, frame indices, bucket, crop box).
+RAW_VIDEO = "mp4"
+RAW_VIDEO_META = "json"
+RAW_VIDEO_FIELDS = (RAW_VIDEO, RAW_CAPTION, RAW_VIDEO_META)
 
 # Classifier-free guidance files at the output's top, for trainers that read them from a folder (Primus's
 # empty_encodings_path): the empty caption's T5 sequence [1, L, 4096] and CLIP pooled [1, 768], float32 .npy.
@@ -67,8 +72,9 @@ ENCODING_PREENCODED = "preencoded"
 ENCODING_RAW = "raw"
 ENCODING_WAN = "wan"  # pre-encoded with a Wan 2.x model (video)
 ENCODING_LTX2 = "ltx2"  # pre-encoded with an LTX-2 checkpoint (video + audio)
+ENCODING_RAW_VIDEO = "raw_video"  # clips stored as mp4, not encoded
 ENCODING_LTX2_AUDIO = "ltx2_audio"  # LTX-2 audio only (T2A): audio latents and text, no video latents
-ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_LTX2_AUDIO)
+ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO)
 
 # The LTX-2 trainer's layout (--layout ltx; reference/consumer-formats.md A1/A2): under <out>/.precomputed/, one
 # torch.save'd dict per sample and folder, named after the sample's media path relative to the metadata file with

@@ -38,11 +38,13 @@ datasets load with ``FluxBucketedTaskEncoder``, which batches samples of one
 size together (Energon's ``batch_group_criterion``); video datasets with
 ``VideoPreencodedTaskEncoder`` (one resolution bucket per batch). Raw datasets load with ``FluxRawTaskEncoder``,
 which yields the image file's bytes and the caption (decode and augment in
-your own ``encode_sample``).
+your own ``encode_sample``); raw video datasets with ``RawVideoTaskEncoder`` (the mp4 bytes) or
+``RawVideoFramesTaskEncoder`` (decoded frames, one bucket per batch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -185,33 +187,73 @@ class VideoPreencodedBatch(Batch):
     bucket: list[str]
 
 
-def _meta_of(sample: dict) -> dict:
+def _meta_of(sample: dict, name: str = contract.META) -> dict:
     key = sample.get("__key__", "?")
     try:
-        meta = json.loads(_text(sample, contract.META))
+        meta = json.loads(_text(sample, name))
     except json.JSONDecodeError as error:
-        raise SampleLoadError(f"sample {key!r} field {contract.META!r} is not valid JSON: {error}") from None
+        raise SampleLoadError(f"sample {key!r} field {name!r} is not valid JSON: {error}") from None
     if not isinstance(meta, dict):
-        raise SampleLoadError(f"sample {key!r} field {contract.META!r} holds a {type(meta).__name__}, expected an object")
+        raise SampleLoadError(f"sample {key!r} field {name!r} holds a {type(meta).__name__}, expected an object")
     return meta
+
+
+def _bucket_of(sample: dict, meta: dict) -> str:
+    bucket = meta.get("bucket")
+    if not (isinstance(bucket, list) and len(bucket) == 3):
+        raise SampleLoadError(f"sample {sample.get('__key__', '?')!r} metadata has no bucket [W, H, F]")
+    return "x".join(str(v) for v in bucket)
 
 
 @stateless
 def cook_video(sample: dict) -> VideoPreencodedSample:
     """Turn a crude pre-encoded clip into a ``VideoPreencodedSample`` (its bucket from meta.json)."""
     sample = _in_fields(sample)
-    key = sample.get("__key__", "?")
     meta = _meta_of(sample)
-    bucket = meta.get("bucket")
-    if not (isinstance(bucket, list) and len(bucket) == 3):
-        raise SampleLoadError(f"sample {key!r} meta.json has no bucket [W, H, F]")
+    bucket = _bucket_of(sample, meta)
     return VideoPreencodedSample(
         **basic_sample_keys(sample),
         latents=_tensor(sample, contract.LATENTS),
         prompt_embeds=_tensor(sample, contract.PROMPT_EMBEDS),
         caption=_text(sample, contract.CAPTION),
         meta=meta,
-        bucket="x".join(str(v) for v in bucket),
+        bucket=bucket,
+    )
+
+
+@edataclass
+class RawVideoSample(Sample):
+    """One raw clip (``encoding: raw_video``): the H.264 mp4 as stored, its caption and metadata."""
+
+    #: The mp4 file's bytes: the clip's frames at its bucket size (``meta["fps"]`` frames per second).
+    video: bytes
+    caption: str
+    #: Source id, fps, frame indices and times, bucket, crop box.
+    meta: dict
+    #: "WxHxF": the resolution bucket.
+    bucket: str
+    #: ``RawVideoFramesTaskEncoder`` only: the decoded frames, uint8 RGB [F, 3, H, W].
+    frames: torch.Tensor | None = None
+
+
+@edataclass
+class RawVideoBatch(Batch):
+    frames: torch.Tensor  # uint8 [B, F, 3, H, W]
+    caption: list[str]
+    meta: list[dict]
+    bucket: list[str]
+
+
+@stateless
+def cook_raw_video(sample: dict) -> RawVideoSample:
+    """Turn a crude raw clip into a ``RawVideoSample`` (mp4 bytes untouched, its bucket from the metadata)."""
+    meta = _meta_of(sample, contract.RAW_VIDEO_META)
+    return RawVideoSample(
+        **basic_sample_keys(sample),
+        video=_field(sample, contract.RAW_VIDEO),
+        caption=_text(sample, RAW_CAPTION),
+        meta=meta,
+        bucket=_bucket_of(sample, meta),
     )
 
 
@@ -280,7 +322,8 @@ RAW_COOKER = Cooker(cook_raw, has_subflavors={"encoding": contract.ENCODING_RAW}
 WAN_COOKER = Cooker(cook_video, has_subflavors={"encoding": contract.ENCODING_WAN})
 LTX2_COOKER = Cooker(cook_ltx2, has_subflavors={"encoding": contract.ENCODING_LTX2})
 LTX2_AUDIO_COOKER = Cooker(cook_ltx2_audio, has_subflavors={"encoding": contract.ENCODING_LTX2_AUDIO})
-COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER, LTX2_COOKER, LTX2_AUDIO_COOKER]
+RAW_VIDEO_COOKER = Cooker(cook_raw_video, has_subflavors={"encoding": contract.ENCODING_RAW_VIDEO})
+COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER, LTX2_COOKER, LTX2_AUDIO_COOKER, RAW_VIDEO_COOKER]
 
 
 def _stack(samples: list[Any], name: str) -> torch.Tensor:
@@ -343,23 +386,27 @@ class VideoSampleTaskEncoder(
     cookers = [WAN_COOKER]
 
 
-class VideoPreencodedTaskEncoder(VideoSampleTaskEncoder):
-    """Loads a pre-encoded video dataset for training: a batch holds samples of one bucket only (Energon's
-    ``batch_group_criterion``), so clips of different sizes are never stacked together. Needs a ``batch_size``."""
+class _OneBucketPerBatch:
+    """Batches of one resolution bucket only (Energon's ``batch_group_criterion``): clips of different sizes are
+    never stacked together."""
 
-    def batch_group_criterion(self, sample: VideoPreencodedSample) -> tuple[str, None]:
+    def batch_group_criterion(self, sample: Any) -> tuple[str, None]:
         return sample.bucket, None  # None: the loader's batch_size for every bucket
+
+
+def _bucket_batch(batch_type: type, samples: list[Any], *tensors: str) -> Any:
+    """A batch of one bucket's samples: ``tensors`` stacked, captions, metas and buckets as lists."""
+    return batch_type.from_samples(samples, **{name: _stack(samples, name) for name in tensors},
+                                   caption=[s.caption for s in samples], meta=[s.meta for s in samples],
+                                   bucket=[s.bucket for s in samples])
+
+
+class VideoPreencodedTaskEncoder(_OneBucketPerBatch, VideoSampleTaskEncoder):
+    """Loads a pre-encoded video dataset for training, one bucket per batch. Needs a ``batch_size``."""
 
     @stateless
     def batch(self, samples: list[VideoPreencodedSample]) -> VideoPreencodedBatch:
-        return VideoPreencodedBatch.from_samples(
-            samples,
-            latents=_stack(samples, "latents"),
-            prompt_embeds=_stack(samples, "prompt_embeds"),
-            caption=[sample.caption for sample in samples],
-            meta=[sample.meta for sample in samples],
-            bucket=[sample.bucket for sample in samples],
-        )
+        return _bucket_batch(VideoPreencodedBatch, samples, "latents", "prompt_embeds")
 
 
 class Ltx2SampleTaskEncoder(DefaultTaskEncoder[Ltx2Sample, Ltx2Sample, Any, Any]):
@@ -373,3 +420,30 @@ class Ltx2SampleTaskEncoder(DefaultTaskEncoder[Ltx2Sample, Ltx2Sample, Any, Any]
     decoder = None
     cookers = [LTX2_COOKER, LTX2_AUDIO_COOKER]
 
+
+class RawVideoTaskEncoder(DefaultTaskEncoder[RawVideoSample, RawVideoSample, Any, Any]):
+    """Loads a raw video dataset (``encoding: raw_video``) as ``RawVideoSample``s: the mp4 bytes, caption, metadata
+    (sample by sample: validation; decode and augment in your own ``encode_sample``)."""
+
+    decoder = None
+    cookers = [RAW_VIDEO_COOKER]
+
+
+class RawVideoFramesTaskEncoder(_OneBucketPerBatch, RawVideoTaskEncoder):
+    """Loads a raw video dataset for training: each mp4 decoded to uint8 frames ``[F, 3, H, W]``
+    (``diffprep.media.mp4.mp4_frames``), a batch holding one bucket only. Needs a ``batch_size``."""
+
+    @stateless
+    def encode_sample(self, sample: RawVideoSample) -> RawVideoSample:
+        from diffprep.media.mp4 import mp4_frames
+
+        try:
+            frames = mp4_frames(sample.video)
+        except Exception as error:  # noqa: BLE001 - av's errors and an empty clip, named with the sample
+            raise SampleLoadError(f"sample {sample.__key__!r} mp4 does not decode: {type(error).__name__}: "
+                                  f"{error}") from None
+        return dataclasses.replace(sample, frames=frames)
+
+    @stateless
+    def batch(self, samples: list[RawVideoSample]) -> RawVideoBatch:
+        return _bucket_batch(RawVideoBatch, samples, "frames")

@@ -6,7 +6,7 @@ and validate phases share these pieces:
 - :func:`read_samples`: N samples spread evenly over the committed units, read
   straight from their tars (tensors with ``weights_only=True``).
 - each encoding's ``decode_stored``: stored samples back to pixels (the
-  pre-encoded latents through the dataset's own VAE, ``diffprep.encoders.vae``;
+  pre-encoded latents through the dataset's own VAE, ``diffprep.families.flux_vae``;
   raw image files as stored);
 - :func:`source_media`: the source images re-read through the plan's source
   and prepared with the plan's image settings: exactly the pixels that were
@@ -41,7 +41,8 @@ from diffprep.images import ImageSpec, prepare_image
 from diffprep.layouts import Layout
 from diffprep.media.audio import AudioSpec, ClipAudio, wav_bytes
 from diffprep.media.buckets import Bucket
-from diffprep.media.video import ClipSpec, clip_fps, mp4_bytes
+from diffprep.media.mp4 import mp4_bytes
+from diffprep.media.video import ClipSpec
 from diffprep.pictures import CONTACT_SHEET, Preview, frame_strip, png_bytes, write_contact_sheet
 from diffprep.plan import Plan, read_plan
 from diffprep.shards import atomic_write_bytes, read_manifests
@@ -58,7 +59,7 @@ class StoredSample:
 
     @property
     def meta(self) -> dict[str, Any]:
-        data = self.fields.get(contract.META)
+        data = self.fields.get(contract.META, self.fields.get(contract.RAW_VIDEO_META))
         return json.loads(data) if data else {}
 
     @property
@@ -280,7 +281,7 @@ def decode_dataset(
     sounds: list[ClipAudio | None] = [sound.decode(s) for s in stored] if sound else [None] * len(stored)
     sources = source_media(plan, stored, token=token, local_only=local_only) if plan is not None else {}
     previews = []
-    clips: dict[str, torch.Tensor] = {}
+    clips: dict[str, tuple[torch.Tensor, float]] = {}  # key -> decoded frames and their rate
     for sample, image, audio in zip(stored, decoded, sounds):
         media = sources.get(sample.key, "plan.json is missing: the source is unknown")
         found = media.pixels if isinstance(media, SourceMedia) else media
@@ -295,7 +296,7 @@ def decode_dataset(
         if isinstance(found, torch.Tensor) and found.shape != image.shape:
             found = f"decoded {list(image.shape)} but the source prepares to {list(found.shape)}"
         if image.ndim == 4:  # a clip [F, 3, H, W]: its frames side by side, the PSNR over all of them
-            clips[sample.key] = image
+            clips[sample.key] = (image, sample.meta.get("fps") or 16.0)
             image = frame_strip(image)
             found = frame_strip(found) if isinstance(found, torch.Tensor) else found
         previews.append(Preview(
@@ -311,9 +312,9 @@ def decode_dataset(
             path = folder / f"{preview.key}.png"
             atomic_write_bytes(path, png_bytes(preview.decoded))
             report.images.append(str(path))
-            if preview.key in clips:  # at the clip's own frame rate, so that its sound keeps in step
-                fps = clip_fps(sample.meta) or sample.meta.get("fps") or 16.0
-                atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(clips[preview.key], fps, audio))
+            if preview.key in clips:  # with its decoded sound where the dataset has audio
+                frames, fps = clips[preview.key]
+                atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(frames, fps, audio=audio))
             elif audio is not None:
                 atomic_write_bytes(folder / f"{preview.key}.wav", wav_bytes(audio))
             if preview.source is not None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from diffprep import contract
 from diffprep.config import Settings
-from diffprep.encoders import resolve_token
+from diffprep.hub import resolve_token
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import SourceError
 from diffprep.output import Output, as_output

@@ -33,13 +33,13 @@ import torch
 from diffprep.approvals import ABORT, Question, ask_terminal
 from diffprep.audit import AuditReport, audit, rejects_accepted, rejects_question
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
-from diffprep.encoders import resolve_token
+from diffprep.hub import resolve_token
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.energon import FinalizeResult, finalize, split_question
 from diffprep.errors import DiffprepError
 from diffprep.existing import Decision, Inspection, decide, inspect_output
 from diffprep.fetch import fetch
-from diffprep.launch import STOP, Group, my_units
+from diffprep.launch import Group, my_units
 from diffprep.output import Output, OutputRef, ref_of
 from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
@@ -156,8 +156,15 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
         _WORKING_BATCH[loaded] = batch_size
         return result
 
-    return with_smaller_batches_on_oom(attempt, start, what=f"unit {unit}",
-                                       advice=encoding.oom_advice(settings, loaded))
+    result = with_smaller_batches_on_oom(attempt, start, what=f"unit {unit}",
+                                         advice=encoding.oom_advice(settings, loaded))
+    cache = getattr(loaded, "text_cache", None)
+    if cache is not None and not result.skipped:
+        stats = cache.stats
+        log.info("text encoders in this process so far: %d of %d captions encoded, %d from the cache (%d kept, "
+                 "%.0f of %.0f MiB)", stats.encoded, stats.captions, stats.hits, len(cache), cache.bytes / 2**20,
+                 cache.max_bytes / 2**20)
+    return result
 
 
 def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: Ask = ask_here, *,
@@ -325,29 +332,38 @@ class Steps:
 
 
 def follow_rank(settings: Settings, encoding: str, group: Group, token: str | None = None) -> dict[str, Any]:
-    """A rank other than 0: wait for rank 0's decision, encode this rank's units, meet the others at the end.
+    """A rank other than 0: wait for rank 0's decision, encode this rank's units, hear how the run ended.
 
     The plan is rank 0's (read from the output); this rank checks that its own
-    settings give the same fingerprint before it writes anything.
+    settings give the same fingerprint before it writes anything. Raises when
+    a rank failed (naming it) or when rank 0 did not finish the run.
     """
-    message = group.broadcast()
-    if message == STOP:
-        return {"rank": group.ranks.rank, "units": [], "out_dir": None}
+    rank = group.ranks.rank
+    message = group.decide()
+    if message is None:
+        return {"rank": rank, "units": [], "out_dir": None}
     mine_fp = fingerprint(get_encoding(encoding_for(settings, encoding, token)).planned(settings, token)[0])
     if mine_fp != message["fingerprint"]:
-        raise DiffprepError(f"rank {group.ranks.rank} has settings of fingerprint {mine_fp}, rank 0 planned "
+        raise DiffprepError(f"rank {rank} has settings of fingerprint {mine_fp}, rank 0 planned "
                             f"{message['fingerprint']}: every rank must run the same command")
     output = OutputRef(**message["output"]).open()
     plan = output.state.plan()
     if plan is None or plan.fingerprint != message["fingerprint"]:
-        raise DiffprepError(f"rank {group.ranks.rank}: {output.uri} holds no plan of fingerprint "
-                            f"{message['fingerprint']}")
+        raise DiffprepError(f"rank {rank}: {output.uri} holds no plan of fingerprint {message['fingerprint']}")
     units = my_units(message["units"], group.ranks)
-    for unit in units:
+
+    def encode(unit: int) -> dict:
         result = encode_one_unit(settings, output, plan, unit, token)
-        log.info("rank %d: unit %06d, %d written, %d rejected", group.ranks.rank, unit, result.count, result.rejected)
-    group.barrier()
-    return {"rank": group.ranks.rank, "units": units, "out_dir": output.uri}
+        return {"unit": unit, "count": result.count, "rejected": result.rejected,
+                "seconds": round(result.seconds, 3), "skipped": result.skipped}
+
+    def done(result: dict) -> None:
+        log.info("rank %d: unit %06d, %d written, %d rejected in %.1f s", rank, result["unit"], result["count"],
+                 result["rejected"], result["seconds"])
+
+    group.encode(units, encode, done)
+    group.outcome()  # rank 0 audits, finalizes and validates meanwhile
+    return {"rank": rank, "units": units, "out_dir": output.uri}
 
 
 # --- the whole run -----------------------------------------------------------------------------------------------------

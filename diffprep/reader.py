@@ -65,8 +65,8 @@ def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Pre
         return spec.prepare(sample.media, video=sample.video is not None,
                             bucket=parse_bucket(bucket) if bucket else None, reference=sample.reference)
     if sample.image is None:
-        raise RejectError("unexpected_video", "a clip in an image run: encode it with a video model family",
-                          phase="read")
+        raise RejectError("unexpected_video", "a clip in an image run: encode it with a video model family (or "
+                          "store clips with `diffprep raw --resolution-buckets`)", phase="read")
     return prepare_image(sample.image, spec)
 
 

@@ -48,14 +48,18 @@ class SanityReport:
     min_psnr: float = 0.0  # the median of psnr_db must reach this; 0: not checked
     contact_sheet: str | None = None  # the batch's images next to their round trip
     local_bytes: int | None = None  # needed on this disk when less than projected_bytes (a bucket output)
-    buckets: dict[str, dict] | None = None  # video runs: per bucket, samples left and their projected s and bytes
+    # Clip runs: per bucket, the samples left and their projected seconds, bytes and peak memory (an upper
+    # bound: diffprep.encodings.clips); the bucket the batch ran at and the memory resident before it.
+    buckets: dict[str, dict] | None = None
+    bucket: str | None = None
+    baseline_memory_bytes: int | None = None
     audio_mel_l1: list[float] | None = None  # LTX-2 with audio: each sample's sound decoded again, log-mel L1
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for optional in ("buckets", "audio_mel_l1"):
-            if data[optional] is None:
-                del data[optional]
+        for name in ("buckets", "bucket", "baseline_memory_bytes", "audio_mel_l1"):
+            if data[name] is None:
+                del data[name]
         return data
 
 
@@ -78,6 +82,13 @@ def sanity_markdown(report: dict) -> str:
         f"| projected | {report['projected_bytes'] / gib:.2f} GiB, {report['projected_seconds']} s; "
         f"{report['free_bytes'] / gib:.2f} GiB free |",
     ]
+    if report.get("buckets"):
+        lines += ["", f"Per bucket (the batch ran at {report.get('bucket')}; memory: an upper bound from its peak):",
+                  "", "| bucket | samples | projected s | projected GiB | peak memory GiB |", "|---|---|---|---|---|"]
+        for name, entry in report["buckets"].items():
+            memory = entry.get("peak_memory_bytes")
+            shown = f"{memory / gib:.2f}" if memory is not None else "n/a"
+            lines.append(f"| {name} | {entry['samples']} | {entry['seconds']} | {entry['bytes'] / gib:.3f} | {shown} |")
     if report["problems"]:
         lines += ["", "**Problems:**", *(f"- {problem}" for problem in report["problems"])]
     return "\n".join(lines) + "\n"
@@ -87,6 +98,53 @@ def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _proc_status_kib(name: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class MemoryWatch:
+    """Memory on ``device`` around a block of work: ``baseline`` before it and ``peak`` during it, in bytes.
+
+    CUDA: the allocator's counters. CPU: the resident set, its high-water mark
+    reset first (Linux ``/proc/self/clear_refs``, which also restarts what
+    ``ru_maxrss`` reports from here); where that is refused, the process's
+    lifetime peak (``ru_maxrss``), which may include earlier work.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = 0
+        self.peak = 0
+        self._reset = False
+
+    def __enter__(self) -> "MemoryWatch":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = int(torch.cuda.memory_allocated(self.device))
+            return self
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set size
+            self._reset = True
+        except OSError:
+            self._reset = False
+        rss = _proc_status_kib("VmRSS")
+        self.baseline = rss * 1024 if rss is not None else 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+            return
+        hwm = _proc_status_kib("VmHWM") if self._reset else None
+        self.peak = hwm * 1024 if hwm is not None else peak_memory(self.device)
 
 
 def check_round_trip(output: Output, batch: Batch, decoded: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The encode-raw flow: prepared images and captions stored as files, for encoding at training time.
+"""The encode-raw flow: prepared images (or, with resolution buckets, bucketed clips as mp4) and captions stored as
+files, for encoding at training time.
 
 The same phases as encode-dataset (verify, approvals, lock, audit, finalize,
 validate, artifacts) with the raw encoding: a one-batch check without
@@ -17,7 +18,8 @@ from diffprep.flows.encode import run_flow
 
 @flow(name="encode-raw", log_prints=True)
 def encode_raw(parameters: RawParameters | None = None) -> dict:
-    """Store a source's images (resized, as jpg, png or webp) and captions as a validated Energon dataset.
+    """Store a source's images (resized, as jpg, png or webp) or, with ``video.resolution_buckets``, its clips
+    (bucketed, as H.264 mp4 + json) and captions as a validated Energon dataset.
 
     Existing data is changed only after an approval, as in encode-dataset.
 

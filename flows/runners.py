@@ -8,7 +8,7 @@
   work pool on other machines; the output must be on shared storage.
 - ``ranks``: the ranks of a torchrun / SLURM launch (``diffprep.launch``): the
   decision is broadcast, each rank encodes ``u % N == rank``, this flow (rank 0)
-  follows the others' units as their manifests land.
+  reports the others' units as they finish; a failed rank stops them all.
 
 Progress (units done, samples/s per worker and overall, ETA) is reported from
 the flow, as units finish: a progress artifact and one log line per unit.
@@ -16,7 +16,6 @@ the flow, as units finish: a progress artifact and one log line per unit.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Callable
 
@@ -105,36 +104,11 @@ def fan_out(settings: Settings, output: Output, plan: Plan, units: list[int], pr
 
 def ranks(settings: Settings, output: Output, plan: Plan, units: list[int], progress: Progress) -> None:
     group = launch.group()
-    group.broadcast({"output": ref_of(output).model_dump(), "units": units, "fingerprint": plan.fingerprint})
-    mine = launch.my_units(units, group.ranks)
-    for unit in mine:
-        progress.unit_done(encode_unit_task(settings, ref_of(output), unit))
-    # The other ranks' units, reported as their manifests land, until every rank has met at the barrier.
-    met = threading.Event()
-    failure: list[BaseException] = []
-
-    def meet() -> None:
-        try:
-            group.barrier()
-        except BaseException as error:  # noqa: BLE001 - handed to the flow
-            failure.append(error)
-        finally:
-            met.set()
-
-    threading.Thread(target=meet, name="diffprep-ranks", daemon=True).start()
-    reported = set(mine)
-    while True:
-        finished = met.wait(FAN_OUT_POLL_SECONDS / 5)
-        for unit in sorted((output.state.manifest_units() & set(units)) - reported):  # only new manifests are read
-            manifest = output.state.manifest(unit)
-            reported.add(unit)
-            progress.unit_done({"unit": unit, "count": manifest.count, "rejected": len(manifest.rejects),
-                                "seconds": 0.0, "worker": f"rank {unit % group.ranks.world_size}"})
-        if finished:
-            break
-    if failure:
-        raise DiffprepError(f"the ranks did not all finish ({failure[0]}); finished units are kept: re-run with any "
-                            "number of ranks to encode the rest")
+    group.decide({"output": ref_of(output).model_dump(), "units": units, "fingerprint": plan.fingerprint})
+    # This rank's units, and the other ranks' as they finish (their counts and seconds, posted by each rank);
+    # raises naming the ranks that failed, so nothing is audited after a failure.
+    group.encode(launch.my_units(units, group.ranks), lambda unit: encode_unit_task(settings, ref_of(output), unit),
+                 progress.unit_done)
 
 
 RUNNERS: dict[str, Callable[[Settings, Output, Plan, list[int], Progress], None]] = {

@@ -21,7 +21,7 @@ from diffprep.tasks.validate import validate_task
 @flow(name="validate-dataset", log_prints=True)
 def validate_dataset_flow(
     out_dir: str,
-    encoding: Literal["preencoded", "raw"] | None = None,
+    encoding: Literal["preencoded", "raw", "wan", "ltx2", "raw_video"] | None = None,
     max_load: Annotated[int, Field(ge=1)] | None = None,
     s3_endpoint_url: str | None = None,
     aws_credentials_block: str | None = None,

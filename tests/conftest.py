@@ -29,7 +29,7 @@ from diffprep.config import Settings, load_settings
 from diffprep.demo import write_demo_dataset
 from diffprep.plan import Plan, UnitPlan, fingerprint
 from diffprep.shards import Reject, ShardWriter, UnitManifest, write_manifest
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 # Small values that keep an encode of the tiny model well under a second per unit.
 SMALL_SETTINGS: dict[str, dict[str, Any]] = {
@@ -61,6 +61,14 @@ def tiny_ltx2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from diffprep.families.ltx2_tiny import write_tiny_ltx2
 
     return write_tiny_ltx2(tmp_path_factory.mktemp("tiny") / "ltx2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight Wan set in its diffusers layout (written once per session; do not modify)."""
+    from diffprep.families.wan_tiny import write_tiny_wan
+
+    return write_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
 
 
 @pytest.fixture

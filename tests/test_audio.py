@@ -107,14 +107,14 @@ def test_duration_buckets_take_the_longest_that_fits_and_name_the_short_files(tm
 def test_mp4_with_sound_is_byte_stable_and_wav_is_lossless():
     """diffprep decode's files: the mp4's AAC track (same inputs, same bytes: the pinned av wheel's encoder at a
     fixed bit rate) and the WAV of an audio-only sample (16-bit PCM)."""
-    from diffprep.media.video import mp4_bytes
+    from diffprep.media.mp4 import mp4_bytes
 
     frames = torch.randint(0, 256, (FRAMES, 3, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     time = torch.arange(int(24000 * FRAMES / FPS)) / 24000
     sound = clip_audio.ClipAudio(torch.stack([0.3 * torch.sin(2 * np.pi * 440 * time),
                                               0.3 * torch.sin(2 * np.pi * 660 * time)]).float(), 24000, 2)
-    first = mp4_bytes(frames, FPS, sound)
-    assert first == mp4_bytes(frames, FPS, sound) and first != mp4_bytes(frames, FPS)
+    first = mp4_bytes(frames, FPS, audio=sound)
+    assert first == mp4_bytes(frames, FPS, audio=sound) and first != mp4_bytes(frames, FPS)
     back = clip_audio.load_clip_audio(io.BytesIO(first))
     assert back.sample_rate == 24000 and abs(back.duration - FRAMES / FPS) < 0.05
     wav = clip_audio.load_clip_audio(io.BytesIO(clip_audio.wav_bytes(sound)))

@@ -34,7 +34,7 @@ from diffprep.audit import AuditReport, audit
 from diffprep.config import ModelConfig, Settings, load_settings
 from diffprep.encodings.preencoded import preencoded_fields
 from diffprep.units import encode_unit
-from diffprep.encoders.flux import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec
 from diffprep.plan import Plan, write_plan

@@ -22,7 +22,7 @@ from diffprep.cli import main
 from diffprep.demo import write_demo_dataset
 from diffprep.encodings.preencoded import preencoded_fields
 from diffprep.units import DiskSpaceError, encode_unit
-from diffprep.encoders import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.failpoints import ENV as FAILPOINT_ENV
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec

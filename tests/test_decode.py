@@ -30,12 +30,12 @@ from diffprep.audit import audit
 from diffprep.cli import main
 from diffprep.config import Settings, SourceConfig, load_settings
 from diffprep.decode import decode_dataset, read_samples, source_config
-from diffprep.encoders.vae import VaeDecoder
+from diffprep.families.flux_vae import VaeDecoder
 from diffprep.pictures import CONTACT_SHEET
 from diffprep.demo import write_demo_dataset
 from diffprep.encodings.preencoded import preencoded_fields, sanity_check
 from diffprep.units import encode_unit
-from diffprep.encoders.flux import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.energon import finalize
 from diffprep.errors import ConfigError, DiffprepError, SourceError
 from diffprep.fetch import fetch

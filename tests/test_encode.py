@@ -22,7 +22,7 @@ from diffprep.encodings.preencoded import preencoded_fields, sanity_check
 from diffprep.output import Output
 from diffprep.reader import iter_batches, prefetch
 from diffprep.units import DiskSpaceError, encode_unit
-from diffprep.encoders.flux import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.errors import DiffprepError
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec, target_size

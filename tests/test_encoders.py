@@ -22,9 +22,11 @@ import torch
 from diffusers import FluxPipeline
 
 from diffprep.config import ModelConfig
-from diffprep.encoders import FluxEncoders, describe_flux, noise_seed, resolve_device, resolve_encoders
+from diffprep.families.base import noise_seed, resolve_device
+from diffprep.families.flux import FluxEncoders, describe_flux, resolve_encoders
+from diffprep.families.text_cache import TEXT_BATCH
 from diffprep.errors import ConfigError
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 T5_LENGTH = 16  # short, so that ordinary captions get truncated
 CAPTIONS = [
@@ -111,7 +113,7 @@ def test_tiny_tokenizers_have_flux_special_tokens(encoders):
 
 
 def test_text_embeddings_equal_flux_pipeline(encoders, pipe, caplog):
-    with caplog.at_level(logging.WARNING, logger="diffprep.encoders"):
+    with caplog.at_level(logging.WARNING, logger="diffprep.families.flux"):
         ours = encoders.encode_text(CAPTIONS)
     with torch.no_grad():
         prompt_embeds, pooled_prompt_embeds, _ = pipe.encode_prompt(
@@ -140,20 +142,55 @@ def test_text_embeddings_equal_flux_pipeline_in_bf16(tiny):
     assert ours.t5_truncated == [False] * len(CAPTIONS)
 
 
-def test_duplicate_captions_are_encoded_once_with_the_same_result(encoders, pipe):
+def _with_cache(e: FluxEncoders, text_cache_bytes: int | None = None) -> FluxEncoders:
+    """The same models with a cache of their own."""
+    return FluxEncoders(
+        e.vae, e.clip_text, e.clip_tokenizer, e.t5_text, e.t5_tokenizer, device=e.device, dtype=e.dtype,
+        t5_max_length=e.t5_max_length, latent_mode=e.latent_mode, parts=e.parts, text_cache_bytes=text_cache_bytes,
+    )  # fmt: skip
+
+
+def test_each_distinct_caption_is_encoded_once_in_a_fixed_shape_and_kept(encoders, pipe):
+    fresh = _with_cache(encoders)
     captions = [CAPTIONS[0], CAPTIONS[3], CAPTIONS[0], CAPTIONS[1], CAPTIONS[3]]
     batch_sizes: list[int] = []
-    hook = encoders.t5_text.register_forward_hook(lambda module, args, output: batch_sizes.append(args[0].shape[0]))
+    hooks = [module.register_forward_hook(lambda module, args, output: batch_sizes.append(args[0].shape[0]))
+             for module in (fresh.t5_text, fresh.clip_text)]
     try:
-        ours = encoders.encode_text(captions)
+        ours = fresh.encode_text(captions)
+        again = fresh.encode_text([CAPTIONS[3], CAPTIONS[2], CAPTIONS[0]])
     finally:
-        hook.remove()
-    assert batch_sizes == [3]
+        for hook in hooks:
+            hook.remove()
+    # 3 distinct captions, then 1 new one: each through T5 and CLIP once, in batches of exactly TEXT_BATCH
+    # (filled with empty captions), so that no caption's bytes depend on how many were encoded with it.
+    assert batch_sizes == [TEXT_BATCH] * 4
+    assert (fresh.text_cache.stats.encoded, fresh.text_cache.stats.calls, fresh.text_cache.stats.hits) == (4, 2, 2)
+    assert len(fresh.text_cache) == 4
     with torch.no_grad():
         prompt_embeds, pooled_prompt_embeds, _ = pipe.encode_prompt(prompt=captions, max_sequence_length=T5_LENGTH)
     assert torch.equal(ours.prompt_embeds, prompt_embeds)
     assert torch.equal(ours.pooled_prompt_embeds, pooled_prompt_embeds)
     assert ours.t5_truncated == [False, True, False, False, True]
+    # A hit hands back the bytes of the miss; the new caption is what encoding it alone gives.
+    assert torch.equal(again.prompt_embeds[0], ours.prompt_embeds[1])
+    assert torch.equal(again.pooled_prompt_embeds[2], ours.pooled_prompt_embeds[0])
+    alone = encoders.encode_rows([CAPTIONS[2]])[0]
+    assert torch.equal(again.prompt_embeds[1], alone[0]) and torch.equal(again.pooled_prompt_embeds[1], alone[1])
+
+
+def test_text_cache_is_bounded_in_bytes(encoders):
+    one = encoders.t5_max_length * encoders.t5_hidden * 4 + encoders.clip_hidden * 4  # fp32 T5 row + pooled row
+    small = _with_cache(encoders, text_cache_bytes=one + 64)
+    first = small.encode_text(CAPTIONS[:2])
+    assert len(small.text_cache) == 1 and small.text_cache.bytes <= one + 64
+    assert small.text_cache.stats.evicted == 1  # the least recently used went out
+    assert torch.equal(small.encode_text(CAPTIONS[:2]).prompt_embeds, first.prompt_embeds)
+    assert small.text_cache.stats.encoded == 3  # CAPTIONS[0] again; CAPTIONS[1] from the cache
+    off = _with_cache(encoders, text_cache_bytes=0)
+    for _ in range(2):
+        assert torch.equal(off.encode_text(CAPTIONS[:2] * 2).prompt_embeds, torch.cat([first.prompt_embeds] * 2))
+    assert (len(off.text_cache), off.text_cache.stats.encoded, off.text_cache.stats.calls) == (0, 4, 2)
 
 
 def test_text_input_checks(encoders):

@@ -21,9 +21,10 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects, hf_raise_for_status
 
 from diffprep.config import ModelConfig
-from diffprep.encoders.hub import resolve_component, resolve_encoders, resolve_token
+from diffprep.families.flux import resolve_encoders
+from diffprep.hub import resolve_component, resolve_token
 from diffprep.errors import AuthError, ConfigError
-from diffprep.tiny import write_tiny_model
+from diffprep.families.flux_tiny import write_tiny_model
 
 REPO = "black-forest-labs/FLUX.1-dev"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -29,7 +29,7 @@ from diffprep import contract
 from diffprep.audit import audit
 from diffprep.config import load_settings
 from diffprep.decode import decode_dataset
-from diffprep.encoders import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.encodings import get_encoding
 from diffprep.energon import read_subflavors
 from diffprep.errors import ConfigError

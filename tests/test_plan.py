@@ -238,6 +238,7 @@ def test_fetch_extends_the_plan_of_a_grown_source(
     ("section", "values", "changes"),
     [
         ("model", {"batch_size": 2}, False),
+        ("model", {"text_cache_mib": 0}, False),  # the caption cache writes the same bytes
         ("image", {"decode_workers": 2}, False),
         ("output", {"max_samples": 3}, False),
         ("image", {"image_size": 64}, True),
@@ -256,3 +257,34 @@ def test_fingerprint_covers_the_byte_affecting_settings(
     base, _ = fetch(settings_for(tmp_path / "out", demo_data, tiny_model))
     changed, _ = fetch(settings_for(tmp_path / "out", demo_data, tiny_model, **{section: values}))
     assert (changed.fingerprint != base.fingerprint) is changes
+
+
+def test_fingerprint_counts_the_class_names_not_their_file(tmp_path: Path, demo_data: Path, tiny_model: Path,
+                                                          settings_for) -> None:
+    import datasets
+    from PIL import Image
+
+    from diffprep.fetch import fetch
+
+    data = tmp_path / "labels"
+    rows = {"image": [Image.new("RGB", (8, 8), (i, 0, 0)) for i in range(3)], "label": [0, 1, 0]}
+    datasets.Dataset.from_dict(rows, features=datasets.Features(
+        {"image": datasets.Image(), "label": datasets.Value("int64")})).save_to_disk(str(data))
+    first, moved = tmp_path / "names.txt", tmp_path / "elsewhere.txt"
+    first.write_text("tench\ngoldfish\n")
+    moved.write_text("tench\n\ngoldfish\n")  # the same names (a blank line is no name)
+
+    def planned(names: Path, **source):
+        source = {"type": "huggingface", "hf_dataset": str(data), "input_dir": None, "caption_key": "label",
+                  "class_names": str(names),
+                  **source}
+        return fetch(settings_for(tmp_path / "out", data, tiny_model, source=source))[0]
+
+    base = planned(first)
+    assert set(base.settings["captions"]) == {"class_names_sha256"}
+    assert planned(moved).fingerprint == base.fingerprint  # another path, the same names
+    assert planned(first, caption_template="a photo of a {label}").fingerprint != base.fingerprint
+    first.write_text("tench\ngoldfish (renamed)\n")  # the file edited in place: other captions, other bytes
+    assert planned(first).fingerprint != base.fingerprint
+    # Without class names or a template the plan holds no "captions" entry: other fingerprints stay as they were.
+    assert "captions" not in fetch(settings_for(tmp_path / "out2", demo_data, tiny_model))[0].settings

@@ -16,7 +16,7 @@ import torch
 from diffprep import contract
 from diffprep.audit import audit
 from diffprep.cooker import cook_preencoded
-from diffprep.encoders import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.encodings.preencoded import preencoded_fields
 from diffprep.energon import finalize
 from diffprep.fetch import fetch

@@ -20,7 +20,7 @@ from diffprep.audit import audit
 from diffprep.config import ModelConfig, SourceConfig
 from diffprep.encodings.preencoded import preencoded_fields
 from diffprep.units import encode_unit
-from diffprep.encoders.flux import FluxEncoders
+from diffprep.families.flux import FluxEncoders
 from diffprep.errors import SourceError
 from diffprep.fetch import fetch
 from diffprep.images import ImageSpec

@@ -28,8 +28,8 @@ from diffprep.audit import audit
 from diffprep.cooker import SampleLoadError, load_tensor
 from diffprep.encodings.preencoded import preencoded_fields, sanity_check, write_empty_prompt
 from diffprep.units import encode_unit
-from diffprep.encoders.flux import FluxEncoders
-from diffprep.encoders.hub import resolve_token
+from diffprep.families.flux import FluxEncoders
+from diffprep.hub import resolve_token
 from diffprep.energon import finalize
 from diffprep.errors import AuthError, ConfigError, DatasetValidationError, ExistingOutputError
 from diffprep.existing import decide, inspect_output

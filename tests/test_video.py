@@ -112,6 +112,7 @@ def test_head_frames_cover_resized_and_centre_cropped(mp4, tmp_path):
     assert meta["frame_times"] == [round(i / 24, 6) for i in range(9)]
     assert meta["bucket"] == [32, 32, 9] and meta["crop_box"] == [8, 0, 56, 48]
     assert (meta["source_fps"], meta["source_frames"], meta["has_audio"]) == (24.0, 12, True)
+    assert meta["fps"] == 24.0  # the kept frames play at the source's rate
     # A path gives the same pixels as the bytes.
     path = tmp_path / "clip.mp4"
     path.write_bytes(mp4)
@@ -121,6 +122,7 @@ def test_head_frames_cover_resized_and_centre_cropped(mp4, tmp_path):
 def test_uniform_sampling_spreads_over_the_clip(mp4):
     clip = prepare_clip(mp4, BUCKETS, frame_sampling="uniform")
     assert clip.meta["frame_indices"] == [0, 1, 3, 4, 6, 7, 8, 10, 11]
+    assert clip.meta["fps"] == round(24 * 8 / 11, 6)  # 9 frames spread over 12: real speed at a lower rate
     assert red_levels(clip.pixels) == clip.meta["frame_indices"]
     assert sample_indices(12, 1, "uniform") == [0]
     assert sample_indices(5, 5, "uniform") == [0, 1, 2, 3, 4]
@@ -128,7 +130,7 @@ def test_uniform_sampling_spreads_over_the_clip(mp4):
 
 def test_target_fps_resamples_by_timestamp(mp4):
     clip = prepare_clip(mp4, [Bucket(64, 32, 5)], target_fps=12)
-    assert clip.meta["frame_indices"] == [0, 2, 4, 6, 8]
+    assert clip.meta["frame_indices"] == [0, 2, 4, 6, 8] and clip.meta["fps"] == 12
     assert red_levels(clip.pixels) == [0, 2, 4, 6, 8]
     # 12 frames at 24 fps last 0.5 s: 6 frames at 12 fps, fewer than 9, so the 9-frame bucket is out.
     assert prepare_clip(mp4, BUCKETS, target_fps=12).bucket == Bucket(64, 32, 5)

@@ -21,7 +21,7 @@ import torch
 from diffusers import WanPipeline
 
 from diffprep.contract import LATENTS, PROMPT_EMBEDS
-from diffprep.encoders.flux import noise_seed
+from diffprep.families.base import noise_seed
 from diffprep.errors import ConfigError
 from diffprep.families import detect_family, family_for_class, get_family
 from diffprep.families.wan import VaeTiling, WanEncoders, clean_caption, vae_factors
@@ -39,8 +39,8 @@ CAPTIONS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
+def tiny(tiny_wan) -> Path:
+    return tiny_wan  # the session's tiny Wan set (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,17 @@ def test_family_registry_refusals(tmp_path):
     with pytest.raises(ConfigError, match="model_index.json does not exist"):
         detect_family(tmp_path)
     assert get_family("wan").load_module().PIPELINE_CLASS == "WanPipeline"
+    # One list of families: the settings' Literal and the CLI's choices are the registry's.
+    from typing import get_args
+
+    from diffprep.cli import build_parser
+    from diffprep.config import FamilyName
+    from diffprep.families import FAMILIES
+
+    assert list(get_args(FamilyName)) == [family.name for family in FAMILIES]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tiny-model", str(tmp_path), "--family", "sd3"])
+    assert build_parser().parse_args(["tiny-model", str(tmp_path), "--family", "ltx2"]).family == "ltx2"
 
 
 # Text
@@ -136,6 +147,14 @@ def test_text_embeddings_equal_wan_pipeline(encoders, pipe):
     assert ours.lengths == [6, 1, 15, 29, 33] and ours.truncated == [False] * 5
     for row, length in zip(ours.prompt_embeds, ours.lengths):
         assert row[length:].abs().sum() == 0 and row[length - 1].abs().sum() > 0
+    # Again, in another order: every caption from the cache, the same bytes; the cache keeps the rows only up to
+    # each caption's true length (the rest is zero).
+    encoded = encoders.text_cache.stats.encoded
+    again = encoders.encode_text(CAPTIONS[::-1])
+    assert torch.equal(again.prompt_embeds, ours.prompt_embeds.flip(0)) and again.lengths == ours.lengths[::-1]
+    assert encoders.text_cache.stats.encoded == encoded
+    kept = sum(ours.lengths) * 32 * 4 + sum(len(c.encode()) for c in CAPTIONS)
+    assert encoders.text_cache.bytes == kept
 
 
 def test_truncated_text_equals_wan_pipeline_and_warns(encoders, pipe, caplog):

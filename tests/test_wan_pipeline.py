@@ -21,7 +21,6 @@ from diffprep.demo import write_demo_clips
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.approvals import ApprovalRefused
 from diffprep.errors import ConfigError
-from diffprep.families.wan_tiny import write_tiny_wan
 from diffprep.media.buckets import Bucket
 from diffprep.media.video import prepare_clip
 from diffprep.pipeline import run
@@ -29,11 +28,6 @@ from diffprep.plan import Plan, UnitPlan, plan_units, read_plan
 from diffprep.shards import load_tensor
 
 BUCKETS = "32x24x5;24x32x5;24x24x5"
-
-
-@pytest.fixture(scope="module")
-def tiny_wan(tmp_path_factory) -> Path:
-    return write_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +164,10 @@ def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan
     assert again.action == "complete" and {p.name: p.read_bytes() for p in out.glob("*.tar")} == before
 
 
-def test_too_short_clips_are_asked_about_with_the_exact_bucket_flag(tiny_wan, clips, tmp_path):
+def test_too_short_clips_are_asked_about_with_the_exact_bucket_flag_then_accepted(tiny_wan, clips, tmp_path):
     asked = []
-    settings = _settings(tmp_path / "out", clips, tiny_wan)
+    out = tmp_path / "out"
+    settings = _settings(out, clips, tiny_wan)
     settings.output.accept_rejects = None
 
     def ask(question, preset=None, *, release=False):
@@ -185,6 +180,21 @@ def test_too_short_clips_are_asked_about_with_the_exact_bucket_flag(tiny_wan, cl
     assert question.key == "rejected-samples"
     assert '--resolution-buckets "32x24x5;24x32x5;24x24x5;32x24x1;24x32x1;24x24x1"' in question.description
     assert "shortest has 3 frames" in question.description
+    assert not (out / contract.NV_META).exists(), "an abort finalizes nothing"
+
+    # The accept path, answered ahead of time with the fraction the question names: the encoded units are kept,
+    # the dataset is finalized without the short clip, which the audit names.
+    fraction = float(question.preset_hint.split()[1])
+    settings.output.accept_rejects = fraction
+    result = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert result.action == "complete" and result.samples == 5 and result.rejects_by_reason == {"too_few_frames": 1}
+    audit = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    [rejected] = audit["rejected_ids"]
+    assert rejected["source_id"] == "00004.mp4" and rejected["reason"] == "too_few_frames"
+    assert "a clip of 3 frames" in rejected["detail"] and audit["by_reason"] == {"too_few_frames": 1}
+    info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text())
+    assert sum(info["shard_counts"].values()) == 5
+    assert "00004.mp4" not in {json.loads(s["meta.json"])["source_id"] for s in _samples(out).values()}
 
 
 def test_a_metadata_file_with_paths_relative_to_it(tiny_wan, clips, tmp_path):

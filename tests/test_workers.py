@@ -1,4 +1,4 @@
-"""Full encode across workers: one process per device, a killed worker, manual shards, fan-out to a work pool."""
+"""Full encode across workers: one process per device, a killed worker, shard runs (SLURM arrays), fan-out to pools."""
 
 from __future__ import annotations
 
@@ -113,19 +113,26 @@ def test_killed_worker_then_rerun_with_another_worker_count(prefect_server, data
     assert sum(counts) == 16
 
 
-def test_manual_shards_then_a_plain_run_finalizes(prefect_server, data, tiny_model, reference, tmp_path, capsys):
+def test_slurm_array_tasks_then_a_plain_run_finalizes(prefect_server, data, tiny_model, reference, tmp_path, capsys,
+                                                      monkeypatch):
+    """``sbatch --array=5-6`` then a dependent plain job (configs/slurm-encode-array.sbatch): each task is a shard
+    run from its array variables; the plain run audits, finalizes and validates, with a single run's bytes."""
     out = tmp_path / "out"
-    assert main(_args(data, tiny_model, out, "--num-shards", "2", "--shard-index", "1")) == 0
-    assert "shard 1/2" in capsys.readouterr().out
-    assert sorted(read_manifests(out)) == [1, 3]
-    assert main(_args(data, tiny_model, out, "--num-shards", "2", "--shard-index", "0")) == 0
-    assert sorted(read_manifests(out)) == [0, 1, 2, 3]
-    capsys.readouterr()
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    for task, units in ((6, [1, 3]), (5, [0, 1, 2, 3])):  # the second task to start is task 0
+        with monkeypatch.context() as array:
+            for name, value in (("SLURM_ARRAY_TASK_ID", task), ("SLURM_ARRAY_TASK_MIN", 5),
+                                ("SLURM_ARRAY_TASK_COUNT", 2), ("SLURM_PROCID", 0), ("SLURM_NTASKS", 1)):
+                array.setenv(name, str(value))
+            assert main(_args(data, tiny_model, out)) == 0
+        assert f"shard {task - 5}/2" in capsys.readouterr().out
+        assert sorted(read_manifests(out)) == units
     args = [a for a in _args(data, tiny_model, out) if a != "--no-finalize"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "0 encoded this run" in printed and "validation: passed" in printed
     assert _hashes(out) == reference
+
 
 
 def test_plain_run_and_shard_runs_exclude_each_other(tmp_path):

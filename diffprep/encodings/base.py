@@ -31,6 +31,7 @@ from diffprep.reader import Batch
 from diffprep.sanity import SanityReport
 from diffprep.shards import Reject
 from diffprep.sources import Source, SourceSample
+from diffprep.sources.base import caption_settings
 
 if TYPE_CHECKING:
     from diffprep.decode import StoredSample
@@ -54,6 +55,12 @@ def probe_in_parallel(source: Source, ids: Sequence[str], bucket_of: Callable[[S
     log.info("planned %d samples into buckets in %.1f s: %s", len(found), time.perf_counter() - started,
              ", ".join(f"{b}: {n}" for b, n in sorted(counts.items())))
     return found
+
+
+def with_caption_settings(byte: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """``byte`` with the settings that decide the captions (class-label template, class names), where any is set."""
+    captions = caption_settings(settings.source)
+    return byte | {"captions": captions} if captions else byte
 
 
 # A batch -> the fields of each sample (a dict, or a Reject); samples kept but worth counting go in the Counter.
@@ -114,13 +121,14 @@ class Encoding(ABC):
         }
         if image.buckets:  # only when set: an unbucketed plan (and its fingerprint) stays as it always was
             sizing["buckets"] = [bucket_name(b.width, b.height) for b in image_buckets(image)]
-        return {
+        byte = {
             "contract": contract.CONTRACT_VERSION,
             "encoding": self.name,
             **identity,
             "shard_size": settings.output.shard_size,
             "image": sizing,
         }
+        return with_caption_settings(byte, settings)
 
     @abstractmethod
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -34,17 +34,18 @@ import torch
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.cooker import Ltx2SampleTaskEncoder
-from diffprep.encoders import DTYPES, resolve_device
+from diffprep.families.base import DTYPES, resolve_device
 from diffprep.encodings.preencoded import PreencodedInspector
-from diffprep.encodings.wan import Wan, finish_video_sanity, largest_bucket_batch, project_buckets, strips
+from diffprep.encodings import clips
+from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 from diffprep.layouts import LayoutPreset
 from diffprep.media.buckets import Bucket, parse_buckets
-from diffprep.media.video import ClipSpec, clip_fps
+from diffprep.media.video import ClipSpec
 from diffprep.output import Output
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.reader import Batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip
+from diffprep.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip
 from diffprep.shards import Reject, load_tensor, tensor_bytes
 from diffprep.workers import claimed_device
 
@@ -217,19 +218,19 @@ class Ltx2(Wan):
                 check_audio_backend()
             except RuntimeError as error:
                 problems.append(f"audio: {error}")
-        left, batch, decode_seconds = largest_bucket_batch(plan, source, spec, batch_size, units_left)
+        left, batch, decode_seconds = clips.sanity_batch(plan, source, spec, batch_size, units_left)
+        device = loaded.device
         bucket = Bucket(*batch.metas[0]["bucket"])
-        tensors, seconds, found, finite, mel_l1 = sanity_batch(
+        tensors, seconds, memory, found, finite, mel_l1 = encode_sanity_batch(
             plan, loaded, batch, latents_shape=plan.expected["buckets"].get(str(bucket)), where=f" (bucket {bucket})")
         problems += found
-        device = loaded.device
         psnrs: list[float | None] = []
         sheet = None
         if finite:
             decoded = torch.stack([loaded.decode_video(latents.to(loaded.dtype)).permute(0, 3, 1, 2)
                                    for latents in tensors[contract.LATENTS]])
-            psnrs, sheet, problem = check_round_trip(output, replace(batch, pixels=strips(batch.pixels)),
-                                                     strips(decoded), settings.model.min_psnr)
+            psnrs, sheet, problem = check_round_trip(output, replace(batch, pixels=clips.strips(batch.pixels)),
+                                                     clips.strips(decoded), settings.model.min_psnr)
             if problem:
                 problems.append(problem)
 
@@ -239,14 +240,16 @@ class Ltx2(Wan):
         members = TAR_MEMBER_OVERHEAD * len(plan.expected["fields"])
         item = STORED_DTYPES[contract.LATENTS].itemsize
 
-        def bytes_of(unit_bucket: str) -> int:
-            c, f, h, w = plan.expected["buckets"][unit_bucket]
+        def bytes_of(b: Bucket) -> int:
+            c, f, h, w = plan.expected["buckets"][str(b)]
             return item * c * f * h * w + others + members
 
-        buckets = project_buckets(plan, left, paced / len(batch.keys), bucket, bytes_of, workers)
-        return finish_video_sanity(output, tensors, buckets, problems=problems, finite=finite, psnrs=psnrs,
-                                   sheet=sheet, seconds=seconds, device=device,
-                                   per_sample=sum(first.values()) + 512 + members, settings=settings,
+        buckets = clips.project_buckets(plan, left, measured=bucket, samples=len(batch.keys),
+                                        seconds_per_sample=paced / len(batch.keys), bytes_of=bytes_of,
+                                        memory=(memory.baseline, memory.peak), batch_size=batch_size, workers=workers)
+        return clips.sanity_report(output, tensors, buckets, bucket=bucket, problems=problems, finite=finite,
+                                   psnrs=psnrs, sheet=sheet, seconds=seconds, memory=memory,
+                                   per_sample=sum(first.values()) + 512 + members, min_psnr=settings.model.min_psnr,
                                    staged_samples=staged_samples, audio_mel_l1=mel_l1)
 
     def rejects_advice(self, report: Any, plan: Plan) -> str:
@@ -306,18 +309,18 @@ class Ltx2(Wan):
         return Ltx2Inspector(expected)
 
 
-def sanity_batch(plan: Plan, loaded: Any, batch: Batch, *, latents_shape: list[int] | None = None, where: str = ""
-                 ) -> tuple[dict[str, torch.Tensor], float, list[str], bool, list[float] | None]:
-    """The sanity check's batch encoded: (its tensors per field, the seconds it took, the problems: rejects, shapes
-    and dtypes other than planned, non-finite values; whether all is finite; with audio, each sample's sound
-    decoded again and its log-mel L1 against the batch's waveform, or None)."""
+def encode_sanity_batch(plan: Plan, loaded: Any, batch: Batch, *, latents_shape: list[int] | None = None,
+                        where: str = "") -> tuple[dict[str, torch.Tensor], float, MemoryWatch, list[str], bool,
+                                                  list[float] | None]:
+    """The sanity check's batch encoded: (its tensors per field, the seconds it took, the memory around it, the
+    problems: rejects, shapes and dtypes other than planned, non-finite values; whether all is finite; with audio,
+    each sample's sound decoded again and its log-mel L1 against the batch's waveform, else None)."""
     from diffprep.encodings.ltx2_sound import Ltx2Sound
 
-    if loaded.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(loaded.device)
-    start = time.perf_counter()
-    samples, tensors = encode_batch(loaded, batch, plan.settings.get("lora_trigger"), Counter())
-    seconds = time.perf_counter() - start
+    with MemoryWatch(loaded.device) as memory:
+        start = time.perf_counter()
+        samples, tensors = encode_batch(loaded, batch, plan.settings.get("lora_trigger"), Counter())
+        seconds = time.perf_counter() - start
     problems = [f"{r.source_id}: {r.reason} ({r.detail})" for r in samples if isinstance(r, Reject)]
     for name, tensor in tensors.items():
         stem = contract.field_stem(name)
@@ -335,7 +338,7 @@ def sanity_batch(plan: Plan, loaded: Any, batch: Batch, *, latents_shape: list[i
         sound = Ltx2Sound(loaded)
         mel_l1 = [round(sound.mel_l1(loaded.decode_audio(latents), track), 4)
                   for latents, track in zip(tensors[contract.AUDIO_LATENTS], batch.audio)]
-    return tensors, seconds, problems, finite, mel_l1
+    return tensors, seconds, memory, problems, finite, mel_l1
 
 
 def audio_gate_advice(report: Any, items: str, instead: str) -> str:
@@ -385,7 +388,7 @@ def encode_batch(loaded: Any, batch: Batch, trigger: str | None, notes: Counter
             continue
         if text[i].truncated:
             notes["caption_truncated"] += 1
-        meta = {**batch.metas[i], **({"fps": clip_fps(batch.metas[i])} if contract.LATENTS in tensors else {})}
+        meta = dict(batch.metas[i])
         if audio is not None:
             meta["audio_duration"] = audio[i].duration
         if trigger:

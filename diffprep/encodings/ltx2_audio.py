@@ -27,11 +27,18 @@ import torch
 
 from diffprep import contract
 from diffprep.config import Settings
-from diffprep.encoders import DTYPES
+from diffprep.encodings import clips
 from diffprep.encodings.base import probe_in_parallel
-from diffprep.encodings.ltx2 import STORED_DTYPES, Ltx2, Ltx2Inspector, _text_width, audio_gate_advice, sanity_batch
-from diffprep.encodings.wan import finish_video_sanity, project_buckets
+from diffprep.encodings.ltx2 import (
+    STORED_DTYPES,
+    Ltx2,
+    Ltx2Inspector,
+    _text_width,
+    audio_gate_advice,
+    encode_sanity_batch,
+)
 from diffprep.errors import ConfigError
+from diffprep.families.base import DTYPES
 from diffprep.media.audio import AudioSpec, duration_name, parse_durations
 from diffprep.output import Output
 from diffprep.plan import Plan, dtype_name, shape_matches
@@ -145,23 +152,26 @@ class Ltx2Audio(Ltx2):
         batch = first_batch(plan, source, spec, batch_size,
                             units=[u for u in bucketed if _seconds(u.bucket) == longest] or None)
         decode_seconds = time.perf_counter() - decode_start
-        tensors, seconds, found, finite, mel_l1 = sanity_batch(plan, loaded, batch)
+        tensors, seconds, memory, found, finite, mel_l1 = encode_sanity_batch(plan, loaded, batch)
         problems += found
-        device = loaded.device
 
-        paced = seconds + decode_seconds if device.type == "cpu" else seconds
+        paced = seconds + decode_seconds if loaded.device.type == "cpu" else seconds
         first = {name: len(tensor_bytes(t[0])) for name, t in tensors.items()}
         members = TAR_MEMBER_OVERHEAD * len(plan.expected["fields"])
         others = sum(size for name, size in first.items() if name != contract.AUDIO_LATENTS) + 512 + members
+        measured = _seconds(batch.metas[0]["bucket"])
 
-        def bytes_of(bucket: str) -> int:  # audio latents grow with the seconds, the text features do not
-            return int(first[contract.AUDIO_LATENTS] * _seconds(bucket) / _seconds(measured)) + others
+        def bytes_of(seconds: float) -> int:  # audio latents grow with the seconds, the text features do not
+            return int(first[contract.AUDIO_LATENTS] * seconds / measured) + others
 
-        measured = batch.metas[0]["bucket"]
-        buckets = project_buckets(plan, left, paced / len(batch.keys), measured, bytes_of, workers, weight=_seconds)
-        return finish_video_sanity(output, tensors, buckets, problems=problems, finite=finite, psnrs=[], sheet=None,
-                                   seconds=seconds, device=device, per_sample=sum(first.values()) + 512 + members,
-                                   settings=settings, staged_samples=staged_samples, audio_mel_l1=mel_l1)
+        buckets = clips.project_buckets(plan, left, measured=measured, samples=len(batch.keys),
+                                        seconds_per_sample=paced / len(batch.keys), bytes_of=bytes_of,
+                                        memory=(memory.baseline, memory.peak), batch_size=batch_size,
+                                        workers=workers, parse=_seconds, size=lambda s: (s, s))
+        return clips.sanity_report(output, tensors, buckets, bucket=batch.metas[0]["bucket"], problems=problems,
+                                   finite=finite, psnrs=[], sheet=None, seconds=seconds, memory=memory,
+                                   per_sample=sum(first.values()) + 512 + members, min_psnr=settings.model.min_psnr,
+                                   staged_samples=staged_samples, audio_mel_l1=mel_l1)
 
     def rejects_advice(self, report: Any, plan: Plan) -> str:
         """Files shorter than every duration bucket (the exact --audio-durations that would keep them), and the

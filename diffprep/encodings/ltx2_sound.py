@@ -52,7 +52,7 @@ class Ltx2Sound:
 
 def load_sound(checkpoint: Any, device: str = "auto") -> Ltx2Sound:
     """The audio VAE (decoder, and the encoder's mel processor) and the vocoder of a checkpoint, in float32."""
-    from diffprep.encoders import resolve_device
+    from diffprep.families.base import resolve_device
     from diffprep.families.ltx2 import Ltx2Encoders
 
     return Ltx2Sound(Ltx2Encoders.load(checkpoint, device=resolve_device(device), dtype=torch.float32, video=False,

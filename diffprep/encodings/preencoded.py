@@ -22,8 +22,9 @@ from diffprep import contract
 from diffprep.checks import Check, Findings, shape_str
 from diffprep.config import Settings
 from diffprep.cooker import FluxPreencodedTaskEncoder
-from diffprep.encoders import DTYPES, FluxEncoders, describe_flux, resolve_encoders
-from diffprep.encoders.vae import VaeDecoder
+from diffprep.families.base import DTYPES
+from diffprep.families.flux import FluxEncoders, describe_flux, resolve_encoders
+from diffprep.families.flux_vae import VaeDecoder
 from diffprep.encodings.base import Encoding, SampleFields, encoded_samples
 from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec, bucket_name, image_buckets, to_uint8

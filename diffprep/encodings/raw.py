@@ -162,6 +162,8 @@ class Raw(Encoding):
     layout_presets = None  # image files keep their names: jpg/png/webp, txt, meta.json
 
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        if settings.video.target_fps is not None:
+            raise ConfigError("--target-fps applies to clips: give --resolution-buckets \"WxHxF;...\" to store clips")
         raw = settings.raw
         # png is lossless: its quality setting changes no byte.
         quality = None if raw.image_format == "png" else raw.image_quality

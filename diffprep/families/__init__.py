@@ -43,7 +43,7 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("flux", ("FluxPipeline",), "diffprep.encoders.flux", "preencoded"),
+    Family("flux", ("FluxPipeline",), "diffprep.families.flux", "preencoded"),
     Family("wan", ("WanPipeline",), "diffprep.families.wan", "wan"),
     Family("ltx2", (), "diffprep.families.ltx2", "ltx2"),  # a single-file checkpoint (ltx2_checkpoint), no index
 )

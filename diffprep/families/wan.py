@@ -1,6 +1,6 @@
 """The Wan 2.x family: clips to AutoencoderKLWan latents, captions to UMT5 embeddings.
 
-(Just over 400 lines: one family's components, encoding, decoding and identity; its tiny set is
+(Over 400 lines: one family's components, encoding, decoding and identity; its tiny set is
 ``wan_tiny.py``.)
 
 Layout (diffusers, ``model_index.json`` ``_class_name: WanPipeline``): ``vae/``
@@ -31,7 +31,7 @@ into overlapping tiles as well (for 720p and up), at the cost of results that
 differ slightly from untiled ones (the tiles are blended).
 
 ``sample`` noise is generated on the CPU per sample key (see
-:func:`diffprep.encoders.flux.noise_seed`), so it does not depend on the
+:func:`diffprep.families.base.noise_seed`), so it does not depend on the
 batch, the device or where a run resumed. Everything runs under
 ``torch.no_grad()``.
 """
@@ -51,9 +51,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffprep.contract import LATENTS, PROMPT_EMBEDS
-from diffprep.encoders.flux import DTYPES, LATENT_MODES, _truncation, checked_captions, key_noise, resolve_device
-from diffprep.encoders.hub import ResolvedPart, resolve_component
 from diffprep.errors import ConfigError
+from diffprep.families.base import DTYPES, LATENT_MODES, checked_captions, key_noise, resolve_device, truncation
+from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
+from diffprep.hub import ResolvedPart, resolve_component
 from diffprep.media.buckets import Bucket
 
 if TYPE_CHECKING:
@@ -224,9 +225,11 @@ class WanEncoders:
         tiling: VaeTiling | None = None,
         text_max_length: int = TEXT_MAX_LENGTH,
         parts: Mapping[str, ResolvedPart] | None = None,
+        text_cache_bytes: int | None = None,
     ) -> None:
         """Wrap loaded components; the text encoder must be on ``device`` in ``dtype``, the VAE in ``vae_dtype``
-        (default ``dtype``). Tiling is switched on (or off) on ``vae`` here."""
+        (default ``dtype``). Tiling is switched on (or off) on ``vae`` here. ``text_cache_bytes``: the bound of
+        the caption cache (None: the default; 0: none)."""
         if latent_mode not in LATENT_MODES:
             raise ConfigError(f"latent_mode must be one of {', '.join(LATENT_MODES)}, got {latent_mode!r}")
         if text_max_length < 1:
@@ -241,6 +244,7 @@ class WanEncoders:
         self.tiling = tiling
         self.text_max_length = text_max_length
         self.parts = dict(parts) if parts is not None else None
+        self.text_cache = TextCache(cache_bytes(None) if text_cache_bytes is None else text_cache_bytes)
 
         self.latent_channels, self.spatial_factor, self.temporal_factor = vae_factors(vae.config)
         self.text_hidden: int = text_encoder.config.d_model
@@ -269,6 +273,7 @@ class WanEncoders:
         text_max_length: int = TEXT_MAX_LENGTH,
         revision: str | None = None,
         token: str | None = None,
+        text_cache_mib: int | None = None,
     ) -> WanEncoders:
         """Resolve and load the VAE, text encoder and tokenizer of the Wan model at ``model_path``.
 
@@ -292,7 +297,7 @@ class WanEncoders:
         return cls(
             vae, text_encoder, tokenizer,
             device=torch_device, dtype=text_dtype, vae_dtype=vae_torch_dtype, latent_mode=latent_mode,
-            tiling=tiling, text_max_length=text_max_length, parts=parts,
+            tiling=tiling, text_max_length=text_max_length, parts=parts, text_cache_bytes=cache_bytes(text_cache_mib),
         )  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
@@ -366,10 +371,44 @@ class WanEncoders:
 
     @torch.no_grad()
     def encode_text(self, captions: Sequence[str]) -> WanTextEmbeddings:
-        """Captions -> umT5 embeddings ``[B, L, D]``, zero after each caption's tokens, as WanPipeline.encode_prompt."""
-        captions = checked_captions(captions)
+        """Captions -> umT5 embeddings ``[B, L, D]``, zero after each caption's tokens, as WanPipeline.encode_prompt.
 
+        Each distinct caption is encoded once while this process's ``text_cache`` holds it, always in a batch of
+        one shape (``encode_rows``): the bytes are the same with or without the cache, in any batch.
+        """
+        captions = checked_captions(captions)
+        rows = self.text_cache.rows(captions, self.encode_rows)
+        # Rows keep the embedding up to the true length only; the rest is zero, as WanPipeline sets it.
+        prompt_embeds = torch.zeros((len(rows), self.text_max_length, self.text_hidden), dtype=self.dtype)
+        for i, (head, length, _) in enumerate(rows):
+            prompt_embeds[i, :length] = head
+        return WanTextEmbeddings(prompt_embeds, [row[1] for row in rows], [row[2] for row in rows])
+
+    def encode_rows(self, captions: list[str]) -> list[tuple[torch.Tensor, int, bool]]:
+        """``(embedding up to the true length [n, D], n, truncated)`` of each caption, in forward passes of exactly
+        ``TEXT_BATCH`` captions (the rest empty captions; see ``diffprep.families.text_cache``)."""
         prompts = [clean_caption(caption) for caption in captions]
+        input_ids, mask = self._input_ids(prompts)
+        filler_ids, filler_mask = self._input_ids([""])
+        lengths = [int(n) for n in mask.gt(0).sum(dim=1)]
+        truncated, removed_text = truncation(self.tokenizer, prompts, self.text_max_length)
+        if removed_text:
+            logger.warning(
+                "umT5: %d of %d captions were truncated at %d tokens; removed text: %s",
+                len(removed_text), len(prompts), self.text_max_length, removed_text,
+            )  # fmt: skip
+        rows = []
+        for start in range(0, len(prompts), TEXT_BATCH):
+            n = min(TEXT_BATCH, len(prompts) - start)
+            ids = fill_rows(input_ids[start : start + n], filler_ids).to(self.device)
+            hidden = self.text_encoder(ids, fill_rows(mask[start : start + n], filler_mask).to(self.device))
+            hidden = hidden.last_hidden_state[:n].to(device="cpu", dtype=self.dtype)
+            # Past the true length is the encoder's output for padding, which WanPipeline zeroes: not kept.
+            rows += [(hidden[i, : lengths[start + i]].clone(), lengths[start + i], truncated[start + i])
+                     for i in range(n)]
+        return rows
+
+    def _input_ids(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         text_inputs = self.tokenizer(
             prompts,
             padding="max_length",
@@ -379,21 +418,7 @@ class WanEncoders:
             return_attention_mask=True,
             return_tensors="pt",
         )
-        input_ids, mask = text_inputs.input_ids, text_inputs.attention_mask
-        lengths = mask.gt(0).sum(dim=1).long()
-        truncated, removed_text = _truncation(self.tokenizer, prompts, self.text_max_length)
-        if removed_text:
-            logger.warning(
-                "umT5: %d of %d captions were truncated at %d tokens; removed text: %s",
-                len(removed_text), len(prompts), self.text_max_length, removed_text,
-            )  # fmt: skip
-
-        hidden = self.text_encoder(input_ids.to(self.device), mask.to(self.device)).last_hidden_state
-        hidden = hidden.to(device="cpu", dtype=self.dtype)
-        # Positions past the true length hold the encoder's output for padding: zero them, as WanPipeline does.
-        padding = torch.arange(self.text_max_length)[None, :] >= lengths[:, None]
-        prompt_embeds = hidden.masked_fill(padding[:, :, None], 0.0)
-        return WanTextEmbeddings(prompt_embeds, [int(n) for n in lengths], truncated)
+        return text_inputs.input_ids, text_inputs.attention_mask
 
     def empty_prompt_embeds(self) -> torch.Tensor:
         """``[L, D]`` embedding of the empty caption, for classifier-free-guidance dropout at training time."""

@@ -41,13 +41,13 @@ def write_tiny_wan(path: str | Path, seed: int = 0, *, vae_variant: str = "2.1")
     """
     if vae_variant not in TINY_VAE_VARIANTS:
         raise ConfigError(f"vae_variant must be one of {', '.join(TINY_VAE_VARIANTS)}, got {vae_variant!r}")
-    from diffprep.tiny import _t5_tokenizer
+    from diffprep.families.flux_tiny import tiny_t5_tokenizer
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     if any((root / name).exists() for name in ("vae", "text_encoder", "tokenizer", "model_index.json")):
         raise FileExistsError(f"{root} already holds a model; pass an empty or new folder")
-    tokenizer = _t5_tokenizer()
+    tokenizer = tiny_t5_tokenizer()
     with torch.random.fork_rng(devices=[]):  # our seeding must not disturb the caller's global RNG
         torch.manual_seed(seed)
         vae = _tiny_vae(vae_variant)

@@ -64,18 +64,20 @@ def nearest_multiples(value: int, factor: int) -> list[int]:
     return [m for m in (below, below + factor) if m >= factor]
 
 
-def parse_buckets(spec: str, spatial_factor: int, temporal_factor: int) -> list[Bucket]:
+def parse_buckets(spec: str, spatial_factor: int, temporal_factor: int, *, why: str | None = None) -> list[Bucket]:
     """``"WxHxF;WxHxF..."`` -> buckets, in the order given.
 
     Raises :class:`~diffprep.errors.ConfigError` naming the entry, what is
     wrong and the nearest valid values. Blank entries (a trailing ``;``) are
-    ignored; duplicates are refused.
+    ignored; duplicates are refused. ``why``: what sets ``spatial_factor``
+    (default: the VAE's spatial factor).
     """
     if spatial_factor < 1 or temporal_factor < 1:
         raise ValueError(
             f"spatial_factor and temporal_factor must be >= 1, got {spatial_factor} and {temporal_factor}"
         )
     entries = [entry.strip() for entry in spec.split(";")]
+    reason = why or "the VAE's spatial factor"
     buckets: list[Bucket] = []
     for entry in entries:
         if not entry:
@@ -92,10 +94,12 @@ def parse_buckets(spec: str, spatial_factor: int, temporal_factor: int) -> list[
             if value < spatial_factor or value % spatial_factor:
                 nearest = " or ".join(str(m) for m in nearest_multiples(value, spatial_factor))
                 problems.append(
-                    f"{name} {value} is not a multiple of {spatial_factor} (the VAE's spatial factor); "
+                    f"{name} {value} is not a multiple of {spatial_factor} ({reason}); "
                     f"nearest: {nearest}"
                 )
-        if frames < 1 or (frames - 1) % temporal_factor:
+        if frames < 1 and temporal_factor == 1:
+            problems.append(f"{frames} frames: a bucket needs at least 1 frame")
+        elif frames < 1 or (frames - 1) % temporal_factor:
             nearest = " or ".join(str(n) for n in nearest_frame_counts(max(frames, 1), temporal_factor))
             problems.append(
                 f"{frames} frames is not {temporal_factor}k+1 (the VAE's temporal factor is {temporal_factor}); "

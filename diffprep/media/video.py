@@ -60,13 +60,12 @@ import torch
 from PIL import Image
 
 from diffprep.errors import RejectError
-from diffprep.media.audio import ClipAudio, add_audio_stream, load_clip_audio, mux_audio
+from diffprep.media.audio import ClipAudio, load_clip_audio
 from diffprep.media.buckets import Bucket, choose_bucket, cover_box
 
 __all__ = [
     "FRAME_SAMPLINGS",
-    "clip_fps",
-    "mp4_bytes",
+    "playback_fps",
     "ClipInfo",
     "ClipSpec",
     "PreparedClip",
@@ -158,7 +157,7 @@ def prepare_clip(
     ``meta`` records the source size, fps and frame count, the resampling,
     the source frame index and time of every output frame, the bucket and
     the crop box (display coordinates, after rotation) and, with ``audio``, the
-    audio track's rate, channels and the seconds kept (``F / fps``, :func:`clip_fps`).
+    audio track's rate, channels and the seconds kept (``F / fps``, :func:`playback_fps`).
     """
     if frame_sampling not in FRAME_SAMPLINGS:
         raise ValueError(f"frame_sampling must be one of {', '.join(FRAME_SAMPLINGS)}, got {frame_sampling!r}")
@@ -185,6 +184,7 @@ def prepare_clip(
         "has_audio": info.has_audio,
         "target_fps": target_fps,
         "frame_sampling": frame_sampling,
+        "fps": playback_fps(info.fps, target_fps, len(available), bucket.frames, frame_sampling),
         "frame_indices": chosen,
         "frame_times": [round(float(info.frame_times[i]), 6) for i in chosen],
         "bucket": [bucket.width, bucket.height, bucket.frames],
@@ -192,19 +192,14 @@ def prepare_clip(
     }
     track = None
     if audio:
-        fps = clip_fps(meta)
-        if not fps > 0:
+        fps = meta["fps"]
+        if not fps:
             raise RejectError("audio_decode_error", "the clip has no frame rate, so the audio to keep is unknown")
         track = load_clip_audio(source if isinstance(source, (str, os.PathLike)) else io.BytesIO(bytes(source)),
                                 duration=bucket.frames / fps)
         meta["audio"] = {"sample_rate": track.sample_rate, "source_channels": track.source_channels,
                          "duration": track.duration}
     return PreparedClip(pixels=pixels, bucket=bucket, info=info, meta=meta, audio=track)
-
-
-def clip_fps(meta: dict[str, Any]) -> float:
-    """The frame rate of a prepared clip's frames, from its ``meta``: ``target_fps`` when resampled, else the source's."""
-    return float(meta["target_fps"] if meta.get("target_fps") is not None else meta.get("source_fps") or 0.0)
 
 
 def prepare_image_clip(data: bytes, buckets: Sequence[Bucket], *, max_pixels: int = 89_478_485) -> PreparedClip:
@@ -305,6 +300,21 @@ class ClipSpec:
         return choose_bucket(info.width, info.height, len(_resample(info, self.target_fps)), self.buckets)
 
 
+def playback_fps(source_fps: float, target_fps: float | None, available: int, frames: int,
+                 sampling: FrameSampling) -> float | None:
+    """The rate at which the kept frames play at the clip's real speed (None: the source states none).
+
+    ``target_fps`` or the source's; ``uniform`` sampling keeps every ``(available - 1) / (frames - 1)``-th
+    frame on average, so the rate drops by that factor.
+    """
+    rate = target_fps or source_fps
+    if not rate:
+        return None
+    if sampling == "uniform" and frames > 1 and available > frames:
+        rate = rate * (frames - 1) / (available - 1)
+    return round(rate, 6)
+
+
 def sample_indices(available: int, frames: int, sampling: FrameSampling) -> list[int]:
     """Which ``frames`` of ``available`` to keep: ``head`` the first ones, ``uniform`` evenly spread
     from the first to the last (exact integer rounding, half up)."""
@@ -316,29 +326,6 @@ def sample_indices(available: int, frames: int, sampling: FrameSampling) -> list
         span, steps = available - 1, frames - 1
         return [(2 * j * span + steps) // (2 * steps) for j in range(frames)]
     raise ValueError(f"frame_sampling must be one of {', '.join(FRAME_SAMPLINGS)}, got {sampling!r}")
-
-
-# The decoded sound of an mp4 (diffprep decode): AAC-LC at a fixed bit rate. Its bytes follow FFmpeg's own AAC
-# encoder, i.e. the `av` wheel pinned in pyproject.toml (av 18.1.0, FFmpeg 8.1): the same inputs give the same file.
-MP4_AUDIO_BIT_RATE = 128_000
-
-
-def mp4_bytes(frames: torch.Tensor, fps: float = 16.0, audio: ClipAudio | None = None) -> bytes:
-    """uint8 RGB frames ``[F, 3, H, W]`` (even H and W) as an H.264 mp4 at ``fps`` (crf 18: for looking at), with
-    ``audio`` (a stereo waveform, clipped to [-1, 1]) as its AAC track when given."""
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=Fraction(str(fps)).limit_denominator(1001),
-                                      options={"crf": "18"})
-        stream.height, stream.width = int(frames.shape[2]), int(frames.shape[3])
-        stream.pix_fmt = "yuv420p"
-        sound = None if audio is None else add_audio_stream(container, audio.sample_rate, bit_rate=MP4_AUDIO_BIT_RATE)
-        for frame in frames.permute(0, 2, 3, 1).contiguous().numpy():
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-        if sound is not None:
-            mux_audio(container, sound, audio.waveform.clamp(-1.0, 1.0).numpy())
-    return buffer.getvalue()
 
 
 # --- opening and indexing ---------------------------------------------------------------------

@@ -12,14 +12,16 @@ and a list of captions yields its first element. An empty caption is kept.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import posixpath
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from diffprep.errors import RejectError
+from diffprep.errors import RejectError, SourceError
 
 READ_PHASE = "read"
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -40,6 +42,31 @@ def is_video_name(name: str) -> bool:
 
 def _extension(name: str) -> str:
     return posixpath.splitext(name)[1].lower()
+
+
+def read_class_names(path: str) -> list[str]:
+    """The names in a ``source.class_names`` file: one per line, label 0 first, blank lines skipped."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as handle:
+            names = [line.strip() for line in handle if line.strip()]
+    except OSError as error:
+        raise SourceError(f"source.class_names {path}: {error.strerror}") from None
+    if not names:
+        raise SourceError(f"source.class_names {path} holds no class name (one per line)")
+    return names
+
+
+def caption_settings(cfg: Any) -> dict[str, Any]:
+    """The settings besides the source's own data that decide its captions, for the fingerprint: the class-label
+    template and the names in the class-names file (their sha256: editing the file changes the fingerprint, its
+    path does not). Empty when neither is set, so other plans keep the fingerprint they always had."""
+    found: dict[str, Any] = {}
+    if cfg.caption_template is not None:
+        found["caption_template"] = cfg.caption_template
+    if cfg.class_names:
+        names = json.dumps(read_class_names(cfg.class_names), ensure_ascii=False).encode("utf-8")
+        found["class_names_sha256"] = hashlib.sha256(names).hexdigest()
+    return found
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from diffprep.sources.base import (
     is_missing,
     lookup_path,
     normalize_caption,
+    read_class_names,
     reject,
     rejected,
 )
@@ -196,15 +197,7 @@ class HuggingFaceSource:
     def _class_names(self, cfg: SourceConfig, features: datasets.Features | None) -> list[str] | None:
         """The class names a label column's integers stand for: a file's lines, else the ClassLabel's own."""
         if cfg.class_names:
-            path = os.path.expanduser(cfg.class_names)
-            try:
-                with open(path, encoding="utf-8") as handle:
-                    names = [line.strip() for line in handle if line.strip()]
-            except OSError as error:
-                raise SourceError(f"source.class_names {cfg.class_names}: {error.strerror}") from None
-            if not names:
-                raise SourceError(f"source.class_names {cfg.class_names} holds no class name (one per line)")
-            return names
+            return read_class_names(cfg.class_names)
         feature = features.get(self._caption_column) if features is not None and not self._caption_path else None
         return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
 

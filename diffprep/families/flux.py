@@ -25,7 +25,6 @@ fp16 support, so prefer bf16.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -35,17 +34,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffprep.config import LatentMode, ModelConfig
-from diffprep.encoders.hub import ResolvedPart, resolve_encoders
+from diffprep.families.base import DTYPES, LATENT_MODES, checked_captions, key_noise, resolve_device, truncation
+from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
+from diffprep.hub import Part, ResolvedPart, resolve_parts
 from diffprep.errors import ConfigError
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-logger = logging.getLogger("diffprep.encoders")
+logger = logging.getLogger("diffprep.families.flux")
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LATENT_MODES: tuple[str, ...] = ("sample", "mode", "posterior")
 
 # The classes loaded for each part, as diffusers' FluxPipeline declares them.
 FLUX_CLASSES: dict[str, str] = {
@@ -57,6 +56,21 @@ FLUX_CLASSES: dict[str, str] = {
 }
 
 
+# Where each part sits in the FLUX.1-dev layout, and the override that replaces model_path for it.
+FLUX_PARTS: tuple[Part, ...] = (
+    Part("vae", "VAE", "vae_path", "vae", ("config.json",)),
+    Part("clip_text", "CLIP", "clip_path", "text_encoder", ("config.json",)),
+    Part("clip_tokenizer", "CLIP", "clip_path", "tokenizer", ("tokenizer_config.json", "tokenizer.json")),
+    Part("t5_text", "T5", "t5_path", "text_encoder_2", ("config.json",)),
+    Part("t5_tokenizer", "T5", "t5_path", "tokenizer_2", ("tokenizer_config.json", "tokenizer.json")),
+)
+
+
+def resolve_encoders(model: ModelConfig, *, token: str | None = None) -> dict[str, ResolvedPart]:
+    """Every part of the Flux encoders resolved (downloaded if needed), keyed by part name (``FLUX_PARTS``)."""
+    return resolve_parts(model, FLUX_PARTS, "FLUX.1-dev", token=token)
+
+
 @dataclass(frozen=True)
 class TextEmbeddings:
     """Embeddings of a batch of captions, on the CPU in the encoders' dtype."""
@@ -64,56 +78,6 @@ class TextEmbeddings:
     prompt_embeds: torch.Tensor  # [B, t5_max_length, t5_hidden]
     pooled_prompt_embeds: torch.Tensor  # [B, clip_hidden]
     t5_truncated: list[bool]  # caption longer than t5_max_length tokens
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> the first CUDA device when there is one, else the CPU; otherwise the device named."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"model.device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"model.device is {name!r} but CUDA is not available here; use cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"model.device is {name!r} but there are {torch.cuda.device_count()} CUDA devices "
-                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
-            )
-    return device
-
-
-def noise_seed(key: str) -> int:
-    """Seed of a sample's VAE noise: the first 8 bytes of sha256(key), so it depends on the key alone."""
-    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
-
-
-def checked_captions(captions: Sequence[str]) -> list[str]:
-    """The captions as a list; a single string, an empty batch or a non-string caption is refused, named."""
-    if isinstance(captions, str):
-        raise TypeError("captions must be a sequence of strings, got a single string; wrap it in a list")
-    captions = list(captions)
-    if not captions:
-        raise ValueError("captions is empty; pass at least one caption")
-    for position, caption in enumerate(captions):
-        if not isinstance(caption, str):
-            raise TypeError(f"captions[{position}] must be a string, got {type(caption).__name__}")
-    return captions
-
-
-def key_noise(keys: Sequence[str], like: torch.Tensor) -> torch.Tensor:
-    """Standard normal noise shaped like ``like`` [B, ...], each sample's drawn from its key alone.
-
-    One CPU generator per sample: a sample's noise does not depend on the batch
-    it is in, on the device, or on where an interrupted run resumed.
-    """
-    draws = [
-        torch.randn(like.shape[1:], generator=torch.Generator("cpu").manual_seed(noise_seed(key)))
-        for key in keys
-    ]
-    return torch.stack(draws).to(like.device, like.dtype)
 
 
 def describe_flux(
@@ -156,11 +120,13 @@ class FluxEncoders:
         t5_max_length: int,
         latent_mode: LatentMode = "sample",
         parts: Mapping[str, ResolvedPart] | None = None,
+        text_cache_bytes: int | None = None,
     ) -> None:
         """Wrap loaded components; the models must already be on ``device`` in ``dtype``.
 
         ``parts`` records where the components came from (``load`` fills it);
-        ``describe()`` needs it.
+        ``describe()`` needs it. ``text_cache_bytes``: the bound of the caption
+        cache (None: the default; 0: none).
         """
         if latent_mode not in LATENT_MODES:
             raise ConfigError(f"latent_mode must be one of {', '.join(LATENT_MODES)}, got {latent_mode!r}")
@@ -184,6 +150,7 @@ class FluxEncoders:
         self.clip_max_length = clip_max_length
         self.latent_mode = latent_mode
         self.parts = dict(parts) if parts is not None else None
+        self.text_cache = TextCache(cache_bytes(None) if text_cache_bytes is None else text_cache_bytes)
 
         self.scaling_factor, self.shift_factor = _vae_normalization(vae.config)
         self.latent_channels: int = vae.config.latent_channels
@@ -221,6 +188,7 @@ class FluxEncoders:
             t5_max_length=model.t5_max_length,
             latent_mode=model.latent_mode,
             parts=parts,
+            text_cache_bytes=cache_bytes(model.text_cache_mib),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -297,22 +265,36 @@ class FluxEncoders:
     def encode_text(self, captions: Sequence[str]) -> TextEmbeddings:
         """Captions -> T5 sequence embeddings and CLIP pooled embeddings, as FluxPipeline.encode_prompt.
 
-        Identical captions within the call are encoded once.
+        Each distinct caption is encoded once while this process's ``text_cache`` holds it, always in a batch of
+        one shape (``encode_rows``): the bytes are the same with or without the cache, in any batch.
         """
         captions = checked_captions(captions)
+        rows = self.text_cache.rows(captions, self.encode_rows)
+        return TextEmbeddings(torch.stack([row[0] for row in rows]), torch.stack([row[1] for row in rows]),
+                              [row[2] for row in rows])
 
-        distinct = list(dict.fromkeys(captions))
-        prompt_embeds, t5_truncated = self._t5_prompt_embeds(distinct)
-        pooled_prompt_embeds = self._clip_prompt_embeds(distinct)
-        if len(distinct) < len(captions):
-            slot = {caption: position for position, caption in enumerate(distinct)}
-            index = torch.tensor([slot[caption] for caption in captions])
-            prompt_embeds = prompt_embeds.index_select(0, index)
-            pooled_prompt_embeds = pooled_prompt_embeds.index_select(0, index)
-            t5_truncated = [t5_truncated[slot[caption]] for caption in captions]
-        return TextEmbeddings(prompt_embeds, pooled_prompt_embeds, t5_truncated)
+    def encode_rows(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """``(T5 [L, D], CLIP pooled [D], truncated)`` of each prompt, in forward passes of exactly
+        ``TEXT_BATCH`` captions (the rest empty captions; see ``diffprep.families.text_cache``)."""
+        t5_ids, truncated = self._t5_input_ids(prompts)
+        clip_ids = self._clip_input_ids(prompts)
+        t5_filler, _ = self._t5_input_ids([""])
+        clip_filler = self._clip_input_ids([""])
+        rows = []
+        for start in range(0, len(prompts), TEXT_BATCH):
+            n = min(TEXT_BATCH, len(prompts) - start)
+            t5_batch = fill_rows(t5_ids[start : start + n], t5_filler)
+            clip_batch = fill_rows(clip_ids[start : start + n], clip_filler)
+            prompt_embeds = self.t5_text(t5_batch.to(self.device), output_hidden_states=False)[0]
+            # Flux uses the pooled output of CLIPTextModel.
+            pooled_prompt_embeds = self.clip_text(clip_batch.to(self.device), output_hidden_states=False).pooler_output
+            prompt_embeds = prompt_embeds[:n].to(device="cpu", dtype=self.dtype)
+            pooled_prompt_embeds = pooled_prompt_embeds[:n].to(device="cpu", dtype=self.dtype)
+            # Cloned: a row of its own, not a view keeping the whole batch alive in the cache.
+            rows += [(prompt_embeds[i].clone(), pooled_prompt_embeds[i].clone(), truncated[start + i]) for i in range(n)]
+        return rows
 
-    def _t5_prompt_embeds(self, prompts: list[str]) -> tuple[torch.Tensor, list[bool]]:
+    def _t5_input_ids(self, prompts: list[str]) -> tuple[torch.Tensor, list[bool]]:
         text_inputs = self.t5_tokenizer(
             prompts,
             padding="max_length",
@@ -322,8 +304,7 @@ class FluxEncoders:
             return_overflowing_tokens=False,
             return_tensors="pt",
         )
-        text_input_ids = text_inputs.input_ids
-        truncated, removed_text = _truncation(self.t5_tokenizer, prompts, self.t5_max_length)
+        truncated, removed_text = truncation(self.t5_tokenizer, prompts, self.t5_max_length)
         if removed_text:
             logger.warning(
                 "T5: %d of %d captions were truncated because t5_max_length is %d tokens; removed text: %s",
@@ -332,11 +313,9 @@ class FluxEncoders:
                 self.t5_max_length,
                 removed_text,
             )
+        return text_inputs.input_ids, truncated
 
-        prompt_embeds = self.t5_text(text_input_ids.to(self.device), output_hidden_states=False)[0]
-        return prompt_embeds.to(device="cpu", dtype=self.dtype), truncated
-
-    def _clip_prompt_embeds(self, prompts: list[str]) -> torch.Tensor:
+    def _clip_input_ids(self, prompts: list[str]) -> torch.Tensor:
         text_inputs = self.clip_tokenizer(
             prompts,
             padding="max_length",
@@ -346,8 +325,7 @@ class FluxEncoders:
             return_length=False,
             return_tensors="pt",
         )
-        text_input_ids = text_inputs.input_ids
-        _, removed_text = _truncation(self.clip_tokenizer, prompts, self.clip_max_length)
+        _, removed_text = truncation(self.clip_tokenizer, prompts, self.clip_max_length)
         if removed_text:
             # Info, not warning: Flux reads long captions through T5; CLIP's 77 tokens cut them by design.
             logger.info(
@@ -357,19 +335,7 @@ class FluxEncoders:
                 self.clip_max_length,
                 removed_text,
             )
-
-        prompt_embeds = self.clip_text(text_input_ids.to(self.device), output_hidden_states=False)
-        # Flux uses the pooled output of CLIPTextModel.
-        return prompt_embeds.pooler_output.to(device="cpu", dtype=self.dtype)
-
-
-def _truncation(tokenizer, prompts: list[str], max_length: int) -> tuple[list[bool], list[str]]:
-    """Which prompts lose tokens at ``max_length``, and the text each truncated one loses."""
-    untruncated_ids = tokenizer(prompts).input_ids
-    truncated = [len(ids) > max_length for ids in untruncated_ids]
-    # What is kept ends with max_length - 1 tokens then EOS; what followed them, up to EOS, is lost.
-    removed_ids = [ids[max_length - 1 : -1] for ids, cut in zip(untruncated_ids, truncated) if cut]
-    return truncated, tokenizer.batch_decode(removed_ids)
+        return text_inputs.input_ids
 
 
 def _vae_normalization(config: Mapping[str, Any]) -> tuple[float, float]:

@@ -53,7 +53,7 @@ def write_tiny_model(path: str | Path, seed: int = 0) -> Path:
         raise FileExistsError(f"{root} already holds a model; pass an empty or new folder")
 
     clip_tokenizer = _clip_tokenizer()
-    t5_tokenizer = _t5_tokenizer()
+    t5_tokenizer = tiny_t5_tokenizer()
     # fork_rng: seeding for our weights must not disturb the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -118,7 +118,7 @@ def _clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=list(merges), model_max_length=_CLIP_MAX_LENGTH)
 
 
-def _t5_tokenizer():
+def tiny_t5_tokenizer():
     from transformers import T5TokenizerFast
 
     # Unigram pieces like T5's SentencePiece model: <pad>=0, </s>=1, <unk>=2, then

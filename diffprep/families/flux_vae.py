@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from diffprep.encoders.flux import FluxEncoders, _vae_normalization, resolve_device
-from diffprep.encoders.hub import resolve_component
+from diffprep.families.flux import FluxEncoders, _vae_normalization, resolve_device
+from diffprep.hub import resolve_component
 from diffprep.errors import ConfigError
 from diffprep.images import to_uint8
 from diffprep.plan import Plan

@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,22 +45,13 @@ _COMPONENT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]
 
 @dataclass(frozen=True)
 class Part:
-    """One folder an encoder needs: where it sits in the FLUX.1-dev layout and how to recognize it."""
+    """One folder an encoder needs: where it sits in its family's layout and how to recognize it."""
 
     name: str  # key used throughout diffprep: vae, clip_text, clip_tokenizer, t5_text, t5_tokenizer
     encoder: str  # how messages call the encoder: VAE, CLIP, T5
     override: str  # the ModelConfig field that replaces model_path for this encoder
-    subfolder: str  # folder in the FLUX.1-dev layout
+    subfolder: str  # folder in the family's layout (FLUX.1-dev: vae, text_encoder, ...)
     markers: tuple[str, ...]  # any of these files marks a folder holding this part
-
-
-FLUX_PARTS: tuple[Part, ...] = (
-    Part("vae", "VAE", "vae_path", "vae", ("config.json",)),
-    Part("clip_text", "CLIP", "clip_path", "text_encoder", ("config.json",)),
-    Part("clip_tokenizer", "CLIP", "clip_path", "tokenizer", ("tokenizer_config.json", "tokenizer.json")),
-    Part("t5_text", "T5", "t5_path", "text_encoder_2", ("config.json",)),
-    Part("t5_tokenizer", "T5", "t5_path", "tokenizer_2", ("tokenizer_config.json", "tokenizer.json")),
-)
 
 
 @dataclass(frozen=True)
@@ -166,15 +158,17 @@ def resolve_component(
     return _hub_component(path_or_repo, subfolder, revision=revision, token=token, encoder=encoder)
 
 
-def resolve_encoders(model: ModelConfig, *, token: str | None = None) -> dict[str, ResolvedPart]:
-    """Resolve (and download if needed) every part of the Flux encoders, keyed by part name.
+def resolve_parts(model: ModelConfig, parts: Sequence[Part], layout: str, *, token: str | None = None
+                  ) -> dict[str, ResolvedPart]:
+    """Resolve (and download if needed) every part of a family's encoders, keyed by part name; ``layout``
+    names the family's folder layout in messages (``FLUX.1-dev``).
 
     Each encoder comes from its override (``vae_path``, ``clip_path``,
     ``t5_path``) when set, else from ``model_path`` at ``model.revision``.
     The fetch phase calls this once so later loads find everything cached.
     """
     resolved: dict[str, ResolvedPart] = {}
-    for part in FLUX_PARTS:
+    for part in parts:
         override = getattr(model, part.override)
         source = override or model.model_path
         # model.revision is the revision of model_path; an override is used at its default branch.
@@ -187,7 +181,7 @@ def resolve_encoders(model: ModelConfig, *, token: str | None = None) -> dict[st
             field = part.override if override else "model_path"
             raise ConfigError(
                 f"{part.encoder}: {folder} has no {' or '.join(part.markers)}, so it does not hold the "
-                f"{part.subfolder} part. Point model.{field} at a folder in the FLUX.1-dev layout (with "
+                f"{part.subfolder} part. Point model.{field} at a folder in the {layout} layout (with "
                 f"{part.subfolder}/) or at one that holds the model and its tokenizer together. "
                 f"It holds: {_listing(folder)}"
             )
