@@ -200,14 +200,16 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
 
 
 def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: bool) -> dict:
-    from diffprep.config import EncodeParameters, RawParameters
+    from diffprep.config import EncodeParameters, RawParameters, load_settings
 
     if raw:
         from diffprep.flows.raw import encode_raw
 
         return encode_raw(RawParameters(config=config, **overrides))
     from diffprep.flows.encode import encode_dataset
+    from diffprep.flows.startup import warm_start
 
+    warm_start(load_settings(config, overrides), "preencoded")  # encoders load while the embedded server starts
     return encode_dataset(EncodeParameters(config=config, **overrides))
 
 

@@ -1,5 +1,8 @@
 """Energon cookers and task encoders for loading diffprep datasets in training code.
 
+(Over 400 lines on purpose: every encoding's sample type, cooker and task encoder side by side, in the one
+module training code imports.)
+
 A finalized diffprep output is a ``CrudeWebdataset``: Energon hands each sample
 to a *cooker* as a plain dict of raw bytes per field, and the cooker that
 matches the dataset's subflavor (``encoding: preencoded`` or ``encoding: raw``)

@@ -1,5 +1,8 @@
 """Encoded image bytes -> model-ready pixels, deterministically.
 
+(Over 400 lines on purpose: one path from bytes to pixels -- EXIF, modes, alpha, the three ways of sizing
+and the aspect buckets -- whose rules depend on one another and are read best in one place.)
+
 ``prepare_image`` is the whole path for one sample:
 
 1. **Open** with Pillow (header only) and check ``width * height`` against

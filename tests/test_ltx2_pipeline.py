@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Prefect's console log handler keeps the stream it finds when prefect is first imported: import it here, at
+# collection, so that it holds pytest's session stream rather than the capsys buffer of this module's first CLI test
+# (the second one would log into that closed buffer).
+import diffprep.flows.encode  # noqa: F401
+
 from diffprep import contract
 from diffprep.approvals import ApprovalRefused
 from diffprep.config import load_settings

@@ -1,5 +1,8 @@
 """The pre-encoded encoding (Flux): VAE latents and T5 + CLIP embeddings per sample, plus caption and meta.
 
+(Over 400 lines on purpose: the Flux encoding whole -- its plan and shapes, the fields it writes, its sanity
+check, its decoding and its validation inspector -- as Wan's and LTX-2's are each in one module.)
+
 Per sample: ``latents.pth`` [16, H/8, W/8], ``prompt_embeds.pth``
 [t5_max_length, 4096], ``pooled_prompt_embeds.pth`` [768], ``caption.txt``,
 ``meta.json``. The encoders are loaded once per process (on the device the
