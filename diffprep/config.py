@@ -59,11 +59,17 @@ class SourceConfig(_Section):
     # Video sources: a metadata file (the LTX trainer's dataset.json convention) and the clip's column or member.
     metadata_file: str | None = Field(
         None, description="metadata: a JSON list, JSONL or CSV file (local or s3://) with a caption column and a "
-        "video / media_path / image column; paths are relative to the file's folder.",
+        "video / media_path / image column (LTX-2 audio only: an audio column); paths are relative to the file's "
+        "folder.",
     )
     video_key: str | None = Field(
         None, description="Column (metadata, huggingface) or tar extension (webdataset) holding the clip; "
         "auto-detected when unset.",
+    )
+    audio_key: str | None = Field(
+        None, description="metadata: the column of audio files (wav, flac, mp3, m4a, or a clip's sound) of an "
+        "audio-only LTX-2 run (T2A, with --audio-durations); default audio when the file has no video, media_path "
+        "or image column.",
     )
     reference_key: str | None = Field(
         None, description="metadata: the column naming each clip's IC-LoRA reference clip (LTX-2); default "
@@ -253,6 +259,11 @@ class VideoConfig(_Section):
     )
     skip_audio: bool = Field(
         False, description="LTX-2: video latents and text only, no audio latents (the clips' audio is not read).",
+    )
+    audio_durations: str | None = Field(
+        None, description="LTX-2 audio only (T2A): duration buckets in seconds separated by ';', e.g. '2.0;4.0'. "
+        "Each file goes to the longest bucket not longer than its audio and is trimmed to it; one shorter than "
+        "every bucket is the reject too_short_audio. Needs a metadata file with an audio column.",
     )
     reference_downscale_factor: int = Field(
         1, ge=1, le=16, description="LTX-2 IC-LoRA: reference clips are encoded at (F, H/N, W/N) of the (single) "

@@ -73,7 +73,8 @@ ENCODING_RAW = "raw"
 ENCODING_WAN = "wan"  # pre-encoded with a Wan 2.x model (video)
 ENCODING_LTX2 = "ltx2"  # pre-encoded with an LTX-2 checkpoint (video + audio)
 ENCODING_RAW_VIDEO = "raw_video"  # clips stored as mp4, not encoded
-ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO)
+ENCODING_LTX2_AUDIO = "ltx2_audio"  # LTX-2 audio only (T2A): audio latents and text, no video latents
+ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO)
 
 # The LTX-2 trainer's layout (--layout ltx; reference/consumer-formats.md A1/A2): under <out>/.precomputed/, one
 # torch.save'd dict per sample and folder, named after the sample's media path relative to the metadata file with

@@ -264,8 +264,9 @@ def cook_raw_video(sample: dict) -> RawVideoSample:
 class Ltx2Sample(Sample):
     """One LTX-2 sample: the tensors of the LTX-2 trainer's records (reference/consumer-formats.md A1)."""
 
-    #: [128, 1 + (F - 1) / 8, H / 32, W / 32] bf16, normalized posterior mean (the trainer's latents/).
-    latents: torch.Tensor
+    #: [128, 1 + (F - 1) / 8, H / 32, W / 32] bf16, normalized posterior mean (the trainer's latents/); None in
+    #: an audio-only dataset (``encoding: ltx2_audio``).
+    latents: torch.Tensor | None
     #: [1024, D] bf16: the Gemma feature extractor's video output (conditions/ video_prompt_embeds).
     prompt_embeds: torch.Tensor
     #: [1024, D_a] bf16: its audio output (LTX-2: a copy of prompt_embeds; LTX-2.3: a projection of its own).
@@ -278,12 +279,11 @@ class Ltx2Sample(Sample):
     reference_latents: torch.Tensor | None
     caption: str
     meta: dict
+    #: ``WxHxF``; audio only: the duration bucket (``2s``).
     bucket: str
 
 
-@stateless
-def cook_ltx2(sample: dict) -> Ltx2Sample:
-    """Turn a crude LTX-2 sample into an ``Ltx2Sample``; the optional tensors are None where the dataset has none."""
+def _cook_ltx2(sample: dict, *, video: bool) -> Ltx2Sample:
     key = sample.get("__key__", "?")
     meta = _meta_of(sample)
 
@@ -296,24 +296,37 @@ def cook_ltx2(sample: dict) -> Ltx2Sample:
     audio_prompt_embeds = tensor(contract.AUDIO_PROMPT_EMBEDS, required=False)
     return Ltx2Sample(
         **basic_sample_keys(sample),
-        latents=tensor(contract.LATENTS),
+        latents=tensor(contract.LATENTS) if video else None,
         prompt_embeds=prompt_embeds,
         audio_prompt_embeds=prompt_embeds if audio_prompt_embeds is None else audio_prompt_embeds,
         prompt_attention_mask=tensor(contract.PROMPT_ATTENTION_MASK),
-        audio_latents=tensor(contract.AUDIO_LATENTS, required=False),
-        reference_latents=tensor(contract.REFERENCE_LATENTS, required=False),
+        audio_latents=tensor(contract.AUDIO_LATENTS, required=not video),
+        reference_latents=tensor(contract.REFERENCE_LATENTS, required=False) if video else None,
         caption=_text(sample, contract.CAPTION),
         meta=meta,
-        bucket="x".join(str(v) for v in meta.get("bucket") or ["?"]),
+        bucket=("x".join(str(v) for v in meta.get("bucket") or ["?"]) if video else str(meta.get("bucket", "?"))),
     )
+
+
+@stateless
+def cook_ltx2(sample: dict) -> Ltx2Sample:
+    """Turn a crude LTX-2 sample into an ``Ltx2Sample``; the optional tensors are None where the dataset has none."""
+    return _cook_ltx2(sample, video=True)
+
+
+@stateless
+def cook_ltx2_audio(sample: dict) -> Ltx2Sample:
+    """Turn a crude audio-only LTX-2 sample (T2A) into an ``Ltx2Sample`` without video latents."""
+    return _cook_ltx2(sample, video=False)
 
 
 PREENCODED_COOKER = Cooker(cook_preencoded, has_subflavors={"encoding": contract.ENCODING_PREENCODED})
 RAW_COOKER = Cooker(cook_raw, has_subflavors={"encoding": contract.ENCODING_RAW})
 WAN_COOKER = Cooker(cook_video, has_subflavors={"encoding": contract.ENCODING_WAN})
 LTX2_COOKER = Cooker(cook_ltx2, has_subflavors={"encoding": contract.ENCODING_LTX2})
+LTX2_AUDIO_COOKER = Cooker(cook_ltx2_audio, has_subflavors={"encoding": contract.ENCODING_LTX2_AUDIO})
 RAW_VIDEO_COOKER = Cooker(cook_raw_video, has_subflavors={"encoding": contract.ENCODING_RAW_VIDEO})
-COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER, LTX2_COOKER, RAW_VIDEO_COOKER]
+COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER, LTX2_COOKER, LTX2_AUDIO_COOKER, RAW_VIDEO_COOKER]
 
 
 def _stack(samples: list[Any], name: str) -> torch.Tensor:
@@ -400,14 +413,15 @@ class VideoPreencodedTaskEncoder(_OneBucketPerBatch, VideoSampleTaskEncoder):
 
 
 class Ltx2SampleTaskEncoder(DefaultTaskEncoder[Ltx2Sample, Ltx2Sample, Any, Any]):
-    """Loads an LTX-2 dataset (``encoding: ltx2``) sample by sample: ``Ltx2Sample``s with the trainer's tensors.
+    """Loads an LTX-2 dataset (``encoding: ltx2``, or ``ltx2_audio``: audio only) sample by sample:
+    ``Ltx2Sample``s with the trainer's tensors.
 
     Training: ``batch_size=1`` as the LTX-2 trainer (several buckets, and audio lengths that follow each clip's
     frame rate, do not stack), or a subclass grouping by ``sample.bucket`` with ``batch_group_criterion``.
     """
 
     decoder = None
-    cookers = [LTX2_COOKER]
+    cookers = [LTX2_COOKER, LTX2_AUDIO_COOKER]
 
 
 class RawVideoTaskEncoder(DefaultTaskEncoder[RawVideoSample, RawVideoSample, Any, Any]):

@@ -8,10 +8,15 @@ and validate phases share these pieces:
 - each encoding's ``decode_stored``: stored samples back to pixels (the
   pre-encoded latents through the dataset's own VAE, ``diffprep.families.flux_vae``;
   raw image files as stored);
-- :func:`source_pixels`: the source images re-read through the plan's source
+- :func:`source_media`: the source images re-read through the plan's source
   and prepared with the plan's image settings: exactly the pixels that were
   encoded, so the PSNR measures the VAE round trip (or the jpg/webp loss of a
-  raw dataset) and nothing else.
+  raw dataset) and nothing else; a clip's audio track (an audio-only sample's
+  file) as it was fitted for encoding, likewise.
+- each encoding's ``sound`` (LTX-2): audio latents back to a waveform (audio
+  VAE decoder + vocoder), written as the mp4's AAC track (audio only: a WAV
+  file, and its log-mel spectrogram as the picture), with the log-mel L1
+  against the source's audio (``encodings/ltx2_sound.Ltx2Sound``).
 - the contact sheet of source next to decoded (``diffprep.pictures``).
 """
 
@@ -34,6 +39,7 @@ from diffprep.energon import read_subflavors
 from diffprep.errors import ConfigError, DatasetValidationError, DiffprepError, RejectError, SourceError
 from diffprep.images import ImageSpec, prepare_image
 from diffprep.layouts import Layout
+from diffprep.media.audio import AudioSpec, ClipAudio, wav_bytes
 from diffprep.media.buckets import Bucket
 from diffprep.media.mp4 import mp4_bytes
 from diffprep.media.video import ClipSpec
@@ -89,7 +95,8 @@ class DecodeReport:
             value = preview.psnr_db
             shown = "n/a" if value is None else ("inf" if math.isinf(value) else f"{value:.2f} dB")
             note = f"  ({preview.note})" if preview.note else ""
-            lines.append(f"{preview.key}  PSNR {shown:>9}  {preview.source_id or ''}{note}")
+            audio = "" if preview.audio_mel_l1 is None else f"  audio log-mel L1 {preview.audio_mel_l1:.3f}"
+            lines.append(f"{preview.key}  PSNR {shown:>9}{audio}  {preview.source_id or ''}{note}")
         return lines
 
 
@@ -158,9 +165,17 @@ def source_config(description: dict[str, Any]) -> SourceConfig:
     return SourceConfig(**{name: value for name, value in values.items() if name in SourceConfig.model_fields})
 
 
-def source_pixels(plan: Plan, samples: Sequence[StoredSample], *, token: str | None = None,
-                  local_only: bool = False) -> dict[str, torch.Tensor | str]:
-    """Key -> the prepared source pixels of that sample, or a note saying why they are not available.
+@dataclass(frozen=True)
+class SourceMedia:
+    """A re-read source sample as it was prepared for encoding: its pixels (None: audio only) and audio (or None)."""
+
+    pixels: torch.Tensor | None
+    audio: ClipAudio | None = None
+
+
+def source_media(plan: Plan, samples: Sequence[StoredSample], *, token: str | None = None,
+                 local_only: bool = False) -> dict[str, SourceMedia | str]:
+    """Key -> the prepared source media of that sample, or a note saying why they are not available.
 
     A source whose image no longer gives the recorded original size and crop
     box changed since encoding: it is reported, not compared. ``local_only``
@@ -175,7 +190,7 @@ def source_pixels(plan: Plan, samples: Sequence[StoredSample], *, token: str | N
         source = open_source(source_config(plan.source), token=token)
     except (DiffprepError, KeyError, TypeError, OSError) as error:
         return {s.key: f"source not reachable: {error}" for s in samples}
-    result: dict[str, torch.Tensor | str] = {}
+    result: dict[str, SourceMedia | str] = {}
     for sample in samples:
         meta = sample.meta
         source_id = meta.get("source_id")
@@ -195,29 +210,36 @@ def source_pixels(plan: Plan, samples: Sequence[StoredSample], *, token: str | N
         except (DiffprepError, OSError, StopIteration) as error:
             result[sample.key] = f"source not readable: {type(error).__name__}: {error}"
             continue
-        pixels, original_size, crop_box = prepared
+        media, original_size, crop_box = prepared
         recorded = (meta.get("original_size"), meta.get("crop_box"))
         if recorded != (None, None) and recorded != (original_size, crop_box):
             result[sample.key] = (f"the source changed since encoding (original size {original_size}, "
                                   f"recorded {recorded[0]})")
             continue
-        result[sample.key] = pixels
+        result[sample.key] = media
     return result
 
 
-def _prepare(read: Any, spec: ImageSpec | ClipSpec, meta: dict) -> tuple[torch.Tensor, list[int], list[int]]:
-    """A re-read source sample prepared as it was encoded: (pixels, original size, crop box).
+def _prepare(read: Any, spec: ImageSpec | ClipSpec | AudioSpec, meta: dict
+             ) -> tuple[SourceMedia, list[int] | None, list[int] | None]:
+    """A re-read source sample prepared as it was encoded: (its media, original size, crop box).
 
-    A clip is prepared in the bucket its meta.json records.
+    A clip is prepared in the bucket its meta.json records, an audio file in its duration bucket.
     """
+    if isinstance(spec, AudioSpec):
+        if read.audio is None:
+            raise RejectError("missing_audio", "the source gave no audio file")
+        bucket = meta.get("bucket")
+        prepared = spec.prepare(read.audio, bucket=float(bucket.removesuffix("s")) if bucket else None)
+        return SourceMedia(None, prepared.audio), None, None
     if isinstance(spec, ClipSpec):
         bucket = Bucket(*meta["bucket"]) if meta.get("bucket") else None
         clip = spec.prepare(read.media, video=read.video is not None, bucket=bucket, reference=read.reference)
-        return clip.pixels, clip.meta["original_size"], clip.meta["crop_box"]
+        return SourceMedia(clip.pixels, clip.audio), clip.meta["original_size"], clip.meta["crop_box"]
     if read.image is None:
         raise RejectError("missing_image", "the source gave no image")
     prepared = prepare_image(read.image, spec)
-    return prepared.pixels, list(prepared.original_size), list(prepared.crop_box)
+    return SourceMedia(prepared.pixels), list(prepared.original_size), list(prepared.crop_box)
 
 
 # --- putting it together ---------------------------------------------------------------------------
@@ -238,7 +260,9 @@ def decode_dataset(
     """Decode ``samples`` samples of ``out_dir`` and compare them with their sources.
 
     Writes ``<key>.png`` (decoded) and ``<key>.source.png`` into ``to_dir``
-    when given (a clip: its frames side by side in the PNGs, and ``<key>.mp4``), and the contact sheet to ``sheet`` (default
+    when given (a clip: its frames side by side in the PNGs, and ``<key>.mp4``,
+    with its decoded sound as an AAC track where the dataset has audio; audio
+    only: the log-mel spectrograms as the PNGs, and ``<key>.wav``), and the contact sheet to ``sheet`` (default
     ``<to_dir>/contact_sheet.png``; none without either). Pre-encoded datasets
     need their VAE (from plan.json, ``model_path`` or an already loaded
     ``decoder``; with ``local_only`` a hub VAE must be cached already, and a
@@ -253,11 +277,22 @@ def decode_dataset(
     encoding = get_encoding(plan.encoding) if plan is not None else encoding_of_sample(stored[0].fields)
     decoded, vae = encoding.decode_stored(stored, plan, model_path=model_path, device=device, token=token,
                                           local_only=local_only, decoder=decoder, where=str(out))
-    sources = source_pixels(plan, stored, token=token, local_only=local_only) if plan is not None else {}
+    sound = encoding.sound(plan, stored, model_path=model_path, device=device, where=str(out))
+    sounds: list[ClipAudio | None] = [sound.decode(s) for s in stored] if sound else [None] * len(stored)
+    sources = source_media(plan, stored, token=token, local_only=local_only) if plan is not None else {}
     previews = []
     clips: dict[str, tuple[torch.Tensor, float]] = {}  # key -> decoded frames and their rate
-    for sample, image in zip(stored, decoded):
-        found = sources.get(sample.key, "plan.json is missing: the source is unknown")
+    for sample, image, audio in zip(stored, decoded, sounds):
+        media = sources.get(sample.key, "plan.json is missing: the source is unknown")
+        found = media.pixels if isinstance(media, SourceMedia) else media
+        source_audio = media.audio if isinstance(media, SourceMedia) else None
+        mel_l1 = sound.mel_l1(audio, source_audio) if audio is not None and source_audio is not None else None
+        if image is None and audio is not None:  # audio only: the sound's log-mel spectrogram is the picture
+            image = sound.picture(audio)
+            if source_audio is not None:  # both cut to their common frames, as the figure compares them
+                found = sound.picture(source_audio)
+                frames = min(found.shape[2], image.shape[2])
+                image, found = image[:, :, :frames].contiguous(), found[:, :, :frames].contiguous()
         if isinstance(found, torch.Tensor) and found.shape != image.shape:
             found = f"decoded {list(image.shape)} but the source prepares to {list(found.shape)}"
         if image.ndim == 4:  # a clip [F, 3, H, W]: its frames side by side, the PSNR over all of them
@@ -267,19 +302,21 @@ def decode_dataset(
         previews.append(Preview(
             key=sample.key, source_id=sample.meta.get("source_id"), caption=sample.caption, decoded=image,
             source=found if isinstance(found, torch.Tensor) else None,
-            note="" if isinstance(found, torch.Tensor) else found,
+            note="" if isinstance(found, torch.Tensor) else found, audio_mel_l1=mel_l1,
         ))
     report = DecodeReport(encoding=encoding.name, previews=previews, vae=vae)
     if to_dir is not None:
         folder = Path(to_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        for preview in previews:
+        for sample, preview, audio in zip(stored, previews, sounds):
             path = folder / f"{preview.key}.png"
             atomic_write_bytes(path, png_bytes(preview.decoded))
             report.images.append(str(path))
-            if preview.key in clips:
+            if preview.key in clips:  # with its decoded sound where the dataset has audio
                 frames, fps = clips[preview.key]
-                atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(frames, fps))
+                atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(frames, fps, audio=audio))
+            elif audio is not None:
+                atomic_write_bytes(folder / f"{preview.key}.wav", wav_bytes(audio))
             if preview.source is not None:
                 atomic_write_bytes(folder / f"{preview.key}.source.png", png_bytes(preview.source))
         sheet = sheet or folder / CONTACT_SHEET

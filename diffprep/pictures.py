@@ -44,6 +44,7 @@ class Preview:
     decoded: torch.Tensor  # uint8 [3, H, W]
     source: torch.Tensor | None = None  # uint8 [3, H, W], the prepared source
     note: str = ""  # why there is no source, or what else is worth knowing
+    audio_mel_l1: float | None = None  # LTX-2 with audio: the decoded sound against the source's, log-mel L1
 
     @property
     def psnr_db(self) -> float | None:
@@ -60,6 +61,7 @@ class Preview:
             # JSON has no infinity: an exact copy (a png raw dataset) is reported as None with a note.
             "psnr_db": None if value is None or math.isinf(value) else round(value, 2),
             "note": self.note or ("identical to the source" if value is not None and math.isinf(value) else ""),
+            **({"audio_mel_l1": round(self.audio_mel_l1, 4)} if self.audio_mel_l1 is not None else {}),
         }
 
 
@@ -124,6 +126,8 @@ def contact_sheet(previews: Sequence[Preview], *, tile: int = TILE) -> Image.Ima
         sheet.paste(_tile(preview.decoded, tile), (x + tile + _GAP, y))
         value = preview.psnr_db
         shown = "no source" if value is None else ("identical" if math.isinf(value) else f"PSNR {value:.1f} dB")
+        if preview.audio_mel_l1 is not None:
+            shown += f"  mel L1 {preview.audio_mel_l1:.2f}"
         draw.text((x, y + tile + 2), f"{preview.key}  {shown}", fill=_TEXT)
         draw.text((x, y + tile + 2 + _LABEL_HEIGHT), _fit(draw, preview.caption, pair_w), fill=_TEXT)
     return sheet

@@ -5,9 +5,10 @@ thread pool, a bounded queue of ready batches in between) while the encoders
 work on the previous batch. A sample that cannot be used becomes a reject with
 a reason; it never stops the unit.
 
-``spec`` says how: an ``ImageSpec`` (images, ``[B, 3, H, W]`` batches) or a
+``spec`` says how: an ``ImageSpec`` (images, ``[B, 3, H, W]`` batches), a
 ``ClipSpec`` (clips in their unit's bucket, ``[B, F, 3, H, W]`` batches; an
-image is a one-frame clip).
+image is a one-frame clip) or an ``AudioSpec`` (audio files trimmed to their
+unit's duration bucket: the batch's ``audio``, and no pixels).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from diffprep import contract
 from diffprep.errors import DiffprepError, RejectError
 from diffprep.failpoints import failpoint
 from diffprep.images import ImageSpec, PreparedImage, prepare_image
+from diffprep.media.audio import AudioSpec, PreparedAudio
 from diffprep.media.buckets import parse_bucket
 from diffprep.media.video import ClipSpec, PreparedClip
 from diffprep.plan import Plan, UnitPlan
@@ -37,14 +39,14 @@ class Batch:
     keys: list[str]
     source_ids: list[str]
     captions: list[str]
-    pixels: torch.Tensor  # uint8 [B, 3, H, W] (clips: [B, F, 3, H, W])
+    pixels: torch.Tensor  # uint8 [B, 3, H, W] (clips: [B, F, 3, H, W]; audio only: [B, 0])
     metas: list[dict]
     audio: list[Any] | None = None  # each clip's ClipAudio, when the ClipSpec reads audio (LTX-2)
     references: torch.Tensor | None = None  # IC-LoRA reference clips, uint8 [B, F, 3, H', W'] (LTX-2)
 
 
-Spec = ImageSpec | ClipSpec
-Prepared = PreparedImage | PreparedClip
+Spec = ImageSpec | ClipSpec | AudioSpec
+Prepared = PreparedImage | PreparedClip | PreparedAudio
 
 
 def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Prepared:
@@ -55,6 +57,10 @@ def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Pre
     if sample.caption is None:
         raise RejectError("missing_caption", "the source gave no caption for this sample", phase="read")
     failpoint("decode")
+    if isinstance(spec, AudioSpec):
+        if sample.audio is None:
+            raise RejectError("missing_audio", "an audio-only run needs an audio file for every sample", phase="read")
+        return spec.prepare(sample.audio, bucket=float(bucket.removesuffix("s")) if bucket else None)
     if isinstance(spec, ClipSpec):
         return spec.prepare(sample.media, video=sample.video is not None,
                             bucket=parse_bucket(bucket) if bucket else None, reference=sample.reference)
@@ -77,7 +83,7 @@ def iter_prepared(
             except RejectError as exc:
                 return index, sample, exc
             except Exception as exc:  # noqa: BLE001 - a sample PIL chokes on is a reject, not a crash
-                kind = "video" if sample.video is not None else "image"
+                kind = "video" if sample.video is not None else "audio" if sample.audio is not None else "image"
                 return index, sample, RejectError(f"{kind}_decode_error", f"{type(exc).__name__}: {exc}")
 
         count = 0
@@ -98,7 +104,7 @@ def iter_prepared(
 
 
 def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
-    if isinstance(image, PreparedClip):
+    if isinstance(image, (PreparedClip, PreparedAudio)):
         return {"source_id": sample.source_id, **image.meta}
     size = [int(image.pixels.shape[2]), int(image.pixels.shape[1])]
     meta = {

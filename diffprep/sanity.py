@@ -53,10 +53,11 @@ class SanityReport:
     buckets: dict[str, dict] | None = None
     bucket: str | None = None
     baseline_memory_bytes: int | None = None
+    audio_mel_l1: list[float] | None = None  # LTX-2 with audio: each sample's sound decoded again, log-mel L1
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for name in ("buckets", "bucket", "baseline_memory_bytes"):
+        for name in ("buckets", "bucket", "baseline_memory_bytes", "audio_mel_l1"):
             if data[name] is None:
                 del data[name]
         return data
@@ -73,6 +74,8 @@ def sanity_markdown(report: dict) -> str:
         "|---|---|",
         *(f"| {name} | {shape} {report['dtypes'][name]} |" for name, shape in report["shapes"].items()),
         f"| round-trip PSNR (dB) | {psnrs} (median must reach {report['min_psnr']}) |",
+        *([f"| audio round trip, log-mel L1 | {', '.join(f'{v:.3f}' for v in report['audio_mel_l1'])} |"]
+          if report.get("audio_mel_l1") is not None else []),
         f"| seconds per batch of {report['samples']} | {report['seconds_per_batch']} |",
         f"| peak memory | {report['peak_memory_bytes'] / gib:.2f} GiB |",
         f"| bytes per sample | {report['bytes_per_sample']} |",

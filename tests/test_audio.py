@@ -76,3 +76,47 @@ def test_broken_audio_in_a_clip_with_good_video_is_a_decode_error(tmp_path):
     with pytest.raises(RejectError) as caught:
         clip_audio.load_clip_audio(clip, duration=FRAMES / FPS)
     assert caught.value.reason == "audio_decode_error" and "does not decode" in str(caught.value)
+
+
+def test_duration_buckets_take_the_longest_that_fits_and_name_the_short_files(tmp_path):
+    """--audio-durations as the trainer: the longest bucket not longer than the file's audio, trimmed to it."""
+    assert clip_audio.parse_durations(" 4.0; 2 ") == (2.0, 4.0)
+    spec = clip_audio.AudioSpec(clip_audio.parse_durations("2.0;4.0"))
+    files = {}
+    for name, seconds, rate in (("long.wav", 4.5, 22050), ("mid.flac", 2.3, 44100), ("short.wav", 1.9, 16000)):
+        buffer = io.BytesIO()
+        codec = ("flac", "flac") if name.endswith("flac") else ("pcm_s16le", "wav")
+        clip_audio.write_test_tone(buffer, seconds=seconds, sample_rate=rate, layout="mono", codec=codec[0],
+                                   container_format=codec[1])
+        files[name] = buffer.getvalue()
+    assert spec.bucket_of(files["long.wav"]) == 4.0 and spec.bucket_of(files["mid.flac"]) == 2.0
+    prepared = spec.prepare(files["long.wav"])
+    assert prepared.audio.waveform.shape == (2, 4 * 22050) and prepared.audio.sample_rate == 22050
+    assert prepared.meta["bucket"] == "4s" and prepared.meta["audio"]["source_duration"] == pytest.approx(4.5, 1e-3)
+    assert prepared.pixels.numel() == 0
+    short = "1.900 s, shorter than every duration bucket (the shortest is 2s)"
+    for data, bucket, words in ((files["short.wav"], None, short), (files["mid.flac"], 4.0, "2.300 s, its bucket 4s")):
+        with pytest.raises(RejectError) as caught:  # too short for every bucket, or for the one planned
+            spec.prepare(data, bucket=bucket)
+        assert caught.value.reason == clip_audio.REJECT_TOO_SHORT_AUDIO == "too_short_audio"
+        assert words in caught.value.detail
+    with pytest.raises(ValueError, match="repeats"):
+        clip_audio.parse_durations("2;2.0")
+
+
+def test_mp4_with_sound_is_byte_stable_and_wav_is_lossless():
+    """diffprep decode's files: the mp4's AAC track (same inputs, same bytes: the pinned av wheel's encoder at a
+    fixed bit rate) and the WAV of an audio-only sample (16-bit PCM)."""
+    from diffprep.media.mp4 import mp4_bytes
+
+    frames = torch.randint(0, 256, (FRAMES, 3, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    time = torch.arange(int(24000 * FRAMES / FPS)) / 24000
+    sound = clip_audio.ClipAudio(torch.stack([0.3 * torch.sin(2 * np.pi * 440 * time),
+                                              0.3 * torch.sin(2 * np.pi * 660 * time)]).float(), 24000, 2)
+    first = mp4_bytes(frames, FPS, audio=sound)
+    assert first == mp4_bytes(frames, FPS, audio=sound) and first != mp4_bytes(frames, FPS)
+    back = clip_audio.load_clip_audio(io.BytesIO(first))
+    assert back.sample_rate == 24000 and abs(back.duration - FRAMES / FPS) < 0.05
+    wav = clip_audio.load_clip_audio(io.BytesIO(clip_audio.wav_bytes(sound)))
+    assert wav.waveform.shape == sound.waveform.shape
+    assert (wav.waveform - sound.waveform).abs().max() <= 1 / 32767

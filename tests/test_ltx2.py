@@ -87,7 +87,14 @@ def write_clip(path: Path, *, audio_layout: str | None) -> np.ndarray | None:
 
 def test_tiny_checkpoint_is_the_single_file_format_ltx_core_loads(checkpoint, stored):
     from ltx_core.loader import SingleGPUModelBuilder
-    from ltx_core.model.audio_vae import AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER, AudioEncoderConfigurator
+    from ltx_core.model.audio_vae import (
+        AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
+        AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER,
+        VOCODER_COMFY_KEYS_FILTER,
+        AudioDecoderConfigurator,
+        AudioEncoderConfigurator,
+        VocoderConfigurator,
+    )
     from ltx_core.model.video_vae import (
         VAE_DECODER_COMFY_KEYS_FILTER,
         VAE_ENCODER_COMFY_KEYS_FILTER,
@@ -97,7 +104,7 @@ def test_tiny_checkpoint_is_the_single_file_format_ltx_core_loads(checkpoint, st
 
     with safe_open(str(checkpoint), framework="pt") as handle:
         config = json.loads(handle.metadata()["config"])
-    assert set(config) >= {"vae", "audio_vae", "transformer"}
+    assert set(config) >= {"vae", "audio_vae", "vocoder", "transformer"}
     assert ltx2.read_checkpoint_config(checkpoint) == config
     assert ltx2.video_scale_factors(config) == ltx2.VideoScaleFactors(time=8, space=32)
 
@@ -106,6 +113,8 @@ def test_tiny_checkpoint_is_the_single_file_format_ltx_core_loads(checkpoint, st
         (VideoEncoderConfigurator, VAE_ENCODER_COMFY_KEYS_FILTER, "vae.encoder."),
         (VideoDecoderConfigurator, VAE_DECODER_COMFY_KEYS_FILTER, "vae.decoder."),
         (AudioEncoderConfigurator, AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER, "audio_vae.encoder."),
+        (AudioDecoderConfigurator, AUDIO_VAE_DECODER_COMFY_KEYS_FILTER, "audio_vae.decoder."),
+        (VocoderConfigurator, VOCODER_COMFY_KEYS_FILTER, "vocoder."),
     ):
         module = SingleGPUModelBuilder(
             model_path=str(checkpoint), model_class_configurator=configurator, model_sd_ops=sd_ops
@@ -338,6 +347,32 @@ def test_clip_audio_channels_duration_and_latents(encoders, stored, tmp_path, la
     assert record["latents"].dtype == torch.float32
     assert (record["num_time_steps"], record["frequency_bins"]) == (t, 16)
     assert record["duration"] == pytest.approx(duration, abs=1 / 44100) and type(record["duration"]) is float
+
+
+def test_audio_decodes_back_through_the_vocoder_and_the_mel_figure(encoders):
+    """Audio latents -> the audio VAE decoder's mel -> ltx-core's vocoder (24 kHz, 240 samples per mel frame);
+    the log-mel L1 of diffprep decode is 0 for the same sound and log 2 for the same sound at half its level."""
+    from diffprep.encodings.ltx2_sound import Ltx2Sound
+
+    seconds = 0.5
+    time = torch.arange(int(seconds * 44100)) / 44100
+    tone = torch.stack([0.4 * torch.sin(2 * np.pi * 440 * time), 0.3 * torch.sin(2 * np.pi * 660 * time)])
+    track = clip_audio.ClipAudio(tone.float(), 44100, 2)
+    latents = encoders.encode_audio(track).latents
+    decoded = encoders.decode_audio(latents)
+    assert decoded.sample_rate == encoders.vocoder.output_sampling_rate == 24000
+    assert decoded.waveform.shape == (2, (4 * latents.shape[1] - 3) * 240) and decoded.waveform.dtype == torch.float32
+    assert decoded.waveform.abs().max() <= 1  # the vocoder's tanh
+
+    sound = Ltx2Sound(encoders)
+    assert sound.mel_l1(track, track) == 0
+    # Noise fills every mel bin above ltx-core's 1e-5 floor; mel is linear in amplitude (power 1).
+    noise = 0.4 * (torch.rand(2, 22050, generator=torch.Generator().manual_seed(0)) * 2 - 1)
+    full, half = clip_audio.ClipAudio(noise, 44100, 2), clip_audio.ClipAudio(noise / 2, 44100, 2)
+    assert sound.mel_l1(full, half) == pytest.approx(np.log(2), abs=1e-3)
+    assert sound.mel_l1(decoded, track) > 0.1  # a random-weight vocoder does not reconstruct
+    picture = sound.picture(track)
+    assert picture.dtype == torch.uint8 and picture.shape == (3, 64, int(seconds * 16000) // 160 + 1)
 
 
 def test_diffusers_ltx2_audio_vae_gives_the_same_latents(encoders, stored):

@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Prefect's console log handler keeps the stream it finds when prefect is first imported: import it here, at
+# collection, so that it holds pytest's session stream rather than the capsys buffer of this module's first CLI test
+# (the second one would log into that closed buffer).
+import diffprep.flows.encode  # noqa: F401
+
 from diffprep import contract
 from diffprep.approvals import ApprovalRefused
 from diffprep.config import load_settings
@@ -56,6 +61,26 @@ def settings_for(out: Path, listing: Path, model_path: Path, **sections):
 
 def never_ask(question, preset=None, *, release=False):
     pytest.fail(f"asked {question.key}: {question.title}")
+
+
+def aborting(asked: list):
+    """An ``ask`` that answers abort to every question, keeping them in ``asked``."""
+
+    def abort(question, preset=None, *, release=False):
+        asked.append(question)
+        return question.check("abort")
+
+    return abort
+
+
+def rejects_question(settings):
+    """Run ``settings`` answering abort: the one question asked must be the rejects' (encoding done, not finalized)."""
+    asked = []
+    with pytest.raises(ApprovalRefused, match="aborted"):
+        run(settings, "preencoded", ask=aborting(asked))
+    [question] = asked
+    assert question.key == "rejected-samples"
+    return question
 
 
 def shard_samples(out: Path) -> dict[str, dict[str, bytes]]:
@@ -125,6 +150,27 @@ def test_t2v_with_audio_end_to_end_in_energon_shards(tiny_ltx2, tmp_path):
     assert len(loaded) == 3 and all(s.audio_latents is not None and s.reference_latents is None for s in loaded)
     assert all(torch.equal(s.audio_prompt_embeds, s.prompt_embeds) for s in loaded)  # V1: audio is video's copy
 
+    # The sanity check decoded the sound too; decode writes each clip back with its decoded sound as an AAC track,
+    # and the audio figure next to the PSNR (a random-weight vocoder: far from the source, but finite).
+    sanity = json.loads((out / contract.STATE_DIR / contract.SANITY_DIR / contract.SANITY_REPORT).read_text())
+    assert len(sanity["audio_mel_l1"]) == 2 and all(v > 0 for v in sanity["audio_mel_l1"])
+    import av
+
+    from diffprep.decode import decode_dataset
+
+    report = decode_dataset(out, 3, to_dir=tmp_path / "decoded", device="cpu")
+    assert all(p.audio_mel_l1 is not None and 0 < p.audio_mel_l1 < 20 and p.psnr_db is not None
+               for p in report.previews), [(p.audio_mel_l1, p.note) for p in report.previews]
+    assert all("audio_mel_l1" in p for p in report.to_json()["samples"])
+    for preview in report.previews:
+        with av.open(str(tmp_path / "decoded" / f"{preview.key}.mp4")) as clip:
+            video, sound = clip.streams.video[0], clip.streams.audio[0]
+            assert (video.frames, float(video.average_rate)) == (9, FPS)
+            assert (sound.codec_context.name, sound.codec_context.sample_rate, sound.codec_context.channels) == \
+                ("aac", 24000, 2)
+            seconds = float(sound.duration * sound.time_base)
+        assert abs(seconds - 9 / FPS) < 0.1  # the clip's own length (AAC adds a frame of priming)
+
 
 def test_skip_audio_reads_no_audio_and_stores_none(tiny_ltx2, tmp_path):
     data = tmp_path / "data"
@@ -167,13 +213,14 @@ def trainer_samples(root: Path, sources: tuple[str, ...]) -> dict[str, dict[str,
 
 
 def assert_a1(sample: dict[str, dict], *, frames: int, size: int, fps: float, seconds: float, width: int = 32):
-    """Every record's keys, shapes and dtypes as consumer-formats.md A1 states them."""
-    video = sample["latents"]
-    assert set(video) == {"latents", "num_frames", "height", "width", "fps"}
-    assert video["latents"].dtype == torch.bfloat16
-    assert tuple(video["latents"].shape) == (128, 1 + (frames - 1) // 8, size // 32, size // 32)
-    assert (video["num_frames"], video["height"], video["width"]) == tuple(video["latents"].shape[1:])
-    assert all(type(video[k]) is int for k in ("num_frames", "height", "width")) and video["fps"] == fps
+    """Every record's keys, shapes and dtypes as consumer-formats.md A1 states them (no latents/: audio only)."""
+    video = sample.get("latents")
+    if video is not None:
+        assert set(video) == {"latents", "num_frames", "height", "width", "fps"}
+        assert video["latents"].dtype == torch.bfloat16
+        assert tuple(video["latents"].shape) == (128, 1 + (frames - 1) // 8, size // 32, size // 32)
+        assert (video["num_frames"], video["height"], video["width"]) == tuple(video["latents"].shape[1:])
+        assert all(type(video[k]) is int for k in ("num_frames", "height", "width")) and video["fps"] == fps
     conditions = sample["conditions"]
     assert set(conditions) == {"video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"}
     assert conditions["video_prompt_embeds"].shape == (1024, width)
@@ -225,17 +272,10 @@ def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
              "broken.mp4": {"broken_audio": True}}
     listing = write_dataset(data, clips)
     settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx"})
-    asked = []
-
-    def abort(question, preset=None, *, release=False):
-        asked.append(question)
-        return question.check("abort")
 
     # The audio gate: two clips without usable audio of four; the run stops, naming them, and does not finalize.
-    with pytest.raises(ApprovalRefused, match="aborted"):
-        run(settings, "preencoded", ask=abort)
-    [question] = asked
-    assert question.key == "rejected-samples" and "2 of 4 samples" in question.description
+    question = rejects_question(settings)
+    assert "2 of 4 samples" in question.description
     assert "`no_audio_stream`" in question.description and "`audio_decode_error`" in question.description
     assert "silent.mp4" in question.description and "broken.mp4" in question.description
     assert "--skip-audio" in question.description  # the audio advice
@@ -264,9 +304,9 @@ def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
     # Other settings over it: verify-existing asks (reuse / new directory / abort); new-dir is .precomputed-v2.
     other = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.5, "on_existing": None},
                          video={"skip_audio": True})
-    asked.clear()
+    asked = []
     with pytest.raises(ApprovalRefused):
-        run(other, "preencoded", ask=abort)
+        run(other, "preencoded", ask=aborting(asked))
     assert asked[0].key == "existing-output" and "new-dir" in asked[0].choices
     other.output.on_existing = "new-dir"
     result = run(other, "preencoded", ask=never_ask)
@@ -323,3 +363,167 @@ def test_ic_lora_references_skip_audio_and_decode_in_the_ltx_layout(tiny_ltx2, t
 
     with av.open(str(tmp_path / "decoded" / f"{report.previews[0].key}.mp4")) as clip:
         assert clip.streams.video[0].frames == 9
+
+
+# --------------------------------------------------------------------------- audio only (T2A)
+
+
+def write_audio_dataset(root: Path, files: dict[str, dict | bytes | None], *, name: str = "dataset.json") -> Path:
+    """``files``: relative path -> write_test_tone options (a tone of those seconds, rate, layout, codec and
+    container), raw bytes (a file that is not audio), or None (a clip without sound); an ``audio`` column."""
+    from diffprep.media.audio import write_test_tone
+
+    rows = []
+    for index, (relative, options) in enumerate(files.items()):
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(options, bytes):
+            path.write_bytes(options)
+        elif options is None:
+            write_av_clip(path, fps=FPS, audio_layout=None)
+        else:
+            write_test_tone(path, frequency=220.0 * (index + 1), **options)
+        rows.append({"caption": f"a dog barking in the street {index}", "audio": relative})
+    listing = root / name
+    listing.write_text(json.dumps(rows), encoding="utf-8")
+    return listing
+
+
+WAV = {"codec": "pcm_s16le", "container_format": "wav"}
+
+
+def test_t2a_end_to_end_in_energon_shards_rejects_and_decode(tiny_ltx2, tmp_path):
+    """Audio files of four formats in --audio-durations buckets (the longest one not longer than the file,
+    trimmed); too short, not audio and soundless files named; Energon shards read back; decoded to WAV with the
+    log-mel L1 against the source."""
+    data = tmp_path / "data"
+    listing = write_audio_dataset(data, {
+        "sounds/a.wav": {"seconds": 2.3, "sample_rate": 22050, "layout": "mono", **WAV},
+        "sounds/b.flac": {"seconds": 4.5, "sample_rate": 44100, "codec": "flac", "container_format": "flac"},
+        "c.mp3": {"seconds": 4.1, "sample_rate": 44100, "codec": "libmp3lame", "container_format": "mp3"},
+        "d.m4a": {"seconds": 2.2, "sample_rate": 48000, "layout": "5.1", "codec": "aac", "container_format": "ipod"},
+        "short.wav": {"seconds": 1.4, "sample_rate": 16000, **WAV},
+        "broken.m4a": b"not an audio file " * 20,
+        "silent.mp4": None,
+    })
+    out = tmp_path / "out"
+    settings = settings_for(out, listing, tiny_ltx2, video={"audio_durations": "2.0;4.0"},
+                            model={"lora_trigger": "sks"})
+    question = rejects_question(settings)
+    assert "3 of 7 samples" in question.description
+    assert '--audio-durations "1.4;2;4"' in question.description and "1.400 s" in question.description
+    assert "**Audio gate:** 2 files" in question.description
+    assert "`broken.m4a`" in question.description and "`silent.mp4`" in question.description
+
+    settings.output.accept_rejects = 0.5
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 4 and result.validation["ok"]
+    assert result.rejects_by_reason == {"audio_decode_error": 1, "no_audio_stream": 1, "too_short_audio": 1}
+    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert plan["encoding"] == "ltx2_audio" and plan["settings"]["audio"]["durations"] == ["2s", "4s"]
+    assert plan["source"]["audio_key"] == "audio" and "video" not in plan["settings"]
+    buckets = {sid: unit.get("bucket") for unit in plan["units"] for sid in unit["source_ids"]}
+    assert buckets == {"sounds/a.wav": "2s", "d.m4a": "2s", "sounds/b.flac": "4s", "c.mp3": "4s",
+                       "short.wav": None, "broken.m4a": None, "silent.mp4": None}
+    dataset_yaml = (out / contract.NV_META / "dataset.yaml").read_text()
+    assert "encoding: ltx2_audio" in dataset_yaml
+
+    stored = shard_samples(out)
+    fields = sorted([contract.AUDIO_LATENTS, contract.PROMPT_EMBEDS, contract.PROMPT_ATTENTION_MASK,
+                     contract.CAPTION, contract.META])
+    steps = {}
+    for sample in stored.values():
+        assert sorted(sample) == fields
+        meta = json.loads(sample[contract.META])
+        audio = load_tensor(sample[contract.AUDIO_LATENTS])
+        assert audio.dtype == torch.float32 and audio.shape[0] == 8 and audio.shape[2] == 16
+        seconds = {"2s": 2.0, "4s": 4.0}[meta["bucket"]]
+        assert meta["audio_duration"] == pytest.approx(seconds, abs=1e-4) and "fps" not in meta
+        assert abs(audio.shape[1] - 25 * seconds) <= 2
+        steps.setdefault(meta["bucket"], set()).add(audio.shape[1])
+        assert load_tensor(sample[contract.PROMPT_EMBEDS]).shape == (1024, 32)
+        assert sample[contract.CAPTION].decode().startswith("sks a dog barking")
+    assert all(len(v) == 1 for v in steps.values())  # one bucket, one length: the latents stack
+    channels = sorted(json.loads(s[contract.META])["audio"]["source_channels"] for s in stored.values())
+    assert channels == [1, 2, 2, 6]
+
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    dataset = get_train_dataset(out, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                                task_encoder=get_encoding("ltx2_audio").task_encoder(), repeat=False,
+                                worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    loaded = list(get_loader(dataset))
+    assert len(loaded) == 4 and all(s.latents is None and s.audio_latents is not None for s in loaded)
+    assert sorted(s.bucket for s in loaded) == ["2s", "2s", "4s", "4s"]
+
+    import av
+
+    from diffprep.decode import decode_dataset
+
+    report = decode_dataset(out, 4, to_dir=tmp_path / "decoded", device="cpu")
+    assert sorted(p.source_id for p in report.previews) == ["c.mp3", "d.m4a", "sounds/a.wav", "sounds/b.flac"]
+    for preview in report.previews:
+        assert preview.audio_mel_l1 is not None and 0 < preview.audio_mel_l1 < 20
+        assert preview.decoded.shape[:2] == (3, 64) and preview.source.shape == preview.decoded.shape  # log-mel
+        with av.open(str(tmp_path / "decoded" / f"{preview.key}.wav")) as wav:
+            stream = wav.streams.audio[0]
+            assert (stream.codec_context.sample_rate, stream.codec_context.channels) == (24000, 2)
+            seconds = float(wav.duration) / av.time_base
+        assert abs(seconds - {"2s": 2.0, "4s": 4.0}[buckets[preview.source_id]]) < 0.1
+
+
+def test_t2a_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_ltx2, tmp_path, capsys):
+    """--layout ltx with --audio-durations: conditions/ and audio_latents/ only (the trainer's flexible strategy
+    for T2A reads those two, conditions/ as its primary folder), named after the audio column's paths."""
+    from diffprep.cli import main
+
+    data = tmp_path / "dataset"
+    listing = write_audio_dataset(data, {
+        "voice/a.wav": {"seconds": 2.1, "sample_rate": 16000, **WAV},
+        "b.flac": {"seconds": 2.5, "sample_rate": 44100, "codec": "flac", "container_format": "flac"},
+    })
+    args = ["encode", "--source-type", "metadata", "--metadata-file", str(listing), "--output-dir", str(data),
+            "--model-path", str(tiny_ltx2), "--layout", "ltx", "--audio-durations", "2.0", "--precision", "fp32",
+            "--device", "cpu", "--batch-size", "2", "--min-psnr", "0"]
+    assert main(args) == 0
+    assert "samples written: 2" in capsys.readouterr().out
+    root = data / contract.PRECOMPUTED_DIR
+    assert sorted(p.name for p in root.iterdir()) == [".diffprep", "audio_latents", "conditions"]
+    samples = trainer_samples(root, ("conditions", "audio_latents"))
+    assert sorted(samples) == ["b.pt", "voice/a.pt"]
+    for sample in samples.values():
+        assert "latents" not in sample
+        assert_a1(sample, frames=0, size=0, fps=0.0, seconds=2.0)
+
+    from diffprep.decode import decode_dataset
+
+    report = decode_dataset(root, 2, to_dir=tmp_path / "decoded", device="cpu")
+    assert all(p.audio_mel_l1 is not None for p in report.previews)
+    assert sorted(p.name for p in (tmp_path / "decoded").glob("*.wav")) == [f"{p.key}.wav" for p in report.previews]
+
+
+def test_t2a_needs_an_audio_file_and_durations(tiny_ltx2, tmp_path):
+    """What picks the audio-only mode, and what is refused by name instead of read otherwise."""
+    data = tmp_path / "data"
+    audio_only = write_audio_dataset(data, {"a.wav": {"seconds": 2.0, **WAV}})
+    with pytest.raises(ConfigError, match='needs --audio-durations, e.g. "2.0;4.0"'):
+        get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", audio_only, tiny_ltx2), None)
+    clips = write_dataset(data, {"a.mp4": {}}, name="clips.json")
+    settings = settings_for(tmp_path / "o", clips, tiny_ltx2, video={"audio_durations": "2.0"})
+    assert encoding_for(settings, "preencoded") == "ltx2_audio"
+    with pytest.raises(ConfigError, match="--audio-durations is for an audio-only"):
+        get_encoding("ltx2_audio").plan_settings(settings, None)
+    both = write_dataset(data, {"a.mp4": {}}, name="both.json", audio=["a.wav"])
+    with pytest.raises(ConfigError, match="has an 'audio' column beside its clips"):
+        get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2), None)
+    get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2, video={"skip_audio": True}), None)
+    for video, message in (({"audio_durations": "2.0;x"}, "'x' is not a number"),
+                           ({"audio_durations": "0"}, "must be a number of seconds > 0"),
+                           ({"audio_durations": "2;2.0"}, "repeats a duration"),
+                           ({"audio_durations": "2", "target_fps": 24}, "an audio-only \\(T2A\\) run has none"),
+                           ({"audio_durations": "2", "skip_audio": True}, "choose one")):
+        settings = settings_for(tmp_path / "o", audio_only, tiny_ltx2, video=video)
+        with pytest.raises(ConfigError, match=message):
+            get_encoding("ltx2_audio").plan_settings(settings, None)
+    with pytest.raises(ConfigError, match="the wan encoding has no audio"):
+        get_encoding("wan").variant(settings)

@@ -1,9 +1,10 @@
 """What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw images, pre-encoded Wan and
-LTX-2 (video), raw video."""
+LTX-2 (video, and audio only), raw video."""
 
 from diffprep import contract
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.encodings.ltx2 import Ltx2
+from diffprep.encodings.ltx2_audio import Ltx2Audio
 from diffprep.encodings.preencoded import Preencoded
 from diffprep.encodings.raw import Raw
 from diffprep.encodings.raw_video import RawVideo
@@ -11,13 +12,14 @@ from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 
 # Ltx2 before Wan: encoding_of_sample asks in this order, and an LTX-2 sample also has Wan's latents field.
-ENCODINGS: dict[str, Encoding] = {encoding.name: encoding for encoding in (Preencoded(), Raw(), Ltx2(), Wan(), RawVideo())}
+ENCODINGS: dict[str, Encoding] = {encoding.name: encoding
+                                  for encoding in (Preencoded(), Raw(), Ltx2Audio(), Ltx2(), Wan(), RawVideo())}
 
 
 def encoding_for(settings, kind: str, token: str | None = None) -> str:
     """The encoding a run of ``kind`` (``preencoded``, ``raw``) writes: a pre-encoded run writes its model
-    family's (``--family``, or the model's ``model_index.json``); a raw run with ``--resolution-buckets`` stores
-    clips (``raw_video``), without them images."""
+    family's (``--family``, or the model's ``model_index.json``), or the variant its settings ask for (LTX-2's
+    audio only); a raw run with ``--resolution-buckets`` stores clips (``raw_video``), without them images."""
     if kind == contract.ENCODING_RAW and settings.video.resolution_buckets:
         return contract.ENCODING_RAW_VIDEO
     if kind != contract.ENCODING_PREENCODED:
@@ -25,7 +27,8 @@ def encoding_for(settings, kind: str, token: str | None = None) -> str:
     from diffprep.families import family_of_model
 
     model = settings.model
-    return family_of_model(model.model_path, model.family, revision=model.revision, token=token).encoding
+    family = family_of_model(model.model_path, model.family, revision=model.revision, token=token)
+    return get_encoding(family.encoding).variant(settings)
 
 
 def encoding_of_sample(fields) -> Encoding:
@@ -43,5 +46,5 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Ltx2", "Preencoded", "Raw", "RawVideo", "SampleFields", "Wan", "encoding_for",
-           "encoding_of_sample", "get_encoding"]
+__all__ = ["ENCODINGS", "Encoding", "Ltx2", "Ltx2Audio", "Preencoded", "Raw", "RawVideo", "SampleFields", "Wan",
+           "encoding_for", "encoding_of_sample", "get_encoding"]

@@ -91,6 +91,15 @@ class Encoding(ABC):
     #: encoding's fields (``diffprep.layouts``). None: the member names are fixed (no layout, no key map).
     layout_presets: Mapping[str, LayoutPreset] | None = {}
 
+    def variant(self, settings: Settings) -> str:
+        """The encoding a run of this family with ``settings`` writes (its own name, or a variant's)."""
+        if settings.video.audio_durations:
+            from diffprep.errors import ConfigError
+
+            raise ConfigError(f"--audio-durations {settings.video.audio_durations!r} is LTX-2's audio-only mode; "
+                              f"the {self.name} encoding has no audio: remove it")
+        return self.name
+
     def planned(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """``plan_settings``, with the output layout when it is not energon's own names (so an energon plan and
         its fingerprint stay as they always were): what fetch plans and ranks compare."""
@@ -214,6 +223,11 @@ class Encoding(ABC):
         ``options``: ``model_path``, ``device``, ``token``, ``local_only``, ``decoder`` (one already loaded),
         ``where`` (the dataset, for messages).
         """
+
+    def sound(self, plan: Plan | None, stored: Sequence[StoredSample], **options: Any) -> Any:
+        """What decodes the stored samples' sound for ``diffprep decode`` (``decode(sample) -> ClipAudio``,
+        ``mel_l1(decoded, source)``, ``picture(audio)``); None: they have none. ``options`` as ``decode_stored``'s."""
+        return None
 
     @abstractmethod
     def task_encoder(self) -> Any:

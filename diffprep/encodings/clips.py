@@ -126,13 +126,14 @@ def sanity_batch(plan: Plan, source: Source, spec: ClipSpec, batch_size: int, un
     return left, batch, time.perf_counter() - start
 
 
-def sanity_report(output: Output, tensors: dict[str, torch.Tensor], buckets: dict[str, dict], *, bucket: Bucket,
-                  problems: list[str], finite: bool, psnrs: list, sheet: Any, seconds: float, memory: MemoryWatch,
-                  per_sample: int, min_psnr: float, staged_samples: int | None,
-                  saved: dict[str, torch.Tensor] | None = None) -> SanityReport:
+def sanity_report(output: Output, tensors: dict[str, torch.Tensor], buckets: dict[str, dict], *,
+                  bucket: Bucket | str, problems: list[str], finite: bool, psnrs: list, sheet: Any, seconds: float,
+                  memory: MemoryWatch, per_sample: int, min_psnr: float, staged_samples: int | None,
+                  saved: dict[str, torch.Tensor] | None = None,
+                  audio_mel_l1: list[float] | None = None) -> SanityReport:
     """A clip run's sanity report: the batch's ``tensors`` (stacked per field), the run projected per bucket
     (``project_buckets``), the batch's first sample saved (``saved``: its own tensors, else ``tensors``' first
-    row), the disk checked."""
+    row), the disk checked; with sound (LTX-2), its round trip's log-mel L1 per sample."""
     remaining = sum(e["samples"] for e in buckets.values())
     report = SanityReport(
         ok=not problems,
@@ -154,6 +155,7 @@ def sanity_report(output: Output, tensors: dict[str, torch.Tensor], buckets: dic
         buckets=buckets,
         bucket=str(bucket),
         baseline_memory_bytes=memory.baseline,
+        audio_mel_l1=audio_mel_l1,
     )
     if saved is None:
         saved = {name: t[0].clone() for name, t in tensors.items()}
@@ -162,13 +164,20 @@ def sanity_report(output: Output, tensors: dict[str, torch.Tensor], buckets: dic
     return finish_sanity(output, report, remaining)
 
 
-def project_buckets(plan: Plan, left: set[int], *, measured: Bucket, samples: int, seconds_per_sample: float,
-                    bytes_of: Callable[[Bucket], int], memory: tuple[int, int], batch_size: int,
-                    workers: int) -> dict[str, dict]:
+def _clip_size(bucket: Bucket) -> tuple[int, int]:
+    return voxels(bucket), bucket.area
+
+
+def project_buckets(plan: Plan, left: set[int], *, measured: Any, samples: int, seconds_per_sample: float,
+                    bytes_of: Callable[[Any], int], memory: tuple[int, int], batch_size: int, workers: int,
+                    parse: Callable[[str], Any] = parse_bucket,
+                    size: Callable[[Any], tuple[float, float]] = _clip_size) -> dict[str, dict]:
     """Per bucket of the units ``left``: samples, projected seconds, bytes and peak memory (module docstring).
 
     ``measured``: the sanity batch's bucket, ``samples`` its size; ``memory``:
-    (baseline, peak) bytes around it.
+    (baseline, peak) bytes around it. ``parse`` makes a bucket of a unit's
+    bucket name (``bytes_of`` takes it) and ``size`` its (volume, area): a clip's
+    ``F * H * W`` and ``H * W``; an audio-only run's duration buckets are seconds.
     """
     baseline, peak = memory
     buckets: dict[str, dict] = {}
@@ -182,15 +191,15 @@ def project_buckets(plan: Plan, left: set[int], *, measured: Bucket, samples: in
         entry["samples"] += n
         largest_unit[name] = max(largest_unit.get(name, 0), n)
         if unit.bucket:
-            bucket = parse_bucket(unit.bucket)
+            bucket = parse(unit.bucket)
             entry["bytes"] += n * bytes_of(bucket)
-            entry["seconds"] += n * seconds_per_sample * voxels(bucket) / voxels(measured)
+            entry["seconds"] += n * seconds_per_sample * size(bucket)[0] / size(measured)[0]
     for name, entry in buckets.items():
         entry["seconds"] = round(entry["seconds"] / max(1, workers), 1)
         if name == "unbucketed":
             continue
-        bucket = parse_bucket(name)
-        ratio = max(voxels(bucket) / voxels(measured), bucket.area / measured.area)
+        (volume, area), (measured_volume, measured_area) = size(parse(name)), size(measured)
+        ratio = max(volume / measured_volume, area / measured_area)
         batch = min(batch_size, largest_unit[name])
         entry["peak_memory_bytes"] = int(baseline + max(0, peak - baseline) * ratio * batch / max(1, samples))
     return buckets

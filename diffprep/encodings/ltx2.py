@@ -1,6 +1,7 @@
 """The LTX-2 encoding: clips through ltx-core's video and audio VAEs, captions through Gemma + the feature extractor.
 
-(Just over 400 lines: the plan, the encoding, the sanity check and the inspector of one family read together.)
+(Over 400 lines: the plan, the encoding, the sanity check and the inspector of one family read together; the
+audio-only variant is ``ltx2_audio``, decoding sound back ``ltx2_sound``.)
 
 Per sample (bucket ``W x H x F``, Energon layout): ``latents.pth`` ``[128, 1 + (F - 1) / 8, H / 32, W / 32]``
 bf16 (posterior mean, normalized with the checkpoint's statistics), ``audio_latents.pth`` ``[8, T, 16]`` float32
@@ -83,6 +84,11 @@ class Ltx2(Wan):
     # ltx: the trainer's .precomputed/ folders (diffprep.encodings.ltx_layout), made from the same fields under
     # their own names; no FastGen names (FastGen reads no LTX-2 data: reference/consumer-formats.md B1).
     layout_presets = {contract.LAYOUT_LTX: LayoutPreset(members={})}
+    video = True  # clips: the video VAE (False: the audio-only encoding, ltx2_audio)
+
+    def variant(self, settings: Settings) -> str:
+        """--audio-durations makes the audio-only encoding's run (T2A, ``diffprep.encodings.ltx2_audio``)."""
+        return contract.ENCODING_LTX2_AUDIO if settings.video.audio_durations else self.name
 
     # --- the plan ---------------------------------------------------------------------------------------------
 
@@ -95,7 +101,7 @@ class Ltx2(Wan):
         if audio and video.frame_sampling != "head":
             raise ConfigError("LTX-2 with audio takes the first F frames and the audio under them (the trainer's "
                               "rule): use --frame-sampling head, or --skip-audio")
-        _refuse_unnamed_reference_column(settings)
+        _refuse_unread_columns(settings)
         identity = describe_ltx2(parts.checkpoint, parts.gemma, dtype=DTYPES[model.precision], audio=audio,
                                  text_encoder_8bit=model.load_text_encoder_in_8bit)
         space, time_factor = identity["video"]["scale_space"], identity["video"]["scale_time"]
@@ -166,13 +172,14 @@ class Ltx2(Wan):
             log.warning("--load-text-encoder-in-8bit on %s: bitsandbytes 0.50 runs its int8 layers on the CPU too "
                         "(about half Gemma's memory), more slowly than bf16; the memory figure in "
                         "benchmarks/README.md is CUDA's", device)
-        key = json.dumps([model.model_dump(mode="json"), str(device), settings.video.skip_audio], sort_keys=True)
+        key = json.dumps([model.model_dump(mode="json"), str(device), settings.video.skip_audio, self.video],
+                         sort_keys=True)
         with _LOCK:
             if key not in _LOADED:
                 _LOADED.clear()  # one encoder set per process: free the previous one first
                 parts = resolve_ltx2(model.model_path, model.text_encoder_path)
                 _LOADED[key] = Ltx2Encoders.load(
-                    parts.checkpoint, parts.gemma, device=device, dtype=DTYPES[model.precision],
+                    parts.checkpoint, parts.gemma, device=device, dtype=DTYPES[model.precision], video=self.video,
                     audio=not settings.video.skip_audio, decoders=True,
                     text_encoder_8bit=model.load_text_encoder_in_8bit,
                 )
@@ -213,27 +220,13 @@ class Ltx2(Wan):
                 problems.append(f"audio: {error}")
         left, batch, decode_seconds = clips.sanity_batch(plan, source, spec, batch_size, units_left)
         device = loaded.device
-        with MemoryWatch(device) as memory:
-            start = time.perf_counter()
-            samples, tensors = encode_batch(loaded, batch, plan.settings.get("lora_trigger"), Counter())
-            seconds = time.perf_counter() - start
         bucket = Bucket(*batch.metas[0]["bucket"])
-        problems += [f"{r.source_id}: {r.reason} ({r.detail})" for r in samples if isinstance(r, Reject)]
-
-        for name, tensor in tensors.items():
-            stem = contract.field_stem(name)
-            want = plan.expected["buckets"].get(str(bucket)) if name == contract.LATENTS else plan.expected.get(stem)
-            have = list(tensor.shape[1:])
-            if want is None or not shape_matches(have, want):
-                problems.append(f"{name}: shape {have}, planned {want} (bucket {bucket})")
-            if dtype_name(tensor.dtype) != plan.expected["dtypes"][stem]:
-                problems.append(f"{name}: dtype {tensor.dtype}, planned {plan.expected['dtypes'][stem]}")
-        finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+        tensors, seconds, memory, found, finite, mel_l1 = encode_sanity_batch(
+            plan, loaded, batch, latents_shape=plan.expected["buckets"].get(str(bucket)), where=f" (bucket {bucket})")
+        problems += found
         psnrs: list[float | None] = []
         sheet = None
-        if not finite:
-            problems.append("non-finite values in the encoded batch (wrong precision for this VAE?)")
-        else:
+        if finite:
             decoded = torch.stack([loaded.decode_video(latents.to(loaded.dtype)).permute(0, 3, 1, 2)
                                    for latents in tensors[contract.LATENTS]])
             psnrs, sheet, problem = check_round_trip(output, replace(batch, pixels=clips.strips(batch.pixels)),
@@ -257,25 +250,15 @@ class Ltx2(Wan):
         return clips.sanity_report(output, tensors, buckets, bucket=bucket, problems=problems, finite=finite,
                                    psnrs=psnrs, sheet=sheet, seconds=seconds, memory=memory,
                                    per_sample=sum(first.values()) + 512 + members, min_psnr=settings.model.min_psnr,
-                                   staged_samples=staged_samples)
+                                   staged_samples=staged_samples, audio_mel_l1=mel_l1)
 
     def rejects_advice(self, report: Any, plan: Plan) -> str:
         """Clips too short for every bucket (Wan's advice), and the audio gate: clips of an audio run whose audio is
         missing or does not decode, named, with what each choice means."""
-        from diffprep.media.audio import REJECT_AUDIO_DECODE_ERROR, REJECT_NO_AUDIO_STREAM
-
         advice = [super().rejects_advice(report, plan)]
-        counts = {r: report.by_reason.get(r, 0) for r in (REJECT_NO_AUDIO_STREAM, REJECT_AUDIO_DECODE_ERROR)}
-        if plan.settings["video"].get("audio") and sum(counts.values()):
-            names = [r["source_id"] for r in report.rejected_ids if r["reason"] in counts]
-            shown = ", ".join(f"`{n}`" for n in names[:20]) + (" ..." if len(names) > 20 else "")
-            what = ", ".join(f"`{reason}` {n}" for reason, n in counts.items() if n)
-            advice.append(
-                f"**Audio gate:** {sum(counts.values())} clips of this audio run have no usable audio ({what}): "
-                f"{shown}. They are not in the dataset: no sample is ever written without its audio latents. "
-                f"`accept`: train on the {report.written} clips with sound. To keep the others, fix their audio, "
-                "or encode them in a run of their own with `--skip-audio` (video only). When most clips fail, "
-                "suspect the audio backend first (`python -c 'import av'`; the sanity check's test tone).")
+        if plan.settings["video"].get("audio"):
+            advice.append(audio_gate_advice(report, "clips", "fix their audio, or encode them in a run of their own "
+                                            "with `--skip-audio` (video only)"))
         return "\n\n".join(a for a in advice if a)
 
     def oom_advice(self, settings: Settings, loaded: Any) -> str:
@@ -286,7 +269,7 @@ class Ltx2(Wan):
     # --- reading a dataset back -------------------------------------------------------------------------------
 
     def holds(self, fields: Mapping[str, bytes]) -> bool:
-        return contract.PROMPT_ATTENTION_MASK in fields
+        return contract.PROMPT_ATTENTION_MASK in fields and contract.LATENTS in fields
 
     def decode_stored(self, stored: Sequence[Any], plan: Plan | None, *, model_path: str | None = None,
                       device: str = "auto", token: str | None = None, local_only: bool = False,
@@ -306,6 +289,19 @@ class Ltx2(Wan):
             clips.append(decoder.decode_video(latents.to(decoder.dtype)).permute(0, 3, 1, 2).contiguous())
         return clips, str(decoder.checkpoint)
 
+    def sound(self, plan: Plan | None, stored: Sequence[Any], *, model_path: str | None = None, device: str = "auto",
+              where: str = "the dataset", **_: Any) -> Any:
+        """What decodes the stored samples' sound (``ltx2_sound.Ltx2Sound``: audio VAE decoder + vocoder); None
+        when they have no audio latents."""
+        from diffprep.encodings.ltx2_sound import load_sound
+
+        if not stored or contract.AUDIO_LATENTS not in stored[0].fields:
+            return None
+        recorded = plan.settings["encoders"]["checkpoint"].get("path") if plan else None
+        if not (model_path or recorded):
+            raise ConfigError(f"{where} has no plan.json naming its checkpoint; pass it with --model-path")
+        return load_sound(_checkpoint_of(model_path or recorded), device)
+
     def task_encoder(self) -> Ltx2SampleTaskEncoder:
         return Ltx2SampleTaskEncoder()
 
@@ -313,14 +309,65 @@ class Ltx2(Wan):
         return Ltx2Inspector(expected)
 
 
+def encode_sanity_batch(plan: Plan, loaded: Any, batch: Batch, *, latents_shape: list[int] | None = None,
+                        where: str = "") -> tuple[dict[str, torch.Tensor], float, MemoryWatch, list[str], bool,
+                                                  list[float] | None]:
+    """The sanity check's batch encoded: (its tensors per field, the seconds it took, the memory around it, the
+    problems: rejects, shapes and dtypes other than planned, non-finite values; whether all is finite; with audio,
+    each sample's sound decoded again and its log-mel L1 against the batch's waveform, else None)."""
+    from diffprep.encodings.ltx2_sound import Ltx2Sound
+
+    with MemoryWatch(loaded.device) as memory:
+        start = time.perf_counter()
+        samples, tensors = encode_batch(loaded, batch, plan.settings.get("lora_trigger"), Counter())
+        seconds = time.perf_counter() - start
+    problems = [f"{r.source_id}: {r.reason} ({r.detail})" for r in samples if isinstance(r, Reject)]
+    for name, tensor in tensors.items():
+        stem = contract.field_stem(name)
+        want = latents_shape if name == contract.LATENTS else plan.expected.get(stem)
+        have = list(tensor.shape[1:])
+        if want is None or not shape_matches(have, want):
+            problems.append(f"{name}: shape {have}, planned {want}{where}")
+        if dtype_name(tensor.dtype) != plan.expected["dtypes"][stem]:
+            problems.append(f"{name}: dtype {tensor.dtype}, planned {plan.expected['dtypes'][stem]}")
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+    if not finite:
+        problems.append("non-finite values in the encoded batch (wrong precision for this VAE?)")
+    mel_l1 = None
+    if finite and contract.AUDIO_LATENTS in tensors and loaded.audio_decoder is not None:
+        sound = Ltx2Sound(loaded)
+        mel_l1 = [round(sound.mel_l1(loaded.decode_audio(latents), track), 4)
+                  for latents, track in zip(tensors[contract.AUDIO_LATENTS], batch.audio)]
+    return tensors, seconds, memory, problems, finite, mel_l1
+
+
+def audio_gate_advice(report: Any, items: str, instead: str) -> str:
+    """The audio gate's advice: the ``items`` of an audio run with no usable audio, named, and what to do
+    ``instead`` to keep them ('' when there are none)."""
+    from diffprep.media.audio import REJECT_AUDIO_DECODE_ERROR, REJECT_NO_AUDIO_STREAM
+
+    counts = {r: report.by_reason.get(r, 0) for r in (REJECT_NO_AUDIO_STREAM, REJECT_AUDIO_DECODE_ERROR)}
+    if not sum(counts.values()):
+        return ""
+    names = [r["source_id"] for r in report.rejected_ids if r["reason"] in counts]
+    shown = ", ".join(f"`{n}`" for n in names[:20]) + (" ..." if len(names) > 20 else "")
+    what = ", ".join(f"`{reason}` {n}" for reason, n in counts.items() if n)
+    return (f"**Audio gate:** {sum(counts.values())} {items} of this audio run have no usable audio ({what}): "
+            f"{shown}. They are not in the dataset: no sample is ever written without its audio latents. "
+            f"`accept`: train on the {report.written} {items} with sound. To keep the others, {instead}. When most "
+            f"{items} fail, suspect the audio backend first (`python -c 'import av'`; the sanity check's test tone).")
+
+
 def encode_batch(loaded: Any, batch: Batch, trigger: str | None, notes: Counter
                  ) -> tuple[list[dict | Reject], dict[str, torch.Tensor]]:
-    """A batch's samples' fields (or rejects), and the batch's tensors stacked per field (for the sanity check)."""
+    """A batch's samples' fields (or rejects), and the batch's tensors stacked per field (for the sanity check).
+    Without a video encoder (audio only) there are no video latents and no fps."""
     from diffprep.families.ltx2_precomputed import apply_lora_trigger
 
     captions = [apply_lora_trigger(caption, trigger) for caption in batch.captions]
-    tensors: dict[str, torch.Tensor] = {
-        contract.LATENTS: loaded.encode_video(batch.pixels).to(STORED_DTYPES[contract.LATENTS])}
+    tensors: dict[str, torch.Tensor] = {}
+    if loaded.video_encoder is not None:
+        tensors[contract.LATENTS] = loaded.encode_video(batch.pixels).to(STORED_DTYPES[contract.LATENTS])
     if batch.references is not None:
         tensors[contract.REFERENCE_LATENTS] = loaded.encode_video(batch.references).to(torch.bfloat16)
     audio = [loaded.encode_audio(track) for track in batch.audio] if batch.audio is not None else None
@@ -368,14 +415,24 @@ def _text_width(gemma, checkpoint) -> dict[str, int]:
     return widths
 
 
-def _refuse_unnamed_reference_column(settings: Settings) -> None:
-    """A metadata file with the trainer's reference column and no --reference-column: say so, never drop it."""
+def _refuse_unread_columns(settings: Settings) -> None:
+    """A metadata file with a column this run would not read (the trainer's reference column without
+    --reference-column, an audio column): say so, never drop it."""
     source = settings.source
-    if source.type != "metadata" or source.reference_key or not source.metadata_file:
+    if source.type != "metadata" or not source.metadata_file:
         return
     from diffprep.sources import open_source
 
-    columns = getattr(open_source(source), "reference_columns", [])
+    opened = open_source(source)
+    if getattr(opened, "audio_only", False):
+        raise ConfigError(f"{source.metadata_file} names audio files (column {opened.media_key!r}) and no clips: an "
+                          "audio-only (T2A) run needs --audio-durations, e.g. \"2.0;4.0\" (seconds)")
+    if getattr(opened, "audio_columns", []) and not settings.video.skip_audio:
+        raise ConfigError(f"{source.metadata_file} has an {opened.audio_columns[0]!r} column beside its clips: the "
+                          "LTX-2 trainer encodes those files as the clips' sound, diffprep takes each clip's own "
+                          "audio track and does not read that column yet; drop the column (each clip's own sound), "
+                          "or add --skip-audio (no sound)")
+    columns = [] if source.reference_key else getattr(opened, "reference_columns", [])
     if columns:
         raise ConfigError(f"{source.metadata_file} has the IC-LoRA reference column {columns[0]!r}: pass "
                           f"--reference-column {columns[0]} to encode the reference clips (reference_latents), or "

@@ -2,7 +2,9 @@
 
 The output's root is ``<output_dir>/.precomputed`` (the folder the trainer's
 ``preprocessed_data_root`` points at): ``latents/``, ``conditions/``,
-``audio_latents/`` (runs with audio) and ``reference_latents/`` (IC-LoRA runs),
+``audio_latents/`` (runs with audio) and ``reference_latents/`` (IC-LoRA runs);
+an audio-only run (T2A) writes ``conditions/`` and ``audio_latents/`` only,
+``conditions/`` being the primary folder the trainer globs when there is no ``latents/``;
 one ``torch.save``d dict per sample in each, named after the sample's media path
 relative to the metadata file with the suffix ``.pt``
 (reference/consumer-formats.md A1; the records are ``families/ltx2_precomputed``).
@@ -57,8 +59,11 @@ def precomputed_root(output_dir: str) -> str:
 
 
 def folders(plan: Plan) -> list[str]:
-    """The record folders a plan writes (what the trainer's t2v / v2v strategies read)."""
-    video = plan.settings["video"]
+    """The record folders a plan writes, the trainer's primary one first (what its t2v / v2v strategies read, and
+    the flexible strategy's T2A: ``conditions`` and ``audio_latents``)."""
+    video = plan.settings.get("video")
+    if video is None:  # audio only
+        return [contract.CONDITIONS_DIR, contract.AUDIO_LATENTS_DIR]
     kinds = [contract.LATENTS_DIR, contract.CONDITIONS_DIR]
     if video.get("audio"):
         kinds.append(contract.AUDIO_LATENTS_DIR)
@@ -155,11 +160,12 @@ def records(fields: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     meta = fields[contract.META]
     embeds = fields[contract.PROMPT_EMBEDS]
     result = {
-        contract.LATENTS_DIR: video_latents_record(fields[contract.LATENTS], fps=meta["fps"]),
         contract.CONDITIONS_DIR: conditions_record(TextConditions(
             video_prompt_embeds=embeds, audio_prompt_embeds=fields.get(contract.AUDIO_PROMPT_EMBEDS, embeds),
             prompt_attention_mask=fields[contract.PROMPT_ATTENTION_MASK], truncated=False)),
     }
+    if contract.LATENTS in fields:
+        result[contract.LATENTS_DIR] = video_latents_record(fields[contract.LATENTS], fps=meta["fps"])
     if contract.AUDIO_LATENTS in fields:
         result[contract.AUDIO_LATENTS_DIR] = audio_latents_record(
             AudioLatents(fields[contract.AUDIO_LATENTS], duration=meta["audio_duration"]))
@@ -335,7 +341,8 @@ def validate(output: Any, plan: Plan) -> Any:
 
 def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, dict[str, bytes]]]:
     """``count`` committed samples spread over the dataset, as (key, file, the Energon fields) for ``diffprep
-    decode``'s ``StoredSample``: the records' tensors, and a meta.json naming the source id, bucket and fps."""
+    decode``'s ``StoredSample``: the records' tensors, and a meta.json naming the source id, bucket and fps
+    (audio only: the duration bucket, no fps)."""
     from diffprep.errors import DatasetValidationError
     from diffprep.shards import json_bytes, read_manifests
 
@@ -345,19 +352,22 @@ def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, d
         raise DatasetValidationError(f"{root} has no committed samples (no unit manifest lists any); encode first")
     count = min(count, len(picked))
     names = sample_names(plan)
+    kinds = folders(plan)
     samples = []
     for manifest, index in (picked[i * len(picked) // count] for i in range(count)):
         source_id = manifest.source_ids[index]
         name = names[source_id]
-        video = load_record(root / contract.LATENTS_DIR / name)
-        fields = {contract.LATENTS: torch_bytes(video["latents"])}
+        bucket = plan.unit(manifest.unit).bucket
+        meta: dict[str, Any] = {"source_id": source_id, "name": str(name), "bucket": bucket}
+        fields = {}
+        if contract.LATENTS_DIR in kinds:
+            video = load_record(root / contract.LATENTS_DIR / name)
+            fields[contract.LATENTS] = torch_bytes(video["latents"])
+            meta |= {"fps": video["fps"], "bucket": [int(v) for v in bucket.split("x")] if bucket else None}
         audio_path = root / contract.AUDIO_LATENTS_DIR / name
         if audio_path.is_file():
             audio = load_record(audio_path)
             fields[contract.AUDIO_LATENTS] = torch_bytes(audio["latents"])
-        bucket = plan.unit(manifest.unit).bucket
-        meta = {"source_id": source_id, "fps": video["fps"], "name": str(name),
-                "bucket": [int(v) for v in bucket.split("x")] if bucket else None}
         fields[contract.META] = json_bytes(meta)
-        samples.append((manifest.keys[index], f"{contract.LATENTS_DIR}/{name}", fields))
+        samples.append((manifest.keys[index], f"{kinds[0]}/{name}", fields))
     return samples

@@ -57,7 +57,7 @@ from diffprep.errors import ConfigError
 from diffprep.media.audio import ClipAudio
 
 if TYPE_CHECKING:
-    from ltx_core.model.audio_vae import AudioEncoder
+    from ltx_core.model.audio_vae import AudioDecoder, AudioEncoder, Vocoder
     from ltx_core.model.audio_vae.ops import AudioProcessor
     from ltx_core.model.video_vae import VideoDecoder, VideoEncoder
     from ltx_core.text_encoders.gemma import GemmaTextEncoder
@@ -271,6 +271,8 @@ class Ltx2Encoders:
         video_decoder: VideoDecoder | None = None,
         audio_encoder: AudioEncoder | None = None,
         audio_processor: AudioProcessor | None = None,
+        audio_decoder: AudioDecoder | None = None,
+        vocoder: Vocoder | None = None,
         text_encoder: GemmaTextEncoder | None = None,
         feature_extractor: torch.nn.Module | None = None,
         text_encoder_path: Path | None = None,
@@ -285,6 +287,8 @@ class Ltx2Encoders:
         self.video_decoder = video_decoder
         self.audio_encoder = audio_encoder
         self.audio_processor = audio_processor
+        self.audio_decoder = audio_decoder
+        self.vocoder = vocoder
         self.text_encoder = text_encoder
         self.feature_extractor = feature_extractor
         self.text_encoder_path = text_encoder_path
@@ -312,13 +316,19 @@ class Ltx2Encoders:
         ``dtype`` is the video VAE's and Gemma's precision (the trainer: bf16);
         ``audio_dtype`` the audio VAE's (the trainer: float32). ``video=False``
         is the audio-only modes, ``audio=False`` is ``--skip-audio``;
-        ``decoders`` adds the video decoder for round-trip checks.
+        ``decoders`` adds the decoders for round-trip checks and ``diffprep
+        decode``: the video VAE decoder, and with ``audio`` the audio VAE decoder
+        and the vocoder (mel -> waveform), in ``audio_dtype``.
         """
         from ltx_core.loader import SingleGPUModelBuilder
         from ltx_core.model.audio_vae import (
+            AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
             AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER,
+            VOCODER_COMFY_KEYS_FILTER,
+            AudioDecoderConfigurator,
             AudioEncoderConfigurator,
             AudioProcessor,
+            VocoderConfigurator,
         )
         from ltx_core.model.video_vae import (
             VAE_DECODER_COMFY_KEYS_FILTER,
@@ -337,7 +347,7 @@ class Ltx2Encoders:
             ).build(device=device, dtype=build_dtype)
             return _ready(module, what, checkpoint)
 
-        video_encoder = video_decoder = audio_encoder = audio_processor = None
+        video_encoder = video_decoder = audio_encoder = audio_processor = audio_decoder = vocoder = None
         if video:
             video_encoder = build(VideoEncoderConfigurator, VAE_ENCODER_COMFY_KEYS_FILTER, "video VAE encoder", dtype)
         if video and decoders:
@@ -353,6 +363,11 @@ class Ltx2Encoders:
                 mel_hop_length=audio_encoder.mel_hop_length,
                 n_fft=audio_encoder.n_fft,
             ).to(device)
+        if audio and decoders:
+            audio_decoder = build(
+                AudioDecoderConfigurator, AUDIO_VAE_DECODER_COMFY_KEYS_FILTER, "audio VAE decoder", audio_dtype
+            )
+            vocoder = build(VocoderConfigurator, VOCODER_COMFY_KEYS_FILTER, "vocoder", audio_dtype)
 
         text_encoder = feature_extractor = None
         gemma_root = None
@@ -381,6 +396,8 @@ class Ltx2Encoders:
             video_decoder=video_decoder,
             audio_encoder=audio_encoder,
             audio_processor=audio_processor,
+            audio_decoder=audio_decoder,
+            vocoder=vocoder,
             text_encoder=text_encoder,
             feature_extractor=feature_extractor,
             text_encoder_path=gemma_root,
@@ -467,6 +484,33 @@ class Ltx2Encoders:
         mel = self.audio_processor.waveform_to_mel(Audio(waveform=waveform, sampling_rate=audio.sample_rate))
         latents = encoder(mel.to(self.audio_dtype))
         return AudioLatents(latents=latents[0].to("cpu", AUDIO_LATENTS_DTYPE), duration=audio.duration)
+
+    @torch.no_grad()
+    def decode_audio(self, latents: torch.Tensor) -> ClipAudio:
+        """Normalized audio latents ``[8, T, 16]`` -> stereo float32 waveform on the CPU at the vocoder's rate.
+
+        ltx-core's ``decode_audio``: the audio VAE decoder gives the log-mel
+        spectrogram ``[1, 2, frames, mel_bins]``, the vocoder the waveform (24 kHz for LTX-2).
+        """
+        from ltx_core.model.audio_vae import decode_audio
+
+        decoder = self._require(self.audio_decoder, "audio decoding (load with audio=True, decoders=True)")
+        if latents.ndim != 3:
+            raise ValueError(f"audio latents must be [C, T, F] (one clip), got shape {list(latents.shape)}")
+        audio = decode_audio(latents[None].to(self.device, self.audio_dtype), decoder, self.vocoder)
+        waveform = audio.waveform.to("cpu", torch.float32).contiguous()
+        return ClipAudio(waveform=waveform, sample_rate=int(audio.sampling_rate), source_channels=waveform.shape[0])
+
+    @torch.no_grad()
+    def log_mel(self, audio: ClipAudio) -> torch.Tensor:
+        """A waveform's log-mel spectrogram ``[2, frames, mel_bins]`` as the audio encoder sees it (ltx-core's
+        ``AudioProcessor``: resampled to the checkpoint's rate, natural log clamped at 1e-5)."""
+        from ltx_core.types import Audio
+
+        self._require(self.audio_processor, "audio")
+        waveform = audio.waveform[None].to(self.device, torch.float32)
+        mel = self.audio_processor.waveform_to_mel(Audio(waveform=waveform, sampling_rate=audio.sample_rate))
+        return mel[0].to("cpu", torch.float32)
 
     # Text
 

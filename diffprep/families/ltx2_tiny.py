@@ -7,7 +7,7 @@ The real LTX-2 release is two things, and the tiny set copies both formats:
   (``vae``, ``audio_vae``, ``vocoder``, ``transformer``); its tensors are named
   ``vae.encoder.*``, ``vae.decoder.*``, ``vae.per_channel_statistics.*``,
   ``audio_vae.encoder.*``, ``audio_vae.decoder.*``,
-  ``audio_vae.per_channel_statistics.*``, ``text_embedding_projection.*`` (the
+  ``audio_vae.per_channel_statistics.*``, ``vocoder.*``, ``text_embedding_projection.*`` (the
   Gemma feature extractor's projection) and ``model.diffusion_model.*`` (the
   transformer). ltx-core's ``SingleGPUModelBuilder`` reads the config from the
   metadata and picks each component's tensors with its key filters
@@ -18,10 +18,12 @@ The real LTX-2 release is two things, and the tiny set copies both formats:
   ``multi_modal_projector.*``; no ``lm_head``, it is tied), and the tokenizer
   files.
 
-The tiny checkpoint has no transformer and no vocoder (diffprep never loads
-them), 128 video latent channels and the real 32x spatial / 8x temporal
-compression, and an audio VAE with the real latent shape ([8, T, 16] from 64
-mel bins at 16 kHz). Its per-channel statistics are random, not identity, so a
+The tiny checkpoint has no transformer (diffprep never loads it), 128 video
+latent channels and the real 32x spatial / 8x temporal compression, an audio
+VAE with the real latent shape ([8, T, 16] from 64 mel bins at 16 kHz), and a
+vocoder (LTX-2's HiFi-GAN layout, ``vocoder.*`` tensors built by ltx-core's
+``VocoderConfigurator``: the real upsampling to 24 kHz, 32 channels at its
+widest) so ``diffprep decode`` can write a clip's sound back. Its per-channel statistics are random, not identity, so a
 test can tell normalized from raw latents. Only widths and depths are small.
 """
 
@@ -111,6 +113,20 @@ _AUDIO_VAE_CONFIG: dict[str, Any] = {
     },
 }
 
+# The tiny vocoder: LTX-2's (pre-2.3) flat config, checked by ltx-core's VocoderConfigurator (resblock "1",
+# stereo): 128 input channels (2 x 64 mel bins), the real upsampling 6*5*2*2*2 = 240 (100 mel frames/s ->
+# 24 kHz), one resblock kernel per stage and 32 channels at the widest instead of 1024.
+_VOCODER_CONFIG: dict[str, Any] = {
+    "resblock": "1",
+    "stereo": True,
+    "upsample_rates": [6, 5, 2, 2, 2],
+    "upsample_kernel_sizes": [16, 15, 8, 4, 4],
+    "upsample_initial_channel": 32,
+    "resblock_kernel_sizes": [3],
+    "resblock_dilation_sizes": [[1, 3, 5]],
+    "output_sampling_rate": 24000,
+}
+
 # Tiny Gemma 3: the real architecture class, 2 text layers, a 1-layer vision tower.
 _GEMMA_HIDDEN = 32
 _GEMMA_LAYERS = 2
@@ -160,11 +176,12 @@ def write_tiny_ltx2(path: str | Path, seed: int = 0, *, text_projection: Literal
 
 
 def _ltx_checkpoint_tensors(gemma_text_config, text_projection: str) -> tuple[dict[str, torch.Tensor], dict]:
-    from ltx_core.model.audio_vae import AudioDecoderConfigurator, AudioEncoderConfigurator
+    from ltx_core.model.audio_vae import AudioDecoderConfigurator, AudioEncoderConfigurator, VocoderConfigurator
     from ltx_core.model.video_vae import VideoDecoderConfigurator, VideoEncoderConfigurator
 
     transformer_config = dict(_V2_TRANSFORMER_CONFIG) if text_projection == "v2" else {}
-    config = {"vae": _VAE_CONFIG, "audio_vae": _AUDIO_VAE_CONFIG, "transformer": transformer_config}
+    config = {"vae": _VAE_CONFIG, "audio_vae": _AUDIO_VAE_CONFIG, "vocoder": _VOCODER_CONFIG,
+              "transformer": transformer_config}
     tensors: dict[str, torch.Tensor] = {}
 
     # Encoder and decoder share one set of statistics under <prefix>.per_channel_statistics.
@@ -183,6 +200,10 @@ def _ltx_checkpoint_tensors(gemma_text_config, text_projection: str) -> tuple[di
         # Not identity: normalized latents must differ from the raw posterior mean.
         tensors[f"{prefix}.per_channel_statistics.mean-of-means"] = 0.2 * torch.randn(channels)
         tensors[f"{prefix}.per_channel_statistics.std-of-means"] = 0.5 + torch.rand(channels)
+
+    # The vocoder's tensors under vocoder.* (ltx-core's VOCODER_COMFY_KEYS_FILTER strips the prefix once).
+    for name, value in VocoderConfigurator.from_config(config).state_dict().items():
+        tensors[f"vocoder.{name}"] = value.detach().clone().contiguous()
 
     hidden = gemma_text_config.hidden_size
     flat = hidden * (gemma_text_config.num_hidden_layers + 1)  # every layer's output plus the embeddings

@@ -4,24 +4,31 @@ Stereo float32 at the source rate (mono duplicated, 5.1/7.1 folded down),
 trimmed or zero-padded to the clip's duration; a clip that should have audio
 and has no audio stream, or whose audio does not decode, is a named reject.
 ``check_audio_backend`` is the sanity check's test tone.
+
+Audio-only runs (T2A): ``AudioSpec`` puts a file in the longest duration
+bucket not longer than its decoded audio and trims it to that, as the trainer's
+``--audio-durations``; a file shorter than every bucket is ``too_short_audio``.
+Writing sound back: ``mux_audio`` (the AAC track of ``diffprep decode``'s mp4s),
+``wav_bytes``.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from diffprep.errors import RejectError
 
-
 # Reject reasons (counted in the audit).
 REJECT_NO_AUDIO_STREAM = "no_audio_stream"
 REJECT_AUDIO_DECODE_ERROR = "audio_decode_error"
+REJECT_TOO_SHORT_AUDIO = "too_short_audio"
 
 # ITU-R BS.775 fold-down of 5.1 / 7.1 to stereo (FFmpeg's default channel order:
 # FL FR FC LFE BL BR [SL SR]); the LFE channel is dropped.
@@ -148,19 +155,36 @@ def write_test_tone(
     tone = (0.5 * np.sin(2 * np.pi * frequency * time)).astype(np.float32)
     samples = np.stack([tone * (1.0 - 0.1 * channel) for channel in range(channels)])
     with av.open(target if isinstance(target, io.BytesIO) else str(target), mode="w", format=container_format) as out:
-        stream = out.add_stream(codec, rate=sample_rate, layout=layout)
-        frame_size = 1024
-        for start in range(0, count, frame_size):
-            frame = av.AudioFrame.from_ndarray(
-                np.ascontiguousarray(samples[:, start : start + frame_size]), format="fltp", layout=layout
-            )
-            frame.sample_rate = sample_rate
-            frame.pts = start
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
+        mux_audio(out, add_audio_stream(out, sample_rate, layout=layout, codec=codec), samples)
     return samples
+
+
+def add_audio_stream(container, sample_rate: int, *, layout: str = "stereo", codec: str = "aac",
+                     bit_rate: int | None = None):
+    """An audio stream of an open PyAV output ``container`` (add every stream before muxing any packet)."""
+    stream = container.add_stream(codec, rate=sample_rate, layout=layout)
+    if bit_rate is not None:
+        stream.bit_rate = bit_rate
+    return stream
+
+
+def mux_audio(container, stream, samples: np.ndarray) -> None:
+    """Encode float samples ``[channels, n]`` (planar, in [-1, 1]) into ``stream`` of ``container``, in
+    1024-sample frames (AAC's frame size) with timestamps counted in samples, then flush it."""
+    import av
+
+    rate, layout = stream.codec_context.sample_rate, stream.codec_context.layout.name
+    frame_size = 1024
+    for start in range(0, samples.shape[-1], frame_size):
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(samples[:, start : start + frame_size], dtype=np.float32), format="fltp", layout=layout
+        )
+        frame.sample_rate = rate
+        frame.pts = start
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
 
 
 def check_audio_backend(*, tolerance: float = 0.05) -> None:
@@ -193,3 +217,83 @@ def check_audio_backend(*, tolerance: float = 0.05) -> None:
         )
 
 
+
+
+# --------------------------------------------------------------------------- audio-only runs (T2A)
+
+
+def parse_durations(text: str) -> tuple[float, ...]:
+    """``"2.0;4.0"`` -> the duration buckets in seconds, sorted; each > 0, no repeats (a ``ValueError`` says which)."""
+    values = []
+    for part in (p.strip() for p in str(text).split(";")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"--audio-durations: {part!r} is not a number of seconds (e.g. \"2.0;4.0\")") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--audio-durations: {part!r} must be a number of seconds > 0")
+        values.append(value)
+    if len(set(values)) != len(values):
+        raise ValueError(f"--audio-durations {text!r} repeats a duration")
+    return tuple(sorted(values))
+
+
+def duration_name(seconds: float) -> str:
+    """A duration bucket's name in plan.json and meta.json: ``2s``, ``2.5s``."""
+    return f"{seconds:g}s"
+
+
+@dataclass(frozen=True)
+class PreparedAudio:
+    """One audio-only sample: its waveform trimmed to its duration bucket; no frames (``pixels`` is empty)."""
+
+    audio: ClipAudio
+    seconds: float  # the duration bucket
+    meta: dict[str, Any]
+    pixels: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    reference: None = None
+
+
+@dataclass(frozen=True)
+class AudioSpec:
+    """How an audio-only run prepares a sample: the duration buckets (seconds) a file is trimmed to."""
+
+    durations: tuple[float, ...]
+    audio: bool = True  # the reader hands each sample's waveform to the encoder
+
+    def bucket_of(self, data: bytes) -> float:
+        """The longest duration bucket not longer than the file's decoded audio (the trainer's rule)."""
+        return self._fit(load_clip_audio(io.BytesIO(data)))
+
+    def prepare(self, data: bytes, *, bucket: float | None = None) -> PreparedAudio:
+        """The file's audio at its own rate, stereo, trimmed to ``bucket`` (the plan's) or to its own bucket."""
+        full = load_clip_audio(io.BytesIO(data))
+        seconds = self._fit(full) if bucket is None else bucket
+        if full.duration < seconds:
+            raise RejectError(REJECT_TOO_SHORT_AUDIO, f"the audio is {full.duration:.3f} s, its bucket "
+                              f"{duration_name(seconds)} (the file changed since planning)")
+        audio = ClipAudio(fit_duration(full.waveform, full.sample_rate, seconds).contiguous(), full.sample_rate,
+                          full.source_channels)
+        meta = {"audio": {"sample_rate": full.sample_rate, "source_channels": full.source_channels,
+                          "source_duration": round(full.duration, 6), "duration": audio.duration},
+                "bucket": duration_name(seconds)}
+        return PreparedAudio(audio=audio, seconds=seconds, meta=meta)
+
+    def _fit(self, audio: ClipAudio) -> float:
+        fitting = [d for d in self.durations if d <= audio.duration]
+        if not fitting:
+            raise RejectError(REJECT_TOO_SHORT_AUDIO, f"the audio is {audio.duration:.3f} s, shorter than every "
+                              f"duration bucket (the shortest is {duration_name(min(self.durations))})")
+        return max(fitting)
+
+
+def wav_bytes(audio: ClipAudio) -> bytes:
+    """A waveform as a 16-bit PCM WAV file (clipped to [-1, 1]): lossless, for listening to a decoded sample."""
+    import av
+
+    buffer = io.BytesIO()
+    layout = "stereo" if audio.waveform.shape[0] == 2 else "mono"
+    with av.open(buffer, mode="w", format="wav") as out:
+        mux_audio(out, add_audio_stream(out, audio.sample_rate, layout=layout, codec="pcm_s16le"),
+                  audio.waveform.clamp(-1.0, 1.0).numpy())
+    return buffer.getvalue()

@@ -20,6 +20,10 @@ The RGB -> YUV 4:2:0 conversion is done here in integer arithmetic, and every
 byte of the encoder's input picture (row padding too) is written, so nothing
 of swscale's CPU-dependent code or of uninitialized memory reaches the encoder.
 
+With ``audio`` (``diffprep decode`` of an LTX-2 dataset: the decoded sound) the
+mp4 gets an AAC-LC track at a fixed bit rate (``AAC``), from FFmpeg's own AAC
+encoder in the same pinned wheel: the same waveform gives the same bytes.
+
 ``mp4_frames`` reads one back as uint8 RGB ``[F, 3, H, W]``.
 """
 
@@ -32,11 +36,15 @@ import av
 import numpy as np
 import torch
 
-__all__ = ["X264", "mp4_bytes", "mp4_frames", "yuv420p_planes"]
+from diffprep.media.audio import ClipAudio, add_audio_stream, mux_audio
+
+__all__ = ["AAC", "X264", "mp4_bytes", "mp4_frames", "yuv420p_planes"]
 
 # What the encoder is told (a raw video plan fingerprints it with the crf).
 X264 = {"codec": "libx264", "pix_fmt": "yuv420p", "preset": "medium", "threads": 1, "x264-params": "mbtree=0",
         "colorspace": "bt601-limited"}
+# The sound track, when there is one: stereo AAC-LC at 128 kb/s (the waveform clipped to [-1, 1]).
+AAC = {"codec": "aac", "bit_rate": 128_000, "layout": "stereo"}
 
 
 def yuv420p_planes(frame: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,11 +67,14 @@ def yuv420p_planes(frame: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return tuple(np.clip(p, 0, 255).astype(np.uint8) for p in (y, u, v))
 
 
-def mp4_bytes(frames: torch.Tensor, fps: float = 16.0, *, crf: int = 18) -> bytes:
+def mp4_bytes(frames: torch.Tensor, fps: float = 16.0, *, crf: int = 18, audio: ClipAudio | None = None) -> bytes:
     """uint8 RGB ``[F, 3, H, W]`` (even H and W) -> an H.264 mp4 playing at ``fps``; same input, same bytes.
 
     ``crf`` 0..51 (x264's constant quality; 18 looks lossless to most eyes, 0 is lossless in Y'CbCr).
+    ``audio``: a stereo waveform, muxed as the clip's AAC track.
     """
+    if audio is not None and audio.waveform.shape[0] != 2:
+        raise ValueError(f"audio must be stereo [2, samples], got shape {list(audio.waveform.shape)}")
     if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[1] != 3:
         raise ValueError(f"frames must be uint8 [F, 3, H, W], got {frames.dtype} {list(frames.shape)}")
     count, _, height, width = (int(v) for v in frames.shape)
@@ -84,6 +95,8 @@ def mp4_bytes(frames: torch.Tensor, fps: float = 16.0, *, crf: int = 18) -> byte
         context.time_base = 1 / rate
         context.colorspace = context.color_primaries = context.color_trc = 6  # SMPTE 170M (BT.601)
         context.color_range = 1  # limited ("tv") range
+        sound = None if audio is None else add_audio_stream(container, audio.sample_rate, layout=AAC["layout"],
+                                                            codec=AAC["codec"], bit_rate=AAC["bit_rate"])
         for index, frame in enumerate(frames.permute(0, 2, 3, 1).contiguous().numpy()):
             picture = av.VideoFrame(width, height, X264["pix_fmt"])
             for plane, values in zip(picture.planes, yuv420p_planes(frame)):
@@ -93,6 +106,8 @@ def mp4_bytes(frames: torch.Tensor, fps: float = 16.0, *, crf: int = 18) -> byte
             picture.pts = index
             container.mux(stream.encode(picture))
         container.mux(stream.encode())
+        if sound is not None:
+            mux_audio(container, sound, audio.waveform.clamp(-1.0, 1.0).numpy())
     return buffer.getvalue()
 
 

@@ -49,7 +49,7 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
                 "e.g. /data/dataset.json or s3://bucket/dataset.json"
             )
         return MetadataSource(cfg.metadata_file, caption_key=cfg.caption_key, video_key=cfg.video_key,
-                              reference_key=cfg.reference_key,
+                              reference_key=cfg.reference_key, audio_key=cfg.audio_key,
                               image_key=cfg.image_key, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
     raise SourceError(f"source.type is {cfg.type!r}; set it to one of {list(SOURCE_TYPES)}")
 

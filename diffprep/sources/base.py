@@ -77,11 +77,14 @@ class SourceSample:
     reject: RejectError | None = None  # set when the source itself cannot give a usable sample
     video: bytes | None = None  # the encoded clip file bytes (mp4/webm/mov/mkv...) of a video sample
     reference: bytes | None = None  # an IC-LoRA reference clip's file bytes (metadata source, LTX-2)
+    audio: bytes | None = None  # the audio file's bytes of an audio-only sample (metadata source, LTX-2 T2A)
 
     @property
     def media(self) -> bytes | None:
-        """The sample's file bytes: the clip of a video sample, else the image."""
-        return self.video if self.video is not None else self.image
+        """The sample's file bytes: the clip of a video sample, the file of an audio sample, else the image."""
+        if self.video is not None:
+            return self.video
+        return self.audio if self.audio is not None else self.image
 
 
 @runtime_checkable

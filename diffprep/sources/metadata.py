@@ -29,6 +29,14 @@ and a row without a path is ``#<row>``. So ids stay the same when rows are
 appended, and a row's id does not move when rows before it change unless they
 hold the same path.
 
+An audio-only file (LTX-2 T2A, the trainer's convention) names audio files in
+the column ``source.audio_key`` (``--audio-column``), by default ``audio`` when
+the file has none of the media columns above: every path of that column is an
+audio sample (any file PyAV decodes: wav, flac, mp3, m4a, or a clip whose sound
+is wanted), resolved like a clip's. ``audio_columns`` names an ``audio`` column
+the file has beside its media column, for the LTX-2 encoding to refuse rather
+than leave out.
+
 An IC-LoRA reference clip (LTX-2) is read from the column
 ``source.reference_key`` (``--reference-column``; the trainer's are
 ``reference_video`` and ``ref_media_path``) when it is set; its path resolves as
@@ -82,6 +90,7 @@ METADATA_FORMATS = (".json", ".jsonl", ".csv")
 CAPTION_COLUMN = "caption"
 MEDIA_COLUMNS = ("video", "media_path", "image")  # the first one the file has, when none is named
 IMAGE_COLUMN = "image"
+AUDIO_COLUMN = "audio"  # the LTX trainer's column of audio files (T2A), taken when no media column is there
 REFERENCE_COLUMNS = ("reference_video", "ref_media_path")  # the LTX trainer's names for an IC-LoRA reference
 DUPLICATE_MARK = "#"
 _ABSENT = object()
@@ -183,7 +192,8 @@ class MetadataSource:
 
     def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
                  image_key: str | None = None, s3_endpoint_url: str | None = None,
-                 s3_profile: str | None = None, reference_key: str | None = None) -> None:
+                 s3_profile: str | None = None, reference_key: str | None = None,
+                 audio_key: str | None = None) -> None:
         self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
         self._client = None
         fmt = posixpath.splitext(metadata_file)[1].lower()
@@ -209,13 +219,25 @@ class MetadataSource:
         else:
             records = list(_parse_json(text, where) if fmt == ".json" else _parse_jsonl(text, where))
             columns = list(dict.fromkeys(name for _, record in records for name in record))
+        if audio_key and (video_key or image_key):
+            raise SourceError(f"{where}: source.audio_key {audio_key!r} names the audio files of an audio-only run; "
+                              "it cannot go with source.video_key or source.image_key")
+        # An audio-only file: the audio column named, or `audio` where no media column is there.
+        self.audio_only = bool(audio_key) or (not (video_key or image_key) and AUDIO_COLUMN in columns
+                                              and not any(c in columns for c in MEDIA_COLUMNS))
         if records or columns:
             self.caption_key = _column(caption_key, "caption_key", (CAPTION_COLUMN,), columns, where, "caption",
                                        "--caption-column")
-            self.media_key = _column(video_key or image_key, "video_key" if video_key else "image_key",
-                                     MEDIA_COLUMNS, columns, where, "media path", "--video-column")
+            if self.audio_only:
+                self.media_key = _column(audio_key, "audio_key", (AUDIO_COLUMN,), columns, where, "audio",
+                                         "--audio-column")
+            else:
+                self.media_key = _column(video_key or image_key, "video_key" if video_key else "image_key",
+                                         MEDIA_COLUMNS, columns, where, "media path", "--video-column")
         else:  # an empty list: no rows, nothing to check
             self.caption_key, self.media_key = caption_key or CAPTION_COLUMN, video_key or image_key or MEDIA_COLUMNS[0]
+        # An audio column beside the media column (the trainer's separate sound files): LTX-2 refuses it by name.
+        self.audio_columns = [AUDIO_COLUMN] if not self.audio_only and AUDIO_COLUMN in columns else []
         if reference_key and reference_key not in columns:
             raise SourceError(f"{where}: source.reference_key {reference_key!r} is not a column; the columns are "
                               f"{columns}")
@@ -266,7 +288,8 @@ class MetadataSource:
             "caption_key": self.caption_key,
             # The media column under the setting that reopens it as the same kind of column.
             "image_key": self.media_key if self._column_is_image else None,
-            "video_key": None if self._column_is_image else self.media_key,
+            "video_key": None if self._column_is_image or self.audio_only else self.media_key,
+            **({"audio_key": self.media_key} if self.audio_only else {}),
             **({"reference_key": self.reference_key} if self.reference_key else {}),
             "s3_endpoint_url": self._endpoint_url,
             "s3_profile": self._profile,
@@ -310,6 +333,8 @@ class MetadataSource:
                 return SourceSample(source_id, None, None, exc)
 
         def sample(caption: str | None, error: RejectError | None = None) -> SourceSample:
+            if self.audio_only:
+                return SourceSample(source_id, None, caption, error, audio=data)
             if is_video:
                 return SourceSample(source_id, None, caption, error, video=data, reference=reference)
             return SourceSample(source_id, data, caption, error, reference=reference)
