@@ -209,8 +209,12 @@ def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: boo
     from diffprep.flows.encode import encode_dataset
     from diffprep.flows.startup import warm_start
 
-    warm_start(load_settings(config, overrides), "preencoded")  # encoders load while the embedded server starts
-    return encode_dataset(EncodeParameters(config=config, **overrides))
+    warming = warm_start(load_settings(config, overrides), "preencoded")  # encoders load while the server starts
+    try:
+        return encode_dataset(EncodeParameters(config=config, **overrides))
+    finally:
+        if warming is not None:  # a run that ended early: nothing of it keeps loading after the command
+            warming.join()
 
 
 def print_summary(result: dict) -> None:
