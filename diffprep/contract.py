@@ -111,6 +111,9 @@ SPLITS_JSON = "splits.json"
 LATENT_STATS = "latent_stats.pt"
 EMPTY_PROMPT = "empty_prompt.pth"
 SANITY_DIR = "sanity"
+# Scratch of a run in progress, never published: the caption encodings its processes on one machine share
+# (text_cache/<fingerprint>/<sha256 of the caption>.pt, diffprep.families.text_cache); removed after the units.
+TEXT_CACHE_DIR = "text_cache"
 SANITY_REPORT = "report.json"
 SANITY_SAMPLE = "sample.pth"
 MSC_CONFIG = "msc_config.yaml"

@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
+from diffprep import contract
 from diffprep.approvals import ABORT, Question, ask_terminal
 from diffprep.audit import AuditReport, audit, rejects_accepted, rejects_question
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
@@ -126,6 +127,7 @@ def sanity_phase(settings: Settings, output: Output, plan: Plan, units_left: lis
     """Phase 3: one batch at the run's batch size (smaller when out of memory), checked; the run projected."""
     encoding = get_encoding(plan.encoding)
     loaded = encoding.load(settings, token)
+    share_text_encodings(loaded, output, plan)
     source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
     return with_smaller_batches_on_oom(
         lambda batch_size: encoding.sanity(output, plan, loaded, source, spec, settings=settings,
@@ -133,6 +135,14 @@ def sanity_phase(settings: Settings, output: Output, plan: Plan, units_left: lis
                                            staged_samples=staged_samples(settings, output)),
         encoding.batch_size(settings), what="the sanity check", advice=encoding.oom_advice(settings, loaded),
     )
+
+
+def share_text_encodings(loaded: Any, output: Output, plan: Plan) -> None:
+    """The loaded encoders' caption cache, shared with this run's other encoding processes on this machine through
+    the output's working folder (``diffprep.families.text_cache``); encoders without one share nothing."""
+    cache = getattr(loaded, "text_cache", None)
+    if cache is not None:
+        cache.share(output.state.path(f"{contract.TEXT_CACHE_DIR}/{plan.fingerprint}"))
 
 
 # The batch size that last fitted, per loaded encoder set: after running out of memory, the next units start there
@@ -144,6 +154,7 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     """Phase 4, one unit: encoded into its shard and committed (idempotent; smaller batches when out of memory)."""
     encoding = get_encoding(plan.encoding)
     loaded = encoding.load(settings, token)
+    share_text_encodings(loaded, output, plan)
     fields = encoding.sample_fields(settings, loaded)
     source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
     start = min(_WORKING_BATCH.get(loaded, encoding.batch_size(settings)), encoding.batch_size(settings))
@@ -161,9 +172,9 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     cache = getattr(loaded, "text_cache", None)
     if cache is not None and not result.skipped:
         stats = cache.stats
-        log.info("text encoders in this process so far: %d of %d captions encoded, %d from the cache (%d kept, "
-                 "%.0f of %.0f MiB)", stats.encoded, stats.captions, stats.hits, len(cache), cache.bytes / 2**20,
-                 cache.max_bytes / 2**20)
+        log.info("text encoders in this process so far: %d of %d captions encoded, %d from the cache (%d of them "
+                 "encoded by another process; %d kept, %.0f of %.0f MiB)", stats.encoded, stats.captions, stats.hits,
+                 stats.shared, len(cache), cache.bytes / 2**20, cache.max_bytes / 2**20)
     return result
 
 
@@ -442,6 +453,7 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
                      len(units_left), sanity.psnr_db)
             result.sanity = sanity.to_json()
             steps.units(settings, output, plan, units_left, events.progress(len(units_left), output))
+            output.state.discard_scratch(contract.TEXT_CACHE_DIR)  # the units are done: nothing reads it now
         else:
             log.info("every unit is already encoded with these settings: nothing to encode")
         result.units, result.encoded_units = len(plan.units), len(units_left)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.config import Settings
 from diffprep.output import OutputRef
@@ -24,4 +25,5 @@ def encode_units(output: OutputRef, settings: dict, units: list[int]) -> dict:
     out = output_of(output)
     out.clear_dead_temp_files()
     run_units(s, out, out.state.plan(), list(units), ArtifactProgress(len(units), key=None))
+    out.state.discard_scratch(contract.TEXT_CACHE_DIR)  # this machine's shared caption rows: its units are done
     return {"units": list(units)}

@@ -58,6 +58,10 @@ def test_each_distinct_caption_is_encoded_once_and_the_bytes_equal_a_run_without
             hook.remove()
         assert result.samples == 12 and result.rejected == 0
         runs[name] = (files(tmp_path / name), result.fingerprint, encoders.text_cache.stats, forwards)
+        # The rows shared with the run's other processes lived in the working folder while the units ran; the run
+        # removed them once they were done (the dataset never holds them).
+        assert (encoders.text_cache.folder is not None) == (name == "cached")
+        assert not (tmp_path / name / contract.STATE_DIR / contract.TEXT_CACHE_DIR).exists()
 
     cached, uncached = runs["cached"], runs["uncached"]
     # The empty caption (CFG files), the sanity batch, then 3 units: 4 class captions and "" are 5 distinct
@@ -81,3 +85,39 @@ def test_each_distinct_caption_is_encoded_once_and_the_bytes_equal_a_run_without
     with tarfile.open(tmp_path / "cached" / shards[1]) as tar:
         captions = [tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith(contract.CAPTION)]
     assert captions == [f"a photo of a {NAMES[label]}" for label in LABELS[4:8]]
+
+
+def test_processes_of_a_run_share_their_rows_through_a_folder(tmp_path) -> None:
+    """Two caches over one folder stand for two encoding processes of a run (process-pool workers, ranks): a
+    caption one of them encoded is read by the other, bit for bit, not encoded again."""
+    import torch
+
+    from diffprep.families.text_cache import TextCache
+
+    encoded: list[str] = []
+
+    def encode(captions: list[str]) -> list[tuple]:
+        encoded.extend(captions)
+        return [(torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor([len(c)]), len(c) > 5) for c in captions]
+
+    folder = tmp_path / "text_cache" / "fingerprint"
+    first, second, alone = TextCache(1 << 20), TextCache(1 << 20), TextCache(1 << 20)
+    first.share(folder)
+    second.share(folder)
+    rows = first.rows(["a cat", "a dog", "a cat"], encode)
+    assert encoded == ["a cat", "a dog"] and len(list(folder.glob("*.pt"))) == 2
+    again = second.rows(["a dog", "a bird", "a cat"], encode)
+    assert encoded == ["a cat", "a dog", "a bird"]  # only the caption no process had encoded
+    assert second.stats.shared == 2 and second.stats.hits == 2 and second.stats.encoded == 1
+    assert torch.equal(again[0][0], rows[1][0]) and torch.equal(again[2][0], rows[0][0]) and again[0][2] == rows[1][2]
+    assert alone.rows(["a cat"], encode) and encoded[-1] == "a cat"  # a process not sharing encodes for itself
+
+    # A damaged file is encoded again (and replaced); a cache that is off shares nothing.
+    next(iter(folder.glob("*.pt"))).write_bytes(b"not a row")
+    third = TextCache(1 << 20)
+    third.share(folder)
+    third.rows(["a cat", "a dog", "a bird"], encode)
+    assert third.stats.encoded == 1 and third.stats.shared == 2
+    off = TextCache(0)
+    off.share(folder)
+    assert off.folder is None

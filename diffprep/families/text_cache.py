@@ -21,17 +21,32 @@ not depend on the cache, the batch size, its companions or its position.
 ``max_bytes`` bounds the tensors held; 0 turns the cache off (every call
 encodes its distinct captions). The counters say how much text-encoder work
 was done and saved.
+
+The other encoding processes of a run on the same machine (process-pool
+workers, torchrun ranks, the flow's sanity batch) share their rows through a
+folder (``share``): the output's working folder, ``.diffprep/text_cache/<the
+plan's fingerprint>/``, one ``torch.save``d row per caption (named by the
+caption's sha256, written atomically, read back weights-only). A caption one
+process encoded is read there by the others instead of being encoded again; a
+process writes at most ``max_bytes`` there. The folder is scratch, never part
+of the dataset: a bucket output keeps it in its staging folder, and the run
+removes it once its units are done.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from diffprep.shards import atomic_write_bytes
 
 MIB = 1024 * 1024
 # Per process. FLUX.1-dev's T5 embedding is [512, 4096] bf16 = 4 MiB a caption, so 4 GiB holds ImageNet-1k's
@@ -50,7 +65,8 @@ class TextCacheStats:
     """What the text encoders did for the captions asked of them since the cache was made."""
 
     captions: int = 0  # captions asked for (one per sample)
-    hits: int = 0  # of those, answered from the cache
+    hits: int = 0  # of those, answered from the cache (this process's, or the run's shared folder)
+    shared: int = 0  # distinct captions read from the shared folder: another process had encoded them
     encoded: int = 0  # captions put through the text encoders
     calls: int = 0  # encoder calls that did (one forward pass per text encoder each)
     evicted: int = 0  # entries dropped to stay under the bound
@@ -70,6 +86,13 @@ class TextCache:
         self.stats = TextCacheStats()
         self._rows: OrderedDict[str, tuple[Row, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self.folder: Path | None = None  # shared with the run's other encoding processes on this machine
+        self._shared_bytes = 0  # written there by this process
+
+    def share(self, folder: str | Path | None) -> None:
+        """Read and write rows in ``folder`` too, for the run's other encoding processes (module docstring);
+        None: this process alone. Nothing is shared when the cache is off."""
+        self.folder = Path(folder) if folder is not None and self.max_bytes > 0 else None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -84,20 +107,50 @@ class TextCache:
                 if entry is not None:
                     self._rows.move_to_end(caption)
                     found[caption] = entry[0]
+        shared = {}
+        if self.folder is not None:
+            shared = {c: row for c in distinct if c not in found for row in [self._read(c)] if row is not None}
+            found.update(shared)
         missing = [caption for caption in distinct if caption not in found]
         if missing:
             computed = encode(missing)
             if len(computed) != len(missing):
                 raise RuntimeError(f"the text encoder returned {len(computed)} rows for {len(missing)} captions")
             found.update(zip(missing, computed))
+            for caption in missing:
+                self._write(caption, found[caption])
         with self._lock:
             self.stats.captions += len(captions)
             self.stats.hits += sum(1 for caption in captions if caption not in missing)
+            self.stats.shared += len(shared)
             self.stats.encoded += len(missing)
             self.stats.calls += 1 if missing else 0
-            for caption in missing:
+            for caption in [*shared, *missing]:
                 self._keep(caption, found[caption])
         return [found[caption] for caption in captions]
+
+    def _file(self, caption: str) -> Path:
+        return self.folder / (hashlib.sha256(caption.encode("utf-8")).hexdigest() + ".pt")
+
+    def _read(self, caption: str) -> Row | None:
+        """The row another process wrote for ``caption``; None when there is none (or it cannot be read)."""
+        try:
+            return tuple(torch.load(io.BytesIO(self._file(caption).read_bytes()), weights_only=True))
+        except FileNotFoundError:
+            return None
+        except Exception:  # noqa: BLE001 - a damaged file: encode the caption again (and replace it)
+            return None
+
+    def _write(self, caption: str, row: Row) -> None:
+        """Leave ``row`` for the other processes, while this process's share of the folder stays in bound."""
+        size = row_bytes(row)
+        if self.folder is None or self._shared_bytes + size > self.max_bytes:
+            return
+        buffer = io.BytesIO()
+        torch.save(row, buffer)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self._file(caption), buffer.getvalue())
+        self._shared_bytes += size
 
     def _keep(self, caption: str, row: Row) -> None:
         size = row_bytes(row) + len(caption.encode("utf-8"))

@@ -121,6 +121,10 @@ class StateStore:
         if path.is_file():
             self.output.publish_file(self._rel(relative))
 
+    def discard_scratch(self, relative: str) -> None:
+        """Remove a folder that lives in the working copy only (``text_cache``: never published, never data)."""
+        shutil.rmtree(self.path(relative), ignore_errors=True)
+
     def clear(self) -> None:
         """Forget every state file but the run's own locks (after an approved overwrite)."""
         if not self.root.is_dir():
