@@ -18,6 +18,8 @@ from uuid import UUID
 
 import pytest
 
+from diffprep import contract
+
 # Prefect's console log handler keeps the stream it finds when prefect is first imported: import it
 # here, at collection, so it holds pytest's session stream rather than one test's capture buffer.
 import diffprep.flows.validate  # noqa: F401
@@ -182,7 +184,7 @@ def test_prefect_yaml_deploys_forms_and_an_inactive_nightly_schedule(deployed):
     assert "YAML config" in schema["definitions"]["EncodeParameters"]["properties"]["config"]["description"]
     vschema = validate.parameter_openapi_schema
     assert vschema["required"] == ["out_dir"] and vschema["properties"]["out_dir"]["description"]
-    assert vschema["properties"]["encoding"]["anyOf"][0]["enum"] == ["preencoded", "raw", "wan", "ltx2", "raw_video"]
+    assert vschema["properties"]["encoding"]["anyOf"][0]["enum"] == list(contract.ENCODINGS)  # a dropdown of them all
 
     # The server enforces the bounds before a run exists.
     with pytest.raises(PrefectHTTPStatusError, match="shard_size.*less than the minimum of 1"):
