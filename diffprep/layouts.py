@@ -173,6 +173,9 @@ def layout_for(output: Any, negative_prompt: str | None, encoding: str, presets:
         held = {name for names in preset.members.values() for name in names}
         members = {m: names for m, names in preset.members.items() if all(n in fields for n in names)}
         members |= {f: (f,) for f in fields if f not in held}
+        if negative_prompt is not None and not preset.negative:
+            raise ConfigError(f"model.negative_prompt (--negative-prompt) is written only by a layout with a negative "
+                              f"prompt file; layout {output.layout!r} has none: remove it")
         negative = negative_prompt if negative_prompt is not None else ""
         return Layout(output.layout, members, negative if preset.negative else None, dict(preset.negative),
                       preset.shard_counts)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 import time
 import weakref
 from collections import defaultdict
@@ -142,7 +143,12 @@ def share_text_encodings(loaded: Any, output: Output, plan: Plan) -> None:
     the output's working folder (``diffprep.families.text_cache``); encoders without one share nothing."""
     cache = getattr(loaded, "text_cache", None)
     if cache is not None:
-        cache.share(output.state.path(f"{contract.TEXT_CACHE_DIR}/{plan.fingerprint}"))
+        cache.share(output.state.path(text_scratch(plan)) / socket.gethostname())
+
+
+def text_scratch(plan: Plan) -> str:
+    """The state folder where a run's processes share their caption encodings (``share_text_encodings``)."""
+    return f"{contract.TEXT_CACHE_DIR}/{plan.fingerprint}"
 
 
 # The batch size that last fitted, per loaded encoder set: after running out of memory, the next units start there
@@ -372,7 +378,10 @@ def follow_rank(settings: Settings, encoding: str, group: Group, token: str | No
         log.info("rank %d: unit %06d, %d written, %d rejected in %.1f s", rank, result["unit"], result["count"],
                  result["rejected"], result["seconds"])
 
-    group.encode(units, encode, done)
+    try:
+        group.encode(units, encode, done)
+    finally:  # a machine of its own (a multi-node run to a bucket) keeps no shared captions in its staging folder
+        output.state.discard_scratch(text_scratch(plan))
     group.outcome()  # rank 0 audits, finalizes and validates meanwhile
     return {"rank": rank, "units": units, "out_dir": output.uri}
 
@@ -452,8 +461,10 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
                      sanity.seconds_per_batch, sanity.projected_bytes / 2**30, sanity.projected_seconds,
                      len(units_left), sanity.psnr_db)
             result.sanity = sanity.to_json()
-            steps.units(settings, output, plan, units_left, events.progress(len(units_left), output))
-            output.state.discard_scratch(contract.TEXT_CACHE_DIR)  # the units are done: nothing reads it now
+            try:
+                steps.units(settings, output, plan, units_left, events.progress(len(units_left), output))
+            finally:  # the units are done (or failed): nothing of this run reads the shared captions now
+                output.state.discard_scratch(text_scratch(plan))
         else:
             log.info("every unit is already encoded with these settings: nothing to encode")
         result.units, result.encoded_units = len(plan.units), len(units_left)

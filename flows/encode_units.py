@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.config import Settings
 from diffprep.output import OutputRef
+from diffprep.pipeline import text_scratch
 from diffprep.flows.runners import ArtifactProgress, run_units
 from diffprep.tasks.common import output_of
 
@@ -25,5 +25,5 @@ def encode_units(output: OutputRef, settings: dict, units: list[int]) -> dict:
     out = output_of(output)
     out.clear_dead_temp_files()
     run_units(s, out, out.state.plan(), list(units), ArtifactProgress(len(units), key=None))
-    out.state.discard_scratch(contract.TEXT_CACHE_DIR)  # this machine's shared caption rows: its units are done
+    out.state.discard_scratch(text_scratch(out.state.plan()))  # this machine's shared captions: its units are done
     return {"units": list(units)}

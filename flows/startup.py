@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from prefect.settings import PREFECT_API_URL
+from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
 from diffprep.config import Settings
 
@@ -33,7 +33,7 @@ def warm_start(settings: Settings, kind: str) -> threading.Thread | None:
     if not settings.auth.hf_credentials_block:
         thread = threading.Thread(target=_load_encoders, args=(settings, kind), name="diffprep-warm", daemon=True)
         thread.start()
-    if not PREFECT_API_URL.value():
+    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         from prefect.server.api.server import SubprocessASGIServer
 
         SubprocessASGIServer().start()

@@ -200,3 +200,5 @@ def test_key_map_renames_fields_and_refuses_what_a_loader_cannot_read(tmp_path, 
                                           "energon, ltx"):
         layout_for(fastgen, None, "ltx2", ltx2.layout_presets, [contract.LATENTS, contract.CAPTION])
     assert layout_for(ltx, None, "ltx2", ltx2.layout_presets, [contract.LATENTS]).name == contract.LAYOUT_LTX
+    with pytest.raises(ConfigError, match="negative_prompt.*layout 'ltx' has none: remove it"):
+        layout_for(ltx, "ugly", "ltx2", ltx2.layout_presets, [contract.LATENTS])

@@ -100,7 +100,7 @@ def test_processes_of_a_run_share_their_rows_through_a_folder(tmp_path) -> None:
         encoded.extend(captions)
         return [(torch.randn(3, 4, dtype=torch.bfloat16), torch.tensor([len(c)]), len(c) > 5) for c in captions]
 
-    folder = tmp_path / "text_cache" / "fingerprint"
+    folder = tmp_path / "text_cache" / "fingerprint" / "host"
     first, second, alone = TextCache(1 << 20), TextCache(1 << 20), TextCache(1 << 20)
     first.share(folder)
     second.share(folder)

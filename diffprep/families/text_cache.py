@@ -25,8 +25,10 @@ was done and saved.
 The other encoding processes of a run on the same machine (process-pool
 workers, torchrun ranks, the flow's sanity batch) share their rows through a
 folder (``share``): the output's working folder, ``.diffprep/text_cache/<the
-plan's fingerprint>/``, one ``torch.save``d row per caption (named by the
-caption's sha256, written atomically, read back weights-only). A caption one
+plan's fingerprint>/<host>/``, one ``torch.save``d row per caption (named by
+the caption's sha256, written atomically, read back weights-only; per host, so
+that machines sharing a file system never use each other's rows: their kernels
+may differ in the last bits). A caption one
 process encoded is read there by the others instead of being encoded again; a
 process writes at most ``max_bytes`` there. The folder is scratch, never part
 of the dataset: a bucket output keeps it in its staging folder, and the run
@@ -148,8 +150,11 @@ class TextCache:
             return
         buffer = io.BytesIO()
         torch.save(row, buffer)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self._file(caption), buffer.getvalue())
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self._file(caption), buffer.getvalue())
+        except OSError:  # best effort: the folder removed by a run that finished, a full disk; the row is computed
+            return
         self._shared_bytes += size
 
     def _keep(self, caption: str, row: Row) -> None:

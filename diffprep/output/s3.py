@@ -40,7 +40,7 @@ from diffprep.output.base import Output, is_ours
 from diffprep.output.locks import S3Lock
 from diffprep.output.msc import energon_path
 from diffprep.output.upload import MULTIPART_CHUNK, ObjectUpload, etag_of, request
-from diffprep.shards import ShardSink, UnitManifest, tar_keys
+from diffprep.shards import ShardSink, UnitManifest, json_file_bytes, tar_keys
 from diffprep.storage import (
     S3_SCHEME,
     ObjectInfo,
@@ -174,7 +174,6 @@ class S3Output(Output):
         see this shard whole (the unit was committed by an earlier try), the
         staged file is sent instead.
         """
-        super().commit_unit(manifest)  # the staged manifest: this machine's record of the unit
         manifest_rel = contract.unit_manifest_path(manifest.unit)
         shard = self.local / manifest.shard
         # An older manifest object would vouch for the shard being replaced: remove it before the shard changes.
@@ -190,21 +189,26 @@ class S3Output(Output):
         if stored != (manifest.bytes, etag):
             raise OSError(f"{self.url_of(manifest.shard)} reads back as {stored[0]} bytes, ETag {stored[1]}; the "
                           f"upload sent {manifest.bytes} bytes, ETag {etag}: it did not land whole")
-        self._put_file(self.local / manifest_rel, manifest_rel, {SHARD_ETAG_METADATA: etag})
+        self._put_bytes(json_file_bytes(manifest.to_json()), manifest_rel, {SHARD_ETAG_METADATA: etag})
+        # The staged copy (this machine's record of the unit) only once the bucket holds the object: another
+        # process sharing this staging folder that syncs meanwhile would remove a copy the bucket lacks.
+        super().commit_unit(manifest)
         shard.unlink()
         self._objects = None
 
     # -- staging --------------------------------------------------------------------------------------------------
     def sync_state(self) -> None:
+        """The staged plan, splits, audit, validation and ``.nv-meta`` made equal to the bucket's; the unit manifests
+        are ``sync_manifests``' (every listing of them looks at the bucket), so a unit task's first read costs one
+        listing and no manifest download."""
         objects = self.objects(refresh=True)
         state, meta = self.local / contract.STATE_DIR, self.local / contract.NV_META
         wanted = [name for name in objects
                   if name in {f"{contract.STATE_DIR}/{n}" for n in _PULLED_STATE}
-                  or name.startswith(f"{contract.STATE_DIR}/{contract.UNITS_DIR}/") and name.endswith(".json")
                   or name.startswith(f"{contract.NV_META}/") and name.count("/") == 1]
         # Staged copies the bucket no longer holds go first: the bucket is the truth.
         stale = [state / n for n in _PULLED_STATE] + ([p for p in meta.iterdir() if p.is_file()] if meta.is_dir() else [])
-        self._pull(objects, wanted, stale + self._staged_manifests())
+        self._pull(objects, wanted, stale)
 
     def sync_manifests(self) -> None:
         objects = self.objects(refresh=True)
@@ -234,6 +238,12 @@ class S3Output(Output):
     def publish_file(self, relative: str) -> None:
         self._put_file(self.local / relative, relative)
         self._objects = None
+
+    def _put_bytes(self, data: bytes, relative: str, metadata: dict[str, str] | None = None) -> str:
+        """Upload a small object from memory; its ETag."""
+        upload = ObjectUpload(self, relative, metadata)
+        upload.write(data)
+        return upload.finish()
 
     def _put_file(self, path: Path, relative: str, metadata: dict[str, str] | None = None) -> str:
         """Upload a staged file (multipart when large); its ETag."""

@@ -94,13 +94,13 @@ class StateStore:
         return {int(name) for name in names if name.isdigit()}
 
     def manifest(self, unit: int) -> UnitManifest | None:
-        """The unit's manifest as last listed (``manifests``, ``manifest_units``, or the first read)."""
+        """The unit's manifest as last listed (``manifests``, ``manifest_units``)."""
         self.ensure_current()
         return read_manifest(self.output.local, unit)
 
     def is_empty(self) -> bool:
         """No plan and no manifest (e.g. only a lock or temporary files): the state holds no data."""
-        return not self.exists(contract.PLAN_JSON) and not any((self.root / contract.UNITS_DIR).glob("*.json"))
+        return not self.exists(contract.PLAN_JSON) and not self.manifest_units()
 
     # -- writing (write-through) --------------------------------------------------------------------------------------
     def write_bytes(self, relative: str, data: bytes) -> Path:
@@ -122,8 +122,17 @@ class StateStore:
             self.output.publish_file(self._rel(relative))
 
     def discard_scratch(self, relative: str) -> None:
-        """Remove a folder that lives in the working copy only (``text_cache``: never published, never data)."""
-        shutil.rmtree(self.path(relative), ignore_errors=True)
+        """Remove a folder that lives in the working copy only (``text_cache/...``: never published, never data),
+        and the folders above it that it leaves empty."""
+        path = self.path(relative)
+        shutil.rmtree(path, ignore_errors=True)
+        for parent in path.parents:
+            if parent == self.root:
+                break
+            try:
+                parent.rmdir()  # only when empty: another run's scratch beside it stays
+            except OSError:
+                break
 
     def clear(self) -> None:
         """Forget every state file but the run's own locks (after an approved overwrite)."""
