@@ -52,7 +52,8 @@ class FaultProxy:
         self._thread.start()
 
     def inject(self, method: str, path: str, *faults: tuple) -> None:
-        """Queue faults: ``("status", 503, "SlowDown")`` or ``("truncate", nbytes)``, one per request."""
+        """Queue faults: ``("status", 503, "SlowDown")``, ``("truncate", nbytes)`` or ``("before", fn)`` (call
+        ``fn`` first, then forward), one per request."""
         with self._lock:
             self._faults.setdefault((method, path), []).extend(faults)
 
@@ -87,6 +88,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
         fault = self.proxy.take(self.command, path)
         headers = dict(self.headers.items())
+        if fault is not None and fault[0] == "before":
+            fault[1]()  # something else happens first (another process's requests), then this one goes through
         if fault is not None and fault[0] == "status":
             _, status, code = fault
             self.proxy.log.append(Logged(self.command, path, query, headers, status))

@@ -307,6 +307,22 @@ def test_upload_retries_5xx_and_goes_multipart(admin, proxy, make_plan, write_un
     assert output.committed_unit(0, plan.fingerprint) == manifest
 
 
+def test_a_sync_by_another_process_mid_commit_keeps_the_unit(admin, proxy, make_plan, write_unit) -> None:
+    # Workers and ranks on one machine share a bucket output's staging folder; one syncing its manifests while
+    # another commits (its shard up, its manifest object not yet) must not take the committing one's unit away.
+    url = prefix_url()
+    output, other = open_output(url, endpoint_url=proxy.url), open_output(url, endpoint_url=proxy.url)
+    assert other.local == output.local
+    plan = make_plan(sizes=(4,))
+    manifest = write_unit(output.local, plan, 0)
+    proxy.inject("HEAD", path_of(url, "000000.tar"), ("before", other.state.manifest_units))
+    output.commit_unit(manifest)  # the shard's read-back check comes after its upload, before the manifest's PUT
+
+    assert any("list-type=2" in r.query for r in proxy.requests("GET", f"/{BUCKET}"))  # the other one did sync
+    assert output.committed_unit(0, plan.fingerprint) == manifest
+    assert output.state.manifests() == {0: manifest}  # the staged copy is there, and the bucket agrees
+
+
 def test_shard_goes_up_while_it_is_written(admin, proxy, make_plan, monkeypatch) -> None:
     import diffprep.output.upload
     from diffprep.shards import ShardWriter
