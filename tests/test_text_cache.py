@@ -121,3 +121,25 @@ def test_processes_of_a_run_share_their_rows_through_a_folder(tmp_path) -> None:
     off = TextCache(0)
     off.share(folder)
     assert off.folder is None
+
+
+def test_a_cache_whose_captions_do_not_repeat_lets_its_rows_go() -> None:
+    """Distinct captions: after the probe, nothing is kept (memory flat as a dataset grows); repeats: all kept."""
+    import torch
+
+    from diffprep.families.text_cache import PROBE_CAPTIONS, TextCache
+
+    def encode(captions: list[str]) -> list[tuple]:
+        return [(torch.zeros(64), len(c) > 5) for c in captions]
+
+    distinct = TextCache(1 << 30)
+    for start in range(0, 2 * PROBE_CAPTIONS, 8):
+        distinct.rows([f"caption {i}" for i in range(start, start + 8)], encode)
+    assert not distinct.stats.kept and len(distinct) == 0 and distinct.bytes == 0
+    distinct.rows(["caption 0"], encode)
+    assert len(distinct) == 0 and distinct.stats.encoded == 2 * PROBE_CAPTIONS + 1
+
+    classes = TextCache(1 << 30)
+    for start in range(0, 2 * PROBE_CAPTIONS, 8):
+        classes.rows([f"a photo of class {i % 10}" for i in range(start, start + 8)], encode)
+    assert classes.stats.kept and len(classes) == 10 and classes.stats.encoded == 10

@@ -20,7 +20,11 @@ not depend on the cache, the batch size, its companions or its position.
 
 ``max_bytes`` bounds the tensors held; 0 turns the cache off (every call
 encodes its distinct captions). The counters say how much text-encoder work
-was done and saved.
+was done and saved. A cache that finds its captions do not repeat (fewer than
+one in ``REPEAT_RATE`` of the first ``PROBE_CAPTIONS`` asked for came from it)
+lets its rows go and stops keeping new ones: a dataset of distinct captions
+does not hold up to ``max_bytes`` of embeddings it will never reuse, and the
+process's memory stays flat as the dataset grows.
 
 The other encoding processes of a run on the same machine (process-pool
 workers, torchrun ranks, the flow's sanity batch) share their rows through a
@@ -59,6 +63,10 @@ DEFAULT_TEXT_CACHE_MIB = 4096
 # encoded in. A constant, not a setting: the bytes of every dataset depend on it.
 TEXT_BATCH = 8
 
+# After this many captions, a cache with fewer hits than one in REPEAT_RATE stops keeping rows (module docstring).
+PROBE_CAPTIONS = 256
+REPEAT_RATE = 100
+
 Row = tuple[Any, ...]  # one caption's encoding: tensors without a batch dimension, and plain values
 
 
@@ -72,6 +80,7 @@ class TextCacheStats:
     encoded: int = 0  # captions put through the text encoders
     calls: int = 0  # encoder calls that did (one forward pass per text encoder each)
     evicted: int = 0  # entries dropped to stay under the bound
+    kept: bool = True  # False once the captions proved not to repeat: nothing is kept from then on
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -127,9 +136,19 @@ class TextCache:
             self.stats.shared += len(shared)
             self.stats.encoded += len(missing)
             self.stats.calls += 1 if missing else 0
+            stats = self.stats
+            if stats.kept and stats.captions >= PROBE_CAPTIONS and stats.hits * REPEAT_RATE < stats.captions:
+                self._stop_keeping()
             for caption in [*shared, *missing]:
                 self._keep(caption, found[caption])
         return [found[caption] for caption in captions]
+
+    def _stop_keeping(self) -> None:
+        """The captions do not repeat: let every row go, keep none from now on, share none."""
+        self.stats.kept = False
+        self._rows.clear()
+        self.bytes = 0
+        self.folder = None
 
     def _file(self, caption: str) -> Path:
         return self.folder / (hashlib.sha256(caption.encode("utf-8")).hexdigest() + ".pt")
@@ -146,7 +165,7 @@ class TextCache:
     def _write(self, caption: str, row: Row) -> None:
         """Leave ``row`` for the other processes, while this process's share of the folder stays in bound."""
         size = row_bytes(row)
-        if self.folder is None or self._shared_bytes + size > self.max_bytes:
+        if self.folder is None or not self.stats.kept or self._shared_bytes + size > self.max_bytes:
             return
         buffer = io.BytesIO()
         torch.save(row, buffer)
@@ -159,7 +178,7 @@ class TextCache:
 
     def _keep(self, caption: str, row: Row) -> None:
         size = row_bytes(row) + len(caption.encode("utf-8"))
-        if size > self.max_bytes or caption in self._rows:
+        if not self.stats.kept or size > self.max_bytes or caption in self._rows:
             return
         while self._rows and self.bytes + size > self.max_bytes:
             _, (_, dropped) = self._rows.popitem(last=False)
