@@ -247,12 +247,17 @@ class Config:
 # the tiny set is compute-bound too. At 64 px it costs less than the decode, which is what input-bound means.
 COMPUTE_BOUND = Config("compute-bound", model="medium", image_size=256, t5_max_length=128, samples=16, shard_size=8)
 INPUT_BOUND = Config("input-bound", model="tiny", image_size=64, t5_max_length=32, samples=64, shard_size=32)
-CONFIGS = {"compute": COMPUTE_BOUND, "input": INPUT_BOUND}
+# What benchmarks/cli.py runs as a whole command (issue #17): the tiny set at 256 px, compute-bound with
+# the decode of a 512 px JPEG a fifth of each sample's CPU.
+CLI_CONFIG = Config("cli compute-bound", model="tiny", image_size=256, t5_max_length=512, samples=256,
+                    shard_size=64, source_px=512)
+CONFIGS = {"compute": COMPUTE_BOUND, "input": INPUT_BOUND, "cli": CLI_CONFIG}
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=None, help="samples per configuration (default: each "
-                        f"configuration's own: compute {COMPUTE_BOUND.samples}, input {INPUT_BOUND.samples})")
+                        f"configuration's own: compute {COMPUTE_BOUND.samples}, input {INPUT_BOUND.samples}, "
+                        f"cli {CLI_CONFIG.samples})")
     parser.add_argument("--rounds", type=int, default=5,
                         help="measurements per side, interleaved (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=None)

@@ -7,13 +7,16 @@ batches, already decoded and stacked in memory (``encode_images`` +
 ``encode_text``, no I/O). A third side, the library's reader alone (read,
 decode, batch; no encoding), gives the input limit.
 
-Two configurations (see ``_common.CONFIGS``): compute-bound (medium
-random-weight encoders, 256 px; target >= 0.90) and input-bound (the tiny
-encoders, 64 px: decoding the 1024 px JPEG costs more than encoding). On a
-CPU the decode threads and the encoders share the same cores, so the
-input-bound figure is bounded by the input limit, not by the overlap.
+Three configurations (see ``_common.CONFIGS``): compute-bound (medium
+random-weight encoders, 256 px; target >= 0.90), input-bound (the tiny
+encoders, 64 px: decoding the 1024 px JPEG costs more than encoding) and cli
+(what ``cli.py`` runs as a whole command: the tiny encoders at 256 px from
+512 px JPEGs, T5 512 tokens, shards of 64). On a CPU the decode threads and
+the encoders share the same cores, so the input-bound figure is bounded by
+the input limit, not by the overlap.
 
-    python benchmarks/efficiency.py                      # both configurations, small
+    python benchmarks/efficiency.py                      # every configuration, small
+    python benchmarks/efficiency.py --only cli --rounds 3
     python benchmarks/efficiency.py --only compute --samples 128 --rounds 3
 """
 
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = c.cache_dir(args.cache_dir)
     scratch, cleanup = c.work_dir(args.work_dir)
     try:
-        names = [args.only] if args.only else ["compute", "input"]
+        names = [args.only] if args.only else list(c.CONFIGS)
         results = {name: measure(c.config_from(c.CONFIGS[name], args), cache, scratch, args.rounds)
                    for name in names}
         flux_write_s = flux_writer(scratch)
@@ -155,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         r = results["input"]
         parts.append(f"input-bound {r['efficiency']:.3f} (no target; {r['e2e']:.1f} samples/s vs input limit "
                      f"{r['reader']:.1f})")
+    if "cli" in results:
+        r = results["cli"]
+        parts.append(f"cli configuration {r['efficiency']:.3f} (goal >= 0.95: {c.verdict(r['efficiency'], 0.95)})")
     parts.append(f"writer at FLUX.1-dev shapes {flux_write_s * 1000:.1f} ms/sample")
     print(f"\nSUMMARY efficiency: {'; '.join(parts)} [{_env.malloc_description()}]")
     return 0
