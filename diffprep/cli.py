@@ -1,4 +1,4 @@
-"""The ``diffprep`` command: encode, raw, decode, finalize, validate, tiny-model, demo.
+"""The ``diffprep`` command: encode, raw, decode, finalize, validate, tiny-model, demo, automation, serve.
 
 (Over 400 lines: every subcommand's flags and their settings in one place.)
 
@@ -422,7 +422,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffprep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="diffprep", description=(
+        "Pre-encode diffusion training data (Flux images, Wan and LTX-2 clips) into WebDataset shards "
+        "finalized as a Megatron-Energon dataset. Start with: diffprep demo; see README.md."))
     sub = parser.add_subparsers(dest="command", required=True)
 
     encode = sub.add_parser("encode", help="pre-encode a dataset (runs the encode-dataset Prefect flow)")

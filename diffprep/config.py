@@ -41,9 +41,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Each source type's location field: the one that names where its samples are.
+SOURCE_LOCATIONS: dict[str, str] = {"directory": "input_dir", "huggingface": "hf_dataset",
+                                    "webdataset": "input_path", "metadata": "metadata_file"}
+
+
 class SourceConfig(_Section):
     type: SourceType | None = Field(
-        None, description="Where samples come from: directory | huggingface | webdataset | metadata."
+        None, description="Where samples come from: directory | huggingface | webdataset | metadata. Unset: the "
+        "one whose location is given (--input-dir, --hf-dataset, --input-path, --metadata-file).",
     )
     input_dir: str | None = Field(
         None, description="directory: a folder (or s3://bucket/prefix) with images/ and/or videos/, and captions/, "
@@ -94,6 +100,16 @@ class SourceConfig(_Section):
         None, description="s3:// sources: AWS profile (~/.aws/config) for credentials and region. Unset: "
         "AWS_PROFILE or the default chain.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_from_location(cls, data: Any) -> Any:
+        """An unset type is the one whose location alone is given (``--input-dir`` alone: a directory)."""
+        if isinstance(data, dict) and data.get("type") is None:
+            given = [kind for kind, field in SOURCE_LOCATIONS.items() if data.get(field)]
+            if len(given) == 1:
+                data = {**data, "type": given[0]}
+        return data
 
 
 class OutputConfig(_Section):
@@ -486,9 +502,11 @@ def check_runnable(settings: Settings) -> None:
     """Checks that span sections, made before any work starts."""
     src = settings.source
     if src.type is None:
-        raise ConfigError("source.type is not set: pass --source-type directory|huggingface|webdataset or set it in the config")
-    needed = {"directory": "input_dir", "huggingface": "hf_dataset", "webdataset": "input_path",
-              "metadata": "metadata_file"}[src.type]
+        given = [f"source.{field}" for field in SOURCE_LOCATIONS.values() if getattr(src, field)]
+        which = f"several source locations are set ({', '.join(given)})" if given else "no source location is set"
+        raise ConfigError(f"source.type is not set and {which}: pass --source-type "
+                          f"{'|'.join(SOURCE_LOCATIONS)} with its location, or set them in the config")
+    needed = SOURCE_LOCATIONS[src.type]
     if not getattr(src, needed):
         flag = "--" + needed.replace("_", "-")
         raise ConfigError(f"source.type is {src.type!r} but source.{needed} is not set (pass {flag})")

@@ -201,8 +201,28 @@ def test_check_runnable_accepts_a_complete_setup(tmp_path: Path) -> None:
 def test_check_runnable_needs_a_source_type(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         check_runnable(load_settings(overrides={"output": {"output_dir": str(tmp_path)}}))
-    assert "source.type is not set" in str(info.value)
-    assert "--source-type" in str(info.value)
+    assert "source.type is not set and no source location is set" in str(info.value)
+    assert "--source-type directory|huggingface|webdataset|metadata" in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "kind"), [("input_dir", "directory"), ("hf_dataset", "huggingface"),
+                                             ("input_path", "webdataset"), ("metadata_file", "metadata")])
+def test_a_source_location_alone_gives_its_type(tmp_path: Path, field: str, kind: str) -> None:
+    settings = load_settings(overrides={"source": {field: "somewhere"}, "output": {"output_dir": str(tmp_path)}})
+    assert settings.source.type == kind
+    check_runnable(settings)
+    # An explicit type is kept, even where the location names another kind's field.
+    explicit = load_settings(overrides={"source": {field: "somewhere", "type": "webdataset"}})
+    assert explicit.source.type == "webdataset"
+
+
+def test_two_source_locations_without_a_type_are_refused_by_name(tmp_path: Path) -> None:
+    settings = load_settings(overrides={"source": {"input_dir": "a", "hf_dataset": "b"},
+                                        "output": {"output_dir": str(tmp_path)}})
+    assert settings.source.type is None
+    with pytest.raises(ConfigError, match=r"several source locations are set \(source\.input_dir, "
+                                          r"source\.hf_dataset\): pass --source-type"):
+        check_runnable(settings)
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,9 @@ def test_directory_needs_media_and_captions(tmp_path: Path) -> None:
     (tmp_path / "videos").mkdir()
     assert list(directory(tmp_path).list_ids()) == ["caption-only:a.txt"]
     (tmp_path / "captions/a.txt").unlink()
+    # The folders are there but empty: the listing says where it looked and what it looks for.
+    with pytest.raises(SourceError, match=rf"{tmp_path} holds no media file and no caption; .*captions/<name>.txt"):
+        list(directory(tmp_path).list_ids())
     (tmp_path / "captions").rmdir()
     with pytest.raises(SourceError, match="no captions/ folder"):
         directory(tmp_path)

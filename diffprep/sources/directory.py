@@ -273,7 +273,14 @@ class DirectorySource:
 
     def list_ids(self) -> Iterator[str]:
         # Every stream is in order, so the merge is lazy.
-        return heapq.merge(*(self._folder.media_ids(sub) for sub in MEDIA_EXTENSIONS), self._folder.caption_only_ids())
+        found = False
+        for source_id in heapq.merge(*(self._folder.media_ids(sub) for sub in MEDIA_EXTENSIONS),
+                                     self._folder.caption_only_ids()):
+            found = True
+            yield source_id
+        if not found:
+            raise SourceError(f"source.input_dir {self.root} holds no media file and no caption; "
+                              f"{_LAYOUT_HINT}")
 
     def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
         for source_id in ids:
