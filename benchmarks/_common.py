@@ -375,8 +375,8 @@ def encode_with_library(setup: Setup, out_dir: Path | None = None, encoders=None
     out.mkdir(parents=True)
     count = 0
     for unit in setup.plan.units:
-        result = encode_unit(out, setup.plan, unit.unit, preencoded_fields(encoders or setup.encoders), setup.source, setup.spec,
-                             batch_size=setup.config.batch_size, decode_workers=setup.config.decode_workers)
+        result = encode_unit(out, setup.plan, unit.unit, preencoded_fields(encoders or setup.encoders), setup.source,
+                             setup.spec, batch_size=setup.config.batch_size, decode_workers=setup.config.decode_workers)
         count += result.count + result.rejected
     return count
 

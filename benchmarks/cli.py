@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name, at in sorted(marks.items(), key=lambda item: item[1]):
                     steps.append(f"{name} +{at - previous:.1f}")
                     previous = at
-                print(f"      start-up to first committed unit {marks.get('first unit committed', float('nan')):.1f} s: "
+                print("      start-up to first committed unit "
+                      f"{marks.get('first unit committed', float('nan')):.1f} s: "
                       + ", ".join(steps))
                 print(f"      units {run['units_pace']:.1f} samples/s against sanity batch {run['sanity_pace']:.1f}: "
                       f"{run['units_pace'] / run['sanity_pace']:.2f}")

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({(peak['diffprep', 4 * n] - peak['default', 4 * n]) / MIB:+.0f} MiB), encoding {speed:.2f}x as fast")
         cost = f"; tune_malloc costs {extra:+.1%} peak RSS at 4N for {speed:.2f}x encode speed"
     print(f"\nSUMMARY memory: peak RSS {peak[main_side, n] / MIB:.0f} MiB for {n} samples, "
-          f"{peak[main_side, 4 * n] / MIB:.0f} MiB for {4 * n}: {growth[main_side]:+.1%} (target < {TARGET_GROWTH:.0%}: "
+          f"{peak[main_side, 4 * n] / MIB:.0f} MiB for {4 * n}: {growth[main_side]:+.1%} "
+          f"(target < {TARGET_GROWTH:.0%}: "
           f"{c.verdict(growth[main_side], TARGET_GROWTH, at_most=True)}) [{ALLOCATORS[main_side]}]{cost}")
     return 0
 

@@ -34,7 +34,8 @@ WORDS = ("a photo of the cat dog bird horse red blue green small large sitting o
 WIDTHS = {
     "medium": ({**c.MEDIUM_CLIP}, {**c.MEDIUM_T5}),
     "real": ({"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "projection_dim": 768,
-              "num_hidden_layers": 12}, {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_heads": 64, "num_layers": 24}),
+              "num_hidden_layers": 12},
+             {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_heads": 64, "num_layers": 24}),
 }
 
 
@@ -63,7 +64,8 @@ def encoders(args: argparse.Namespace, cache: Path, dtype: torch.dtype, device: 
         if args.width == "tiny":
             from transformers import CLIPTextModel, T5EncoderModel
 
-            clip, t5 = CLIPTextModel.from_pretrained(tiny / "text_encoder"), T5EncoderModel.from_pretrained(tiny / "text_encoder_2")
+            clip, t5 = (CLIPTextModel.from_pretrained(tiny / "text_encoder"),
+                        T5EncoderModel.from_pretrained(tiny / "text_encoder_2"))
         else:
             clip_cfg, t5_cfg = WIDTHS[args.width]
             if args.layers:
@@ -75,7 +77,8 @@ def encoders(args: argparse.Namespace, cache: Path, dtype: torch.dtype, device: 
         def encode(texts: list[str]) -> list[torch.Tensor]:
             t5_ids = t5_tok(texts, padding="max_length", max_length=args.max_length, truncation=True,
                             return_tensors="pt").input_ids
-            clip_ids = clip_tok(texts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+            clip_ids = clip_tok(texts, padding="max_length", max_length=77, truncation=True,
+                                return_tensors="pt").input_ids
             return [t5(t5_ids.to(device))[0].cpu(), clip(clip_ids.to(device)).pooler_output.cpu()]
 
         return encode, ["T5", "CLIP"]
@@ -92,9 +95,9 @@ def encoders(args: argparse.Namespace, cache: Path, dtype: torch.dtype, device: 
     else:
         cfg = {**WIDTHS[args.width][1], **({"num_layers": args.layers} if args.layers else {})}
         torch.manual_seed(0)
-        model = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), feed_forward_proj="gated-gelu", is_encoder_decoder=False,
-                                            use_cache=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                            **cfg))
+        model = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), feed_forward_proj="gated-gelu",
+                                            is_encoder_decoder=False, use_cache=False, pad_token_id=tok.pad_token_id,
+                                            eos_token_id=tok.eos_token_id, **cfg))
     model = model.eval().requires_grad_(False).to(device, dtype)
 
     def encode(texts: list[str]) -> list[torch.Tensor]:

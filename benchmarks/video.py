@@ -67,7 +67,8 @@ def clip_source(cache: Path, count: int, width: int, height: int, frames: int) -
             stream = container.add_stream("libx264", rate=Fraction(16), options={"crf": "23"})
             stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
             for k in range(frames):
-                rgb = np.stack([127 + 100 * np.sin(x / 17 + k / 5 + phase[0]), 127 + 100 * np.sin(y / 23 - k / 7 + phase[1]),
+                rgb = np.stack([127 + 100 * np.sin(x / 17 + k / 5 + phase[0]),
+                                127 + 100 * np.sin(y / 23 - k / 7 + phase[1]),
                                 127 + 100 * np.sin((x + y) / 31 + phase[2])], axis=-1)
                 side = min(w, h) // 4
                 left, top = (k * 5) % (w - side), (k * 3) % (h - side)
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         width, height, frames = (int(v) for v in args.source.split("x"))
         bucket = parse_bucket(args.bucket)
         twin = Bucket(bucket.height, bucket.width, bucket.frames)
-        model, data = c.tiny_model(cache, "tiny-wan", write_tiny_wan), clip_source(cache, args.clips, width, height, frames)
+        model, data = (c.tiny_model(cache, "tiny-wan", write_tiny_wan),
+                       clip_source(cache, args.clips, width, height, frames))
         out = scratch / "out"
         settings = load_settings(overrides={
             "source": {"type": "directory", "input_dir": str(data)},

@@ -81,7 +81,8 @@ def rejects_question(report: AuditReport, out_dir: str | os.PathLike, advice: st
         *(f"| `{r['source_id']}` | `{r['reason']}` | {r['detail'].replace('|', '/')} |" for r in shown),
     ]
     if report.rejected > len(shown):
-        lines.append(f"\n...and {report.rejected - len(shown)} more in `{out_dir}/{contract.STATE_DIR}/{contract.AUDIT_JSON}`")
+        lines.append(f"\n...and {report.rejected - len(shown)} more in "
+                     f"`{out_dir}/{contract.STATE_DIR}/{contract.AUDIT_JSON}`")
     if advice:
         lines += ["", advice]
     lines += [
@@ -122,7 +123,8 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
             problems.append(f"unit {unit.unit:06d} has no manifest (not encoded): re-run the encode")
             continue
         if manifest.fingerprint != plan.fingerprint:
-            problems.append(f"unit {unit.unit:06d} was written with other settings (fingerprint {manifest.fingerprint})")
+            problems.append(f"unit {unit.unit:06d} was written with other settings "
+                            f"(fingerprint {manifest.fingerprint})")
             continue
         accounted = list(manifest.source_ids) + [r.source_id for r in manifest.rejects]
         if sorted(accounted) != sorted(unit.source_ids):

@@ -60,8 +60,12 @@ class SourceConfig(_Section):
     hf_data_files: str | list[str] | None = Field(None, description="huggingface: data files within the dataset.")
     hf_revision: str | None = Field(None, description="huggingface: dataset revision (branch, tag or commit).")
     hf_streaming: bool = Field(False, description="huggingface: stream rows instead of preparing the dataset locally.")
-    image_key: str | None = Field(None, description="Column (or dotted path) holding the image; auto-detected when unset.")
-    caption_key: str | None = Field(None, description="Column (or dotted path, e.g. json.prompt) holding the caption; auto-detected when unset.")
+    image_key: str | None = Field(
+        None, description="Column (or dotted path) holding the image; auto-detected when unset."
+    )
+    caption_key: str | None = Field(
+        None, description="Column (or dotted path, e.g. json.prompt) holding the caption; auto-detected when unset."
+    )
     # Video sources: a metadata file (the LTX trainer's dataset.json convention) and the clip's column or member.
     metadata_file: str | None = Field(
         None, description="metadata: a JSON list, JSONL or CSV file (local or s3://) with a caption column and a "
@@ -200,8 +204,12 @@ class ModelConfig(_Section):
     )
     revision: str | None = Field(None, description="Hub revision of model_path (branch, tag or commit).")
     vae_path: str | None = Field(None, description="Override for the VAE (a folder holding the AutoencoderKL).")
-    t5_path: str | None = Field(None, description="Override for T5 (a folder with text_encoder_2/ and tokenizer_2/, or the model itself).")
-    clip_path: str | None = Field(None, description="Override for CLIP (a folder with text_encoder/ and tokenizer/, or the model itself).")
+    t5_path: str | None = Field(
+        None, description="Override for T5 (a folder with text_encoder_2/ and tokenizer_2/, or the model itself)."
+    )
+    clip_path: str | None = Field(
+        None, description="Override for CLIP (a folder with text_encoder/ and tokenizer/, or the model itself)."
+    )
     precision: Precision = Field("bf16", description="Encoder and stored tensor precision.")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
     batch_size: int = Field(8, ge=1, le=4096, description="Samples per encoder batch.")
@@ -233,7 +241,9 @@ class ImageConfig(_Section):
     center_crop: bool = Field(
         True, description="Fixed size: resize the short side then crop the center. Off: stretch to a square."
     )
-    variable_size: bool = Field(False, description="Keep the aspect ratio: longest side to max_size, sides multiples of 16.")
+    variable_size: bool = Field(
+        False, description="Keep the aspect ratio: longest side to max_size, sides multiples of 16."
+    )
     max_size: int = Field(1024, ge=16, le=8192, description="Longest side in variable-size mode.")
     max_pixels: int = Field(
         89_478_485, ge=1, description="Decompression-bomb limit: images with more pixels are rejected."
@@ -304,7 +314,9 @@ class RawConfig(_Section):
 
 class FinalizeConfig(_Section):
     enabled: bool = Field(True, description="Finalize (Energon metadata + validation) after encoding.")
-    train_split: float = Field(1.0, gt=0.0, le=1.0, description="Share of shards for train; the rest is split evenly into val and test.")
+    train_split: float = Field(
+        1.0, gt=0.0, le=1.0, description="Share of shards for train; the rest is split evenly into val and test."
+    )
     shuffle_seed: int = Field(42, description="Seed for assigning new shards to splits.")
     workers: int = Field(2, ge=1, le=256, description="Processes for Energon prepare.")
     on_split_change: OnSplitChange | None = Field(
@@ -398,7 +410,8 @@ class Settings(BaseSettings):
     workers: WorkersConfig = WorkersConfig()
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
         return (init_settings, env_settings, _YamlSource(settings_cls, _YAML_DATA.get()))
 
 
@@ -427,7 +440,8 @@ class EncodeParameters(_RunParameters):
     """The parameters of the encode-dataset flow."""
 
     encoder_spec: str | None = Field(
-        None, description="Name of a saved diffprep encoder-spec block; its settings apply under the model fields given here."
+        None, description="Name of a saved diffprep encoder-spec block; its settings apply under the model fields "
+        "given here."
     )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Encoders, precision, batch size.")
     video: VideoConfig = Field(default_factory=VideoConfig, description="Video families: buckets, frame rate.")
@@ -471,7 +485,8 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def load_settings(config: str | os.PathLike | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Settings:
+def load_settings(config: str | os.PathLike | None = None,
+                  overrides: dict[str, dict[str, Any]] | None = None) -> Settings:
     """Build the settings: ``overrides`` (explicit, per section) > env > YAML file > defaults."""
     yaml_data = read_yaml(config) if config else {}
     overrides = overrides or {}
@@ -480,7 +495,8 @@ def load_settings(config: str | os.PathLike | None = None, overrides: dict[str, 
             raise ConfigError(f"unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
         for key in values:
             if key not in SECTIONS[section].model_fields:
-                raise ConfigError(f"unknown setting {section}.{key}; valid: {', '.join(SECTIONS[section].model_fields)}")
+                raise ConfigError(f"unknown setting {section}.{key}; "
+                                  f"valid: {', '.join(SECTIONS[section].model_fields)}")
     token = _YAML_DATA.set(yaml_data)
     try:
         return Settings(**overrides)

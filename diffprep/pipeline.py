@@ -248,7 +248,7 @@ def with_smaller_batches_on_oom(attempt: Callable[[int], T], batch_size: int, *,
         batch_size = smaller
 
 
-# --- how a run reports and runs its steps ------------------------------------------------------------------------------
+# --- how a run reports and runs its steps -----------------------------------------------------------------------------
 
 
 class Progress:
@@ -386,7 +386,7 @@ def follow_rank(settings: Settings, encoding: str, group: Group, token: str | No
     return {"rank": rank, "units": units, "out_dir": output.uri}
 
 
-# --- the whole run -----------------------------------------------------------------------------------------------------
+# --- the whole run ----------------------------------------------------------------------------------------------------
 
 
 @dataclass

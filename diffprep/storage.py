@@ -16,7 +16,8 @@ Failures are sorted by what helps:
 - a missing bucket, refused credentials or a bucket policy that denies us
   (``NoSuchBucket``, ``AccessDenied``, 403...): ``SourceError`` at once, naming
   the bucket and the operation; no retry can help;
-- a missing object: ``FileNotFoundError``; a failed condition: ``ObjectChangedError``; any other refusal for one object: ``OSError``.
+- a missing object: ``FileNotFoundError``; a failed condition:
+  ``ObjectChangedError``; any other refusal for one object: ``OSError``.
 """
 
 from __future__ import annotations

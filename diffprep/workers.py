@@ -22,7 +22,8 @@ _claim_fd: int | None = None
 
 
 def parse_devices(spec: str) -> list[str]:
-    """``'0,1'`` -> cuda:0, cuda:1; ``'auto'`` -> every visible GPU (else one CPU worker); ``'cpu:N'`` -> N CPU workers."""
+    """``'0,1'`` -> cuda:0, cuda:1; ``'auto'`` -> every visible GPU (else one CPU worker);
+    ``'cpu:N'`` -> N CPU workers."""
     spec = spec.strip()
     if spec == "auto":
         import torch

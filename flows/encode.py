@@ -70,8 +70,8 @@ def encode_dataset(parameters: EncodeParameters | None = None) -> dict:
 TASK_STEPS = Steps(
     plan=lambda settings, output, encoding: fetch_task(settings, ref_of(output), encoding),
     verify=lambda output, plan: verify_existing_task(ref_of(output), plan),
-    prepare=lambda output, decision, inspection, plan, workers: prepare_output_task(ref_of(output), decision, inspection,
-                                                                                   plan, workers),
+    prepare=lambda output, decision, inspection, plan, workers: prepare_output_task(ref_of(output), decision,
+                                                                                   inspection, plan, workers),
     sanity=lambda settings, output, plan, units: sanity_task(settings, ref_of(output), plan, units),
     units=run_units,
     audit=lambda output, plan: audit_task(ref_of(output), plan),

@@ -80,7 +80,8 @@ class BackgroundRun:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self._thread.is_alive():
-                raise AssertionError(f"the run ended without asking {key!r}: result {self.result}, error {self.error!r}")
+                raise AssertionError(f"the run ended without asking {key!r}: "
+                                     f"result {self.result}, error {self.error!r}")
             run = self.flow_run()
             if run is not None and run.state is not None and run.state.is_paused():
                 details = run.state.state_details

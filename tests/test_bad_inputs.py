@@ -101,8 +101,8 @@ def run_pipeline(settings: Settings, encoders: FluxEncoders) -> Run:
     write_plan(out, plan)
     spec = ImageSpec.from_config(settings.image)
     for unit in plan.units:
-        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, spec, batch_size=settings.model.batch_size,
-                    decode_workers=1)
+        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, spec,
+                    batch_size=settings.model.batch_size, decode_workers=1)
     report = audit(out, plan)
 
     rejects: dict[str, tuple[str, str, str]] = {}

@@ -47,7 +47,8 @@ def _snapshot(out: Path) -> dict[str, str]:
 
 
 def _leftovers(out: Path) -> list[str]:
-    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name.endswith(".tmp") or p.name.startswith("lock"))
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                  if p.name.endswith(".tmp") or p.name.startswith("lock"))
 
 
 def _env() -> dict[str, str]:

@@ -80,7 +80,8 @@ def dataset(tmp_path_factory, tiny_model: Path) -> Dataset:
     write_plan(out, plan)
     encoders = FluxEncoders.load(settings.model)
     for unit in plan.units:
-        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, ImageSpec.from_config(settings.image), batch_size=4)
+        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, ImageSpec.from_config(settings.image),
+                    batch_size=4)
     audit(out, plan)
     finalize(out, encoding=contract.ENCODING_PREENCODED, train_split=0.5)
     return Dataset(out, data, settings, plan, source, encoders)

@@ -9,9 +9,10 @@ recorded per kernel family, and a run must equal one of them.
 
 Some files hold the run's own paths, and the fingerprint computed from them,
 or the random id Energon gives an index (``index.uuid``): those are compared
-after replacing them with placeholders, ``index.sqlite`` by its SQL dump. Files that record the run itself (timings, free disk
-space) are left out and listed in ``VOLATILE``. To record new values after a
-deliberate format change: ``RECORD_GOLDEN_OUTPUTS=1 pytest tests/test_golden.py``.
+after replacing them with placeholders, ``index.sqlite`` by its SQL dump.
+Files that record the run itself (timings, free disk space) are left out and
+listed in ``VOLATILE``. To record new values after a deliberate format
+change: ``RECORD_GOLDEN_OUTPUTS=1 pytest tests/test_golden.py``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def normalized_digests(files: dict[str, bytes], replace: dict[str, str]) -> dict
 
 
 def sqlite_dump(data: bytes) -> bytes:
-    """A database's content as SQL text (its file bytes and row order vary with the prepare workers, its rows do not)."""
+    """A database's content as SQL text (its file bytes and row order vary with the prepare
+    workers, its rows do not)."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "index.sqlite"
         path.write_bytes(data)

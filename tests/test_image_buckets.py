@@ -22,13 +22,15 @@ def test_auto_buckets_cover_1_to_4_through_4_to_1_at_one_area():
     assert len(buckets) == 41 and len(set(buckets)) == 41
     assert all(b.width % 16 == 0 and b.height % 16 == 0 and b.frames == 1 for b in buckets)
     assert all(abs(b.width * b.height / 1024**2 - 1) < 0.04 for b in buckets)
-    assert (buckets[0].width, buckets[0].height) == (512, 2048) and (buckets[-1].width, buckets[-1].height) == (2048, 512)
+    assert ((buckets[0].width, buckets[0].height) == (512, 2048)
+            and (buckets[-1].width, buckets[-1].height) == (2048, 512))
     assert [b.aspect for b in buckets] == sorted(b.aspect for b in buckets)
     assert any((b.width, b.height) == (1024, 1024) for b in buckets)
 
 
 def test_explicit_buckets_are_checked_naming_the_entry():
-    assert [(b.width, b.height) for b in parse_image_buckets("1024x1024, 1152x896", 1024)] == [(1024, 1024), (1152, 896)]
+    assert ([(b.width, b.height) for b in parse_image_buckets("1024x1024, 1152x896", 1024)]
+            == [(1024, 1024), (1152, 896)])
     with pytest.raises(ConfigError, match="1000x1024.*multiple of 16; nearest: 992 or 1008"):
         parse_image_buckets("1000x1024", 1024)
     with pytest.raises(ConfigError, match="listed twice"):

@@ -35,7 +35,8 @@ def _executed_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     typing_only: set[int] = set()
     for node in ast.walk(tree):
         test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-        if test is not None and (getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING"):
+        if test is not None and (getattr(test, "id", None) == "TYPE_CHECKING"
+                                 or getattr(test, "attr", None) == "TYPE_CHECKING"):
             typing_only.update(id(inner) for statement in node.body for inner in ast.walk(statement))
     return [node for node in ast.walk(tree)
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only]
@@ -119,7 +120,8 @@ def test_every_package_is_installed_under_diffprep() -> None:
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
     packages = {module_name(path.parent) for package in PACKAGES for path in (ROOT / package).rglob("__init__.py")}
     assert sorted(packages) == sorted(setuptools["packages"])
-    assert {name for name in packages if name.count(".") == 1 and not (ROOT / "diffprep" / name.split(".")[1]).is_dir()} \
+    assert {name for name in packages
+            if name.count(".") == 1 and not (ROOT / "diffprep" / name.split(".")[1]).is_dir()} \
         == {"diffprep.flows", "diffprep.tasks", "diffprep.blocks"}
 
 

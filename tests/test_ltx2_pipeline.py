@@ -50,7 +50,8 @@ def settings_for(out: Path, listing: Path, model_path: Path, **sections):
     overrides = {
         "source": {"type": "metadata", "metadata_file": str(listing)},
         "output": {"output_dir": str(out), "shard_size": 2, "on_existing": "resume"},
-        "model": {"model_path": str(model_path), "precision": "fp32", "device": "cpu", "batch_size": 2, "min_psnr": 0.0},
+        "model": {"model_path": str(model_path), "precision": "fp32", "device": "cpu", "batch_size": 2,
+                  "min_psnr": 0.0},
         "video": {"resolution_buckets": BUCKET},
         "finalize": {"train_split": 1.0},
     }
@@ -358,7 +359,8 @@ def test_ic_lora_references_skip_audio_and_decode_in_the_ltx_layout(tiny_ltx2, t
 
     report = decode_dataset(root, 2, to_dir=tmp_path / "decoded", device="cpu")
     assert [p.source_id for p in report.previews] == ["a.mp4", "b.mp4"]
-    assert all(p.psnr_db is not None and p.psnr_db > 5 for p in report.previews), [(p.psnr_db, p.note) for p in report.previews]
+    assert all(p.psnr_db is not None and p.psnr_db > 5 for p in report.previews), [
+        (p.psnr_db, p.note) for p in report.previews]
     import av
 
     with av.open(str(tmp_path / "decoded" / f"{report.previews[0].key}.mp4")) as clip:

@@ -391,7 +391,8 @@ def test_one_run_at_a_time_per_prefix(admin, proxy, monkeypatch) -> None:
     # Another machine (its own staging folder): refused while the holder's heartbeat keeps the lease fresh.
     monkeypatch.setenv("DIFFPREP_STAGING_DIR", os.environ["DIFFPREP_STAGING_DIR"] + "-other")
     time.sleep(2.5)
-    with pytest.raises(LockedError, match=r"being written by another run \(host .*, pid \d+, user .*, flow run run-one\)"):
+    with pytest.raises(LockedError,
+                       match=r"being written by another run \(host .*, pid \d+, user .*, flow run run-one\)"):
         S3Lock(S3Output(url, endpoint_url=proxy.url), run="run-two").acquire()
     with pytest.raises(LockedError, match="a plain run"):
         S3Lock(S3Output(url, endpoint_url=proxy.url), run="shard", shard=1).acquire()

@@ -276,7 +276,8 @@ def test_planted_token_never_reaches_files_logs_or_output(
     sanity_check(out, plan, encoders, source, spec, batch_size=settings.model.batch_size)
     write_empty_prompt(out, encoders)
     for unit in plan.units:
-        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, spec, batch_size=settings.model.batch_size)
+        encode_unit(out, plan, unit.unit, preencoded_fields(encoders), source, spec,
+                    batch_size=settings.model.batch_size)
     report = audit(out, plan)
     finalize(out, encoding=contract.ENCODING_PREENCODED, train_split=0.5)
     validation = validate_dataset(out)

@@ -216,7 +216,8 @@ def test_hf_class_labels_become_captions(tmp_path: Path) -> None:
     source = hf(str(path), caption_template="a photo of a {label}")
     assert source.caption_key == "label"
     assert [s.caption for s in read_all(source).values()] == [
-        "a photo of a great white shark", "a photo of a tench", "a photo of a goldfish", "a photo of a great white shark"]
+        "a photo of a great white shark", "a photo of a tench", "a photo of a goldfish",
+        "a photo of a great white shark"]
     assert [s.caption for s in read_all(hf(str(path))).values()][:2] == ["great white shark", "tench"]
 
     # An integer column takes its names from a file; a label past the names is a named reject.

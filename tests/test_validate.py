@@ -215,7 +215,8 @@ def test_raw_dataset(tmp_path: Path) -> None:
     assert not (out / contract.STATE_DIR / contract.LATENT_STATS).exists()
 
     # A raw plan names the fields each sample must have.
-    (out / contract.STATE_DIR / contract.PLAN_JSON).write_text(json.dumps({"expected": {"fields": ["png", "txt", "json"]}}))
+    (out / contract.STATE_DIR / contract.PLAN_JSON).write_text(
+        json.dumps({"expected": {"fields": ["png", "txt", "json"]}}))
     detail = failed(validate_dataset(out))["fields"]
     assert "000000.tar sample 000000_000000: missing ['json'] (required by the plan)" in detail
 

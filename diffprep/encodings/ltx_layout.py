@@ -186,11 +186,13 @@ def load_record(path: Path) -> Any:
 def record_problem(kind: str, record: Any, plan: Plan) -> str | None:
     """What is wrong with a record of folder ``kind`` against A1 and the plan (None: nothing)."""
     expected, dtypes = plan.expected, plan.expected.get("dtypes", {})
-    keys = {contract.LATENTS_DIR: contract.VIDEO_RECORD_KEYS, contract.REFERENCE_LATENTS_DIR: contract.VIDEO_RECORD_KEYS,
+    keys = {contract.LATENTS_DIR: contract.VIDEO_RECORD_KEYS,
+            contract.REFERENCE_LATENTS_DIR: contract.VIDEO_RECORD_KEYS,
             contract.AUDIO_LATENTS_DIR: contract.AUDIO_RECORD_KEYS,
             contract.CONDITIONS_DIR: contract.CONDITIONS_RECORD_KEYS}[kind]
     if not isinstance(record, dict) or sorted(record) != sorted(keys):
-        return f"holds {sorted(record) if isinstance(record, dict) else type(record).__name__}, expected keys {list(keys)}"
+        return (f"holds {sorted(record) if isinstance(record, dict) else type(record).__name__}, "
+                f"expected keys {list(keys)}")
     tensors = {contract.LATENTS_DIR: {"latents": "latents"},
                contract.REFERENCE_LATENTS_DIR: {"latents": "reference_latents"},
                contract.AUDIO_LATENTS_DIR: {"latents": "audio_latents"},

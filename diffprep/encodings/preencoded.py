@@ -129,7 +129,8 @@ def write_empty_prompt(output: Output | str, encoders) -> None:
         "pooled_prompt_embeds": text.pooled_prompt_embeds[0].clone(),
     }
     output.state.write_bytes(contract.EMPTY_PROMPT, torch_bytes(payload))
-    for name, tensor in ((contract.T5_EMPTY, text.prompt_embeds[:1]), (contract.CLIP_EMPTY, text.pooled_prompt_embeds[:1])):
+    for name, tensor in ((contract.T5_EMPTY, text.prompt_embeds[:1]),
+                         (contract.CLIP_EMPTY, text.pooled_prompt_embeds[:1])):
         output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/{name}", npy_bytes(tensor))
 
 

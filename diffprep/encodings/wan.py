@@ -136,7 +136,8 @@ class Wan(clips.ClipEncoding):
             latents = loaded.encode_video(batch.pixels, batch.keys)
             text = loaded.encode_text(batch.captions)
             return encoded_samples(batch, latents, text.truncated, notes, "clip",
-                                   lambda i: {contract.LATENTS: latents[i], contract.PROMPT_EMBEDS: text.prompt_embeds[i]})
+                                   lambda i: {contract.LATENTS: latents[i],
+                                              contract.PROMPT_EMBEDS: text.prompt_embeds[i]})
 
         return fields
 

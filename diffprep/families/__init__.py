@@ -1,4 +1,5 @@
-"""Model families, detected from what a model folder holds: ``model_index.json``'s ``_class_name``, or an LTX-2 checkpoint.
+"""Model families, detected from what a model folder holds: ``model_index.json``'s ``_class_name``, or an LTX-2
+checkpoint.
 
 A family module declares its hub layout and components, loads and runs its
 encoders, names its sample fields and their shapes, and writes its tiny
@@ -21,8 +22,8 @@ from typing import Any
 
 from diffprep.errors import ConfigError
 
-__all__ = ["FAMILIES", "Family", "detect_family", "family_for_class", "family_of_model", "get_family", "ltx2_checkpoint",
-           "safetensors_config"]
+__all__ = ["FAMILIES", "Family", "detect_family", "family_for_class", "family_of_model", "get_family",
+           "ltx2_checkpoint", "safetensors_config"]
 
 MODEL_INDEX = "model_index.json"
 

@@ -291,7 +291,8 @@ class FluxEncoders:
             prompt_embeds = prompt_embeds[:n].to(device="cpu", dtype=self.dtype)
             pooled_prompt_embeds = pooled_prompt_embeds[:n].to(device="cpu", dtype=self.dtype)
             # Cloned: a row of its own, not a view keeping the whole batch alive in the cache.
-            rows += [(prompt_embeds[i].clone(), pooled_prompt_embeds[i].clone(), truncated[start + i]) for i in range(n)]
+            rows += [(prompt_embeds[i].clone(), pooled_prompt_embeds[i].clone(), truncated[start + i])
+                     for i in range(n)]
         return rows
 
     def _t5_input_ids(self, prompts: list[str]) -> tuple[torch.Tensor, list[bool]]:

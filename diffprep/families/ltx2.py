@@ -130,7 +130,8 @@ def resolve_ltx2(model_path: str | Path, text_encoder_path: str | Path | None = 
     folder = Path(model_path).expanduser()
     found = [p.parent for p in sorted(folder.glob("*/config.json")) if folder.is_dir() and _is_gemma3(p)]
     if len(found) != 1:
-        what = "no Gemma 3 folder" if not found else f"{len(found)} Gemma 3 folders ({', '.join(p.name for p in found)})"
+        what = ("no Gemma 3 folder" if not found
+                else f"{len(found)} Gemma 3 folders ({', '.join(p.name for p in found)})")
         raise ConfigError(f"{folder} holds {what} beside the checkpoint; pass the Gemma 3 text encoder folder "
                           "with --text-encoder-path")
     return Ltx2Parts(checkpoint, found[0])

@@ -143,8 +143,8 @@ class S3Output(Output):
             head = self._head(contract.unit_manifest_path(manifest.unit))
             recorded_etag = (head or {}).get("Metadata", {}).get(SHARD_ETAG_METADATA)
         shard = self._head(manifest.shard)
-        return (shard is not None and recorded_etag is not None and int(shard.get("ContentLength", -1)) == manifest.bytes
-                and etag_of(shard) == recorded_etag)
+        return (shard is not None and recorded_etag is not None
+                and int(shard.get("ContentLength", -1)) == manifest.bytes and etag_of(shard) == recorded_etag)
 
     def _check_shards(self, manifests: list[UnitManifest]) -> list[bool]:
         # A bucket answers each check in a round trip or two: many at once.
@@ -207,7 +207,8 @@ class S3Output(Output):
                   if name in {f"{contract.STATE_DIR}/{n}" for n in _PULLED_STATE}
                   or name.startswith(f"{contract.NV_META}/") and name.count("/") == 1]
         # Staged copies the bucket no longer holds go first: the bucket is the truth.
-        stale = [state / n for n in _PULLED_STATE] + ([p for p in meta.iterdir() if p.is_file()] if meta.is_dir() else [])
+        stale = ([state / n for n in _PULLED_STATE]
+                 + ([p for p in meta.iterdir() if p.is_file()] if meta.is_dir() else []))
         self._pull(objects, wanted, stale)
 
     def sync_manifests(self) -> None:
@@ -227,7 +228,8 @@ class S3Output(Output):
         for name in wanted:
             target = self.local / name
             # A single-part object's ETag is its MD5: a staged copy with the same one is already up to date.
-            if target.is_file() and hashlib.md5(target.read_bytes(), usedforsecurity=False).hexdigest() == objects[name].etag:
+            if (target.is_file()
+                    and hashlib.md5(target.read_bytes(), usedforsecurity=False).hexdigest() == objects[name].etag):
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             data = read_object(self.client, self.url_of(name))

@@ -57,7 +57,8 @@ def check_splits(ds: Dataset) -> tuple[list[Check], dict[str, Any]]:
     moved = {n: (recorded[n], s) for n, s in ds.split_of.items() if n in recorded and recorded[n] != s}
     for name, (was, now) in sorted(moved.items()):
         problems.add(f"{name} is in {now!r} in split.yaml but recorded in {was!r} in "
-                     f"{contract.STATE_DIR}/{contract.SPLITS_JSON}; finalize again (do not run energon prepare by hand)")
+                     f"{contract.STATE_DIR}/{contract.SPLITS_JSON}; finalize again "
+                     "(do not run energon prepare by hand)")
     for manifest in ds.manifests.values():
         if manifest.count and manifest.shard not in ds.info:
             problems.add(f"{manifest.shard} is committed but not in the dataset; run finalize")

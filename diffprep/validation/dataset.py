@@ -67,7 +67,8 @@ def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
     if dtypes is not None:
         if not (isinstance(dtypes, dict) and all(isinstance(getattr(torch, str(d), None), torch.dtype)
                                                  for d in dtypes.values())):
-            raise ConfigError(f"expected dtypes from {where} must map tensor names to torch dtype names, got {dtypes!r}")
+            raise ConfigError(f"expected dtypes from {where} must map tensor names to torch dtype names, "
+                              f"got {dtypes!r}")
         result["dtypes"] = dict(dtypes)
     buckets = expected.get("buckets")
     if buckets is not None:
@@ -141,7 +142,8 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
         split_of = read_split_yaml(out)
         unknown = sorted(set(split_of.values()) - set(contract.SPLITS))
         if unknown:
-            problems.add(f"{meta / contract.SPLIT_YAML} has splits {unknown}; diffprep writes only {list(contract.SPLITS)}")
+            problems.add(f"{meta / contract.SPLIT_YAML} has splits {unknown}; "
+                         f"diffprep writes only {list(contract.SPLITS)}")
         if "train" not in split_of.values():
             problems.add(f"{meta / contract.SPLIT_YAML} has no train shards")
     except (OSError, yaml.YAMLError, DatasetValidationError) as error:
