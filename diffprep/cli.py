@@ -201,7 +201,9 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
 
 def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: bool) -> dict:
     from diffprep.config import EncodeParameters, RawParameters, load_settings
+    from diffprep.flows.startup import quiet_user_error_tracebacks
 
+    quiet_user_error_tracebacks()
     if raw:
         from diffprep.flows.raw import encode_raw
 

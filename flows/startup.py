@@ -13,6 +13,10 @@ Nothing is loaded ahead when the settings need the Prefect API to be known (a
 Hugging Face credentials block): the warming thread makes no API call. A
 failure while warming is not reported here; the run meets it again in its own
 phase, with its own message.
+
+The terminal's console shows a ``DiffprepError`` (a bad setting, an empty
+source, an output that needs an answer) as its message, without Prefect's
+traceback: the command ends by printing it (``quiet_user_error_tracebacks``).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 
+from prefect.logging.configuration import ensure_logging_setup
+from prefect.logging.handlers import PrefectConsoleHandler
 from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
 from diffprep.config import Settings
+from diffprep.errors import DiffprepError
 
 log = logging.getLogger("diffprep.startup")
 
@@ -51,4 +58,34 @@ def _load_encoders(settings: Settings, kind: str) -> None:
         log.debug("encoders not loaded ahead (%s: %s); the run loads them itself", type(error).__name__, error)
 
 
-__all__ = ["warm_start"]
+
+class _UserErrorsWithoutTraceback(logging.Formatter):
+    """The terminal's Prefect log lines, less the traceback of a ``DiffprepError``: its message already says
+    what to do, and the command ends by printing it. Other exceptions keep theirs, and so does the run's log
+    on the server."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (record.exc_info and isinstance(record.exc_info[1], DiffprepError)):
+            return self.inner.format(record)
+        kept = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = kept
+
+
+def quiet_user_error_tracebacks() -> None:
+    """This terminal's Prefect console handler formats through ``_UserErrorsWithoutTraceback``."""
+    ensure_logging_setup()
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter,
+                                                                           _UserErrorsWithoutTraceback):
+            handler.setFormatter(_UserErrorsWithoutTraceback(handler.formatter))
+
+
+__all__ = ["quiet_user_error_tracebacks", "warm_start"]

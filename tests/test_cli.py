@@ -189,3 +189,23 @@ def test_bad_settings_fail_before_prefect(tmp_path, capsys):
     assert "batchsize" in err and "model" in err
     assert main(["encode", "--source-type", "directory", "--output-dir", str(tmp_path), "--compress"]) == 2
     assert "input_dir" in capsys.readouterr().err
+
+
+def test_a_user_error_in_a_run_prints_its_message_without_a_traceback(prefect_server, tiny_model, tmp_path):
+    # What a new user meets first: the folders made, nothing in them yet. The command runs the flow on the
+    # session's server; the error's message says what to do, so the terminal shows no traceback for it.
+    from prefect.settings import PREFECT_API_URL
+
+    for sub in ("images", "captions"):
+        (tmp_path / "src" / sub).mkdir(parents=True)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    run = subprocess.run(
+        [sys.executable, "-m", "diffprep", "encode", "--input-dir", str(tmp_path / "src"), "--model-path",
+         str(tiny_model), "--output-dir", str(tmp_path / "out"), "--image-size", "32", "--min-psnr", "0"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2, run.stderr
+    message = f"source.input_dir {tmp_path / 'src'} holds no media file and no caption"
+    assert f"diffprep: error: {message}" in run.stderr
+    assert "Encountered exception during execution: SourceError" in run.stderr  # Prefect's own line stays
+    assert "Traceback" not in run.stderr and "raise SourceError" not in run.stderr
+    assert not (tmp_path / "out").exists()
