@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tarfile
 import threading
 import time
 import uuid
@@ -40,6 +41,17 @@ def parameters(data: Path, model: Path, out: Path, **sections: dict[str, Any]) -
     for section, values in sections.items():
         given.setdefault(section, {}).update(values)
     return EncodeParameters(**given)
+
+
+def shard_samples(out: Path) -> dict[str, dict[str, bytes]]:
+    """Every sample in the shards of ``out``: key -> field -> the member's bytes."""
+    samples: dict[str, dict[str, bytes]] = {}
+    for tar in sorted(out.glob("*.tar")):
+        with tarfile.open(tar) as archive:
+            for member in archive.getmembers():
+                key, field = member.name.split(".", 1)
+                samples.setdefault(key, {})[field] = archive.extractfile(member).read()
+    return samples
 
 
 def tree(path: Path) -> dict[str, str]:

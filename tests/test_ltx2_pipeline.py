@@ -5,7 +5,6 @@ gate, and decoding back to clips."""
 from __future__ import annotations
 
 import json
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from diffprep.errors import ConfigError
 from diffprep.families import family_of_model
 from diffprep.pipeline import run
 from diffprep.shards import load_tensor
+from flow_runs import shard_samples
 
 BUCKET = "64x64x9"
 FPS = 24
@@ -82,16 +82,6 @@ def rejects_question(settings):
     [question] = asked
     assert question.key == "rejected-samples"
     return question
-
-
-def shard_samples(out: Path) -> dict[str, dict[str, bytes]]:
-    samples: dict[str, dict[str, bytes]] = {}
-    for tar in sorted(out.glob("*.tar")):
-        with tarfile.open(tar) as archive:
-            for member in archive.getmembers():
-                key, field = member.name.split(".", 1)
-                samples.setdefault(key, {})[field] = archive.extractfile(member).read()
-    return samples
 
 
 def test_family_detection_reads_the_checkpoint_not_its_name(tiny_ltx2, tmp_path):

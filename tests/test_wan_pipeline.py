@@ -26,6 +26,7 @@ from diffprep.media.video import prepare_clip
 from diffprep.pipeline import run
 from diffprep.plan import Plan, UnitPlan, plan_units, read_plan
 from diffprep.shards import load_tensor
+from flow_runs import shard_samples
 
 BUCKETS = "32x24x5;24x32x5;24x24x5"
 
@@ -44,16 +45,6 @@ def _settings(out: Path, data: Path, model: Path, **video):
         "video": {"resolution_buckets": BUCKETS, **video},
         "finalize": {"train_split": 1.0},
     })
-
-
-def _samples(out: Path) -> dict[str, dict[str, bytes]]:
-    samples: dict[str, dict[str, bytes]] = {}
-    for tar in sorted(out.glob("*.tar")):
-        with tarfile.open(tar) as archive:
-            for member in archive.getmembers():
-                key, field = member.name.split(".", 1)
-                samples.setdefault(key, {})[field] = archive.extractfile(member).read()
-    return samples
 
 
 def test_units_hold_one_bucket_each_and_appends_keep_old_units():
@@ -111,7 +102,7 @@ def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan
     shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
     inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(shape)
-    stored = _samples(out)
+    stored = shard_samples(out)
     batches: dict[tuple[str, int], list[str]] = {}
     for key in sorted(stored):
         unit, index = key.split("_")
@@ -194,7 +185,7 @@ def test_too_short_clips_are_asked_about_with_the_exact_bucket_flag_then_accepte
     assert "a clip of 3 frames" in rejected["detail"] and audit["by_reason"] == {"too_few_frames": 1}
     info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text())
     assert sum(info["shard_counts"].values()) == 5
-    assert "00004.mp4" not in {json.loads(s["meta.json"])["source_id"] for s in _samples(out).values()}
+    assert "00004.mp4" not in {json.loads(s["meta.json"])["source_id"] for s in shard_samples(out).values()}
 
 
 def test_a_metadata_file_with_paths_relative_to_it(tiny_wan, clips, tmp_path):
@@ -206,7 +197,7 @@ def test_a_metadata_file_with_paths_relative_to_it(tiny_wan, clips, tmp_path):
     settings.source.type, settings.source.input_dir, settings.source.metadata_file = "metadata", None, str(listing)
     result = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
     assert result.samples == 1 and result.rejects_by_reason == {"media_not_found": 1}
-    [sample] = _samples(tmp_path / "out").values()
+    [sample] = shard_samples(tmp_path / "out").values()
     assert json.loads(sample["meta.json"])["bucket"] == [24, 32, 5]
 
 

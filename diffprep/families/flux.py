@@ -296,47 +296,26 @@ class FluxEncoders:
         return rows
 
     def _t5_input_ids(self, prompts: list[str]) -> tuple[torch.Tensor, list[bool]]:
-        text_inputs = self.t5_tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.t5_max_length,
-            truncation=True,
-            return_length=False,
-            return_overflowing_tokens=False,
-            return_tensors="pt",
-        )
-        truncated, removed_text = truncation(self.t5_tokenizer, prompts, self.t5_max_length)
-        if removed_text:
-            logger.warning(
-                "T5: %d of %d captions were truncated because t5_max_length is %d tokens; removed text: %s",
-                len(removed_text),
-                len(prompts),
-                self.t5_max_length,
-                removed_text,
-            )
-        return text_inputs.input_ids, truncated
+        return _input_ids(self.t5_tokenizer, prompts, self.t5_max_length, logging.WARNING,
+                          "T5: %d of %d captions were truncated because t5_max_length is %d tokens; removed text: %s")
 
     def _clip_input_ids(self, prompts: list[str]) -> torch.Tensor:
-        text_inputs = self.clip_tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.clip_max_length,
-            truncation=True,
-            return_overflowing_tokens=False,
-            return_length=False,
-            return_tensors="pt",
-        )
-        _, removed_text = truncation(self.clip_tokenizer, prompts, self.clip_max_length)
-        if removed_text:
-            # Info, not warning: Flux reads long captions through T5; CLIP's 77 tokens cut them by design.
-            logger.info(
-                "CLIP: %d of %d captions were truncated because CLIP reads at most %d tokens; removed text: %s",
-                len(removed_text),
-                len(prompts),
-                self.clip_max_length,
-                removed_text,
-            )
-        return text_inputs.input_ids
+        # Info, not warning: Flux reads long captions through T5; CLIP's 77 tokens cut them by design.
+        return _input_ids(self.clip_tokenizer, prompts, self.clip_max_length, logging.INFO,
+                          "CLIP: %d of %d captions were truncated because CLIP reads at most %d tokens; "
+                          "removed text: %s")[0]
+
+
+def _input_ids(tokenizer: Any, prompts: list[str], max_length: int, level: int,
+               message: str) -> tuple[torch.Tensor, list[bool]]:
+    """``prompts`` as FluxPipeline tokenizes them (padded to ``max_length``), and which were truncated: logged at
+    ``level`` with ``message`` (the count, the total, ``max_length`` and the removed text)."""
+    input_ids = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True,
+                          return_length=False, return_overflowing_tokens=False, return_tensors="pt").input_ids
+    truncated, removed_text = truncation(tokenizer, prompts, max_length)
+    if removed_text:
+        logger.log(level, message, len(removed_text), len(prompts), max_length, removed_text)
+    return input_ids, truncated
 
 
 def _vae_normalization(config: Mapping[str, Any]) -> tuple[float, float]:
