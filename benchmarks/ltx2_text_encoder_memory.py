@@ -2,7 +2,7 @@
 
 A random-weight Gemma 3 at the real 12B width (hidden 3840, MLP 15360, 16/8
 heads of 256) but only ``--layers`` text layers and a 32k vocabulary is written
-once, then loaded in a fresh process each way through ``ltx2.load_gemma`` and
+once, then loaded in a fresh process each way through ``ltx2_gemma.load_gemma`` and
 one caption encoded. Printed per mode: the process's peak RSS, its RSS after
 the encode (all of it, then after malloc_trim split into anonymous memory and
 mapped file pages), the model's
@@ -65,10 +65,10 @@ def write_model(folder: Path, layers: int) -> None:
 def measure(folder: Path, mode: str) -> dict:
     import torch
 
-    from diffprep.families import ltx2
+    from diffprep.families import ltx2_gemma
 
     start = time.perf_counter()
-    encoder = ltx2.load_gemma(folder, device=torch.device("cpu"), load_in_8bit=(mode == "int8"))
+    encoder = ltx2_gemma.load_gemma(folder, device=torch.device("cpu"), load_in_8bit=(mode == "int8"))
     loaded = time.perf_counter()
     with torch.no_grad():
         states, mask = encoder.encode("a cat walking on the road at night")

@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 from diffprep.demo import write_av_clip
 from diffprep.errors import ConfigError
-from diffprep.families import ltx2
+from diffprep.families import ltx2, ltx2_gemma
 from diffprep.families import ltx2_precomputed as precomputed
 from diffprep.families.ltx2_tiny import TINY_CHECKPOINT_NAME, TINY_GEMMA_FOLDER, write_tiny_ltx2
 from diffprep.media import audio as clip_audio
@@ -189,7 +189,7 @@ def test_feature_extractor_for_gemma_12b_is_ltx_cores(transformer_config):
     text = GEMMA3_CONFIG_FOR_LTX.text_config
     with torch.device("meta"):
         theirs = EmbeddingsProcessorConfigurator.from_config({"transformer": transformer_config}).feature_extractor
-        ours = ltx2.build_feature_extractor(transformer_config, text.hidden_size, text.num_hidden_layers)
+        ours = ltx2_gemma.build_feature_extractor(transformer_config, text.hidden_size, text.num_hidden_layers)
     assert type(ours) is type(theirs)
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
 

@@ -400,7 +400,7 @@ def encode_batch(loaded: Any, batch: Batch, trigger: str | None, notes: Counter
 
 def _text_width(gemma, checkpoint) -> dict[str, int]:
     """Sequence length and feature widths of the conditions, from the Gemma config and the checkpoint's projection."""
-    from diffprep.families.ltx2 import TEXT_MAX_LENGTH
+    from diffprep.families.ltx2_gemma import TEXT_MAX_LENGTH
     from safetensors import safe_open
 
     config = json.loads((gemma / "config.json").read_text(encoding="utf-8"))
