@@ -49,7 +49,10 @@ def run(scenario: str, ranks: launch.Ranks) -> int:
         if ranks.rank == 1 and scenario == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         started = time.perf_counter()
-        time.sleep(2.0 if scenario == "raise" else 0.3)
+        if scenario == "raise":  # rank 0's unit lasts until rank 1's failure is posted (at most 60 s)
+            while not group._stop_posted() and time.perf_counter() - started < 60:
+                time.sleep(0.05)
+        time.sleep(0.3)
         say(f"unit {unit}")
         return {"unit": unit, "count": 4, "rejected": 0, "seconds": round(time.perf_counter() - started, 3)}
 

@@ -116,7 +116,8 @@ def test_the_ranks_stop_together_naming_the_rank_that_failed() -> None:
             lines.setdefault(scenario, []).append(text)
     zero, one = said
 
-    # A rank that raises: every rank names it and its error; rank 0 stops after its current unit (2 s each).
+    # A rank that raises: every rank names it and its error; rank 0 stops after its current unit (which lasts
+    # until the failure is posted).
     failed = "error: rank 1 failed: ValueError: unit 1 is bad on purpose. Every rank stopped after its current unit"
     for lines in (zero, one):
         assert any(line.startswith(failed) for line in lines["raise"]), lines["raise"]
