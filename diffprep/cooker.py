@@ -250,6 +250,7 @@ class RawVideoBatch(Batch):
 @stateless
 def cook_raw_video(sample: dict) -> RawVideoSample:
     """Turn a crude raw clip into a ``RawVideoSample`` (mp4 bytes untouched, its bucket from the metadata)."""
+    sample = _in_fields(sample)
     meta = _meta_of(sample, contract.RAW_VIDEO_META)
     return RawVideoSample(
         **basic_sample_keys(sample),
@@ -284,6 +285,7 @@ class Ltx2Sample(Sample):
 
 
 def _cook_ltx2(sample: dict, *, video: bool) -> Ltx2Sample:
+    sample = _in_fields(sample)
     key = sample.get("__key__", "?")
     meta = _meta_of(sample)
 

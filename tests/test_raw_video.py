@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +32,7 @@ from diffprep.media.video import ClipSpec
 from diffprep.images import psnr
 from diffprep.pipeline import run
 from diffprep.plan import read_plan
+from flow_runs import shard_samples
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = "32x24x5;24x32x5;24x24x5;32x24x1"
@@ -54,16 +54,6 @@ def _settings(data: Path, out: Path, **video):
         "video": {"resolution_buckets": BUCKETS, "target_fps": 8, **video},
         "finalize": {"train_split": 1.0},
     })
-
-
-def _samples(out: Path) -> dict[str, dict[str, bytes]]:
-    samples: dict[str, dict[str, bytes]] = {}
-    for shard in sorted(out.glob("*.tar")):
-        with tarfile.open(shard) as tar:
-            for member in tar:
-                key, _, field = member.name.partition(".")
-                samples.setdefault(key, {})[field] = tar.extractfile(member).read()
-    return samples
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +86,7 @@ def test_mp4_bytes_are_reproducible_and_decode_to_the_frames():
         assert (stream.codec_context.name, stream.average_rate, stream.codec_context.pix_fmt) == ("h264", 8, "yuv420p")
         assert [frame.pts * stream.time_base for frame in container.decode(stream)] == [k / 8 for k in range(5)]
     assert b"threads=1 " in first  # x264's settings string: one thread, whatever the machine's cores
+    assert b" mbtree=0 " in first  # and no macroblock tree: with it, the same frames gave other bytes
     back = mp4_frames(first)
     assert back.shape == frames.shape and psnr(back, frames) > 30
     lossless_grey = torch.full((1, 3, 8, 8), 128, dtype=torch.uint8)
@@ -138,7 +129,7 @@ def test_raw_video_end_to_end_as_the_wan_pipeline_prepares_clips(prefect_server,
     assert plan.encoding == "raw_video" and all(u.bucket for u in plan.units)
 
     spec = ClipSpec(tuple(Bucket(*map(int, b.split("x"))) for b in BUCKETS.split(";")), target_fps=8)
-    stored = _samples(out)
+    stored = shard_samples(out)
     for key, fields in stored.items():
         assert sorted(fields) == ["json", "mp4", "txt"], key
         meta = json.loads(fields["json"])
@@ -190,6 +181,14 @@ def test_raw_video_end_to_end_as_the_wan_pipeline_prepares_clips(prefect_server,
     report = decode_dataset(out, 3, to_dir=tmp_path / "previews")
     assert report.encoding == "raw_video" and all(p.psnr_db > 25 for p in report.previews)
     assert all((tmp_path / "previews" / f"{p.key}.mp4").is_file() for p in report.previews)
+
+    # A key map renames the members; validation loads the renamed samples through Energon's cooker.
+    renamed = tmp_path / "renamed"
+    settings = _settings(data, renamed)
+    settings.output.key_map = "mp4=clip.mp4"
+    result = run(settings, "raw", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert result.validation["ok"], result.validation
+    assert all(sorted(fields) == ["clip.mp4", "json", "txt"] for fields in shard_samples(renamed).values())
 
 
 def test_raw_video_inspector_names_a_broken_or_misplaced_clip():

@@ -37,6 +37,7 @@ from diffprep.cooker import Ltx2SampleTaskEncoder
 from diffprep.families.base import DTYPES, resolve_device
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.encodings import clips
+from diffprep.encodings.base import with_caption_settings
 from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 from diffprep.layouts import LayoutPreset
@@ -129,6 +130,7 @@ class Ltx2(Wan):
             "video": video_bytes,
             "lora_trigger": model.lora_trigger,
         }
+        byte = with_caption_settings(byte, settings)
         channels = identity["video"]["latent_channels"]
 
         def latent_shape(b: Bucket) -> list[int]:

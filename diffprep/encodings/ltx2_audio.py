@@ -28,7 +28,7 @@ import torch
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.encodings import clips
-from diffprep.encodings.base import probe_in_parallel
+from diffprep.encodings.base import probe_in_parallel, with_caption_settings
 from diffprep.encodings.ltx2 import (
     STORED_DTYPES,
     Ltx2,
@@ -102,6 +102,7 @@ class Ltx2Audio(Ltx2):
             "audio": audio,
             "lora_trigger": model.lora_trigger,
         }
+        byte = with_caption_settings(byte, settings)
         width = _text_width(parts.gemma, parts.checkpoint)
         expected: dict[str, Any] = {
             "audio_latents": [8, None, 16],

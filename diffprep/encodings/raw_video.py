@@ -37,6 +37,7 @@ from diffprep.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.cooker import RawVideoTaskEncoder
 from diffprep.encodings import clips
+from diffprep.encodings.base import with_caption_settings
 from diffprep.encodings.base import SampleFields
 from diffprep.errors import ConfigError, DatasetValidationError
 from diffprep.media.buckets import Bucket
@@ -107,6 +108,7 @@ class RawVideo(clips.ClipEncoding):
             "video": clips.video_settings(spec),
             "raw": {"video": dict(X264, crf=settings.raw.video_crf)},
         }
+        byte = with_caption_settings(byte, settings)  # the txt member is the caption
         expected = {"fields": raw_video_fields(),
                     "buckets": {str(b): [b.frames, 3, b.height, b.width] for b in spec.buckets}}
         return byte, expected
