@@ -226,9 +226,9 @@ class Group:
             error = failure
             log.error("rank %d failed in unit %s", self.ranks.rank, "-" if unit is None else f"{unit:06d}",
                       exc_info=failure)
-            self._post_failure(failure)
-        except BaseException as interrupted:  # Ctrl-C, SystemExit: the others find this rank gone
-            self._post_failure(interrupted)
+            self._post_stop()
+        except BaseException:  # Ctrl-C, SystemExit: the others find this rank gone
+            self._post_stop()
             self._phase = "broken"
             raise
         self._end(error, done)
@@ -272,10 +272,12 @@ class Group:
 
         thread = threading.Thread(target=meet, name="diffprep-ranks", daemon=True)
         thread.start()
-        while thread.is_alive():  # the other ranks' units, reported as they finish
+        while True:  # the other ranks' units, reported as they finish; once more after the last of them
             thread.join(FOLLOW_SECONDS)
             if not failure:
                 self._follow(done)
+            if not thread.is_alive():
+                break
         if failure:
             raise failure[0]
         return box
@@ -294,13 +296,6 @@ class Group:
             while self.store.check([key := f"done/{rank}/{self._followed[rank]}"]):
                 self._followed[rank] += 1
                 done(json.loads(self.store.get(key)))
-
-    def _post_failure(self, error: BaseException) -> None:
-        try:
-            self.store.set(f"failed/{self.ranks.rank}", describe(error))
-        except RuntimeError:
-            pass
-        self._post_stop()
 
     def _post_stop(self) -> None:
         try:
@@ -364,7 +359,7 @@ class Group:
         elif self._phase == "start":
             self.decide()  # in step with rank 0; its units follow
         if self._phase == "encoding":  # failed between the decision and its units
-            self._post_failure(error or RuntimeError("left before its units"))
+            self._post_stop()
             self._end(error or RuntimeError("left before its units"), lambda result: None)
         if self._phase == "ended":
             self.outcome(text)

@@ -143,12 +143,14 @@ def share_text_encodings(loaded: Any, output: Output, plan: Plan) -> None:
     the output's working folder (``diffprep.families.text_cache``); encoders without one share nothing."""
     cache = getattr(loaded, "text_cache", None)
     if cache is not None:
-        cache.share(output.state.path(text_scratch(plan)) / socket.gethostname())
+        cache.share(output.state.path(text_scratch(plan, this_host=True)))
 
 
-def text_scratch(plan: Plan) -> str:
-    """The state folder where a run's processes share their caption encodings (``share_text_encodings``)."""
-    return f"{contract.TEXT_CACHE_DIR}/{plan.fingerprint}"
+def text_scratch(plan: Plan, *, this_host: bool = False) -> str:
+    """The state folder where a run's processes share their caption encodings (``share_text_encodings``), or this
+    machine's part of it. The run that owns every unit removes the whole of it once they are done; a process
+    that encodes only some (a rank, a fan-out chunk) removes this machine's part, for a staging folder of its own."""
+    return f"{contract.TEXT_CACHE_DIR}/{plan.fingerprint}" + (f"/{socket.gethostname()}" if this_host else "")
 
 
 # The batch size that last fitted, per loaded encoder set: after running out of memory, the next units start there
@@ -381,7 +383,7 @@ def follow_rank(settings: Settings, encoding: str, group: Group, token: str | No
     try:
         group.encode(units, encode, done)
     finally:  # a machine of its own (a multi-node run to a bucket) keeps no shared captions in its staging folder
-        output.state.discard_scratch(text_scratch(plan))
+        output.state.discard_scratch(text_scratch(plan, this_host=True))
     group.outcome()  # rank 0 audits, finalizes and validates meanwhile
     return {"rank": rank, "units": units, "out_dir": output.uri}
 
@@ -464,9 +466,12 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
             try:
                 steps.units(settings, output, plan, units_left, events.progress(len(units_left), output))
             finally:  # the units are done (or failed): nothing of this run reads the shared captions now
-                output.state.discard_scratch(text_scratch(plan))
+                if workers.num_shards is None:  # a shard run leaves them to the other shards and the plain run
+                    output.state.discard_scratch(text_scratch(plan))
         else:
             log.info("every unit is already encoded with these settings: nothing to encode")
+            if workers.num_shards is None:  # what shard runs shared (the plain run after them has nothing to do)
+                output.state.discard_scratch(text_scratch(plan))
         result.units, result.encoded_units = len(plan.units), len(units_left)
         if workers.num_shards is not None:
             log.info("shard %d of %d: %d units encoded; run a plain `diffprep encode` with the same settings to "

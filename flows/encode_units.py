@@ -24,6 +24,10 @@ def encode_units(output: OutputRef, settings: dict, units: list[int]) -> dict:
         raise ValueError("encode-units runs its units here: workers.deployment must be unset")
     out = output_of(output)
     out.clear_dead_temp_files()
-    run_units(s, out, out.state.plan(), list(units), ArtifactProgress(len(units), key=None))
-    out.state.discard_scratch(text_scratch(out.state.plan()))  # this machine's shared captions: its units are done
+    plan = out.state.plan()
+    try:
+        run_units(s, out, plan, list(units), ArtifactProgress(len(units), key=None))
+    finally:  # this machine's part of the shared captions, for a staging folder of its own (the encode-dataset
+        # run that sent the chunk removes the whole folder once every unit is done)
+        out.state.discard_scratch(text_scratch(plan, this_host=True))
     return {"units": list(units)}

@@ -138,6 +138,8 @@ def test_a_cache_whose_captions_do_not_repeat_lets_its_rows_go() -> None:
     assert not distinct.stats.kept and len(distinct) == 0 and distinct.bytes == 0
     distinct.rows(["caption 0"], encode)
     assert len(distinct) == 0 and distinct.stats.encoded == 2 * PROBE_CAPTIONS + 1
+    distinct.share("/nonexistent/shared")  # the next unit shares again: a cache that stopped keeping stays off
+    assert distinct.folder is None
 
     classes = TextCache(1 << 30)
     for start in range(0, 2 * PROBE_CAPTIONS, 8):

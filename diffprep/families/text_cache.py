@@ -102,8 +102,8 @@ class TextCache:
 
     def share(self, folder: str | Path | None) -> None:
         """Read and write rows in ``folder`` too, for the run's other encoding processes (module docstring);
-        None: this process alone. Nothing is shared when the cache is off."""
-        self.folder = Path(folder) if folder is not None and self.max_bytes > 0 else None
+        None: this process alone. Nothing is shared when the cache is off, or once it stopped keeping rows."""
+        self.folder = Path(folder) if folder is not None and self.max_bytes > 0 and self.stats.kept else None
 
     def __len__(self) -> int:
         return len(self._rows)
