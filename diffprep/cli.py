@@ -244,12 +244,18 @@ def print_summary(result: dict) -> None:
     if finalize:
         splits = ", ".join(f"{split} {len(shards)} shards / {finalize['counts'].get(split, 0)} samples"
                            for split, shards in finalize["splits"].items())
-        print(f"  splits: {splits}")
+        if splits:
+            print(f"  splits: {splits}")
+        else:  # a trainer's own folders: read as they are
+            print(f"  no splits: the trainer reads {', '.join(p + '/' for p in finalize.get('parts', []))} as they are")
     validation = result.get("validation")
     if validation:
         summary = validation["summary"]
-        print(f"  validation: {'passed' if validation['ok'] else 'FAILED'}; "
-              f"{summary.get('bytes_per_sample', '?')} bytes per sample")
+        size = summary.get("bytes_per_sample")
+        print(f"  validation: {'passed' if validation['ok'] else 'FAILED'}"
+              + (f"; {size} bytes per sample" if size is not None else ""))
+        for kind, count in summary.get("folders", {}).items():
+            print(f"    {kind}/: {count} files")
         for name, info in summary.get("fields", {}).items():
             print(f"    {name}: {', '.join(info['shapes'])} {', '.join(info['dtypes'])}")
         for kind, count in summary.get("images", {}).items():
@@ -257,7 +263,8 @@ def print_summary(result: dict) -> None:
         previews = summary.get("previews", {})
         if previews.get("contact_sheet"):
             values = [f"{p['psnr_db']:.1f}" for p in previews["samples"] if p["psnr_db"] is not None]
-            print(f"  previews: PSNR {', '.join(values) or 'n/a'} dB; contact sheet {previews['contact_sheet']}")
+            psnr = f"PSNR {', '.join(values)} dB; " if values else ""
+            print(f"  previews: {psnr}contact sheet {previews['contact_sheet']}")
         elif previews:
             print(f"  previews: {previews['note']}")
     else:
@@ -276,16 +283,17 @@ def cmd_raw(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     from diffprep.decode import decode_dataset
-    from diffprep.hub import resolve_token
+    from diffprep.encodings.ltx_layout import dataset_root
     from diffprep.errors import ConfigError
+    from diffprep.hub import resolve_token
     from diffprep.storage import is_s3_url
 
     if is_s3_url(args.out):
         raise ConfigError(f"decode reads a local dataset; copy a few shards and .diffprep/ of {args.out} first "
                           f"(e.g. aws s3 sync {args.out} ./copy --exclude '*' --include '000000.tar*' "
                           "--include '.diffprep/*'), then decode ./copy")
-    report = decode_dataset(args.out, args.samples, to_dir=args.to, model_path=args.model_path, device=args.device,
-                            token=resolve_token(args.hf_token_file))
+    report = decode_dataset(dataset_root(args.out), args.samples, to_dir=args.to, model_path=args.model_path,
+                            device=args.device, token=resolve_token(args.hf_token_file))
     using = f" with the VAE at {report.vae}" if report.vae else ""
     print(f"{len(report.previews)} samples of the {report.encoding} dataset {args.out} decoded{using}; "
           "PSNR against the source as prepared for encoding:")
@@ -304,13 +312,18 @@ def _s3_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_finalize(args: argparse.Namespace) -> int:
     from diffprep.config import FinalizeConfig
+    from diffprep.encodings.ltx_layout import dataset_root
     from diffprep.output import OutputRef
     from diffprep.pipeline import finalize_output, validate_output
 
-    output = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
+    output = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
+                       profile=args.s3_profile).open()
     plan = output.state.plan()
     encoding = args.encoding or (plan.encoding if plan else "preencoded")
-    config = FinalizeConfig(train_split=args.train_split, shuffle_seed=args.seed, workers=args.workers)
+    asked = (plan.split if plan else None) or {}  # the split the encode asked for, unless given here
+    train_split = args.train_split if args.train_split is not None else asked.get("train_split", 1.0)
+    seed = args.seed if args.seed is not None else asked.get("seed", 42)
+    config = FinalizeConfig(train_split=train_split, shuffle_seed=seed, workers=args.workers)
     # The same phases as a run's finalize: the split question on this terminal, then validation.
     with output.lock(run=None):
         result = finalize_output(output, encoding, config, replace_split=args.replace_split)
@@ -450,10 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     finalize = sub.add_parser("finalize", help="(re)write the Energon metadata of an output, then validate it")
     finalize.add_argument("out")
-    finalize.add_argument("--train-split", type=float, default=1.0, help="share of shards for train; the rest "
-                          "split evenly into val and test (default 1.0)")
+    finalize.add_argument("--train-split", type=float, default=None, help="share of shards for train; the rest "
+                          "split evenly into val and test (default: the encode's --train-split, else 1.0)")
     finalize.add_argument("--encoding", choices=contract.ENCODINGS, default=None)
-    finalize.add_argument("--seed", type=int, default=42)
+    finalize.add_argument("--seed", type=int, default=None, help="split seed (default: the encode's, else 42)")
     finalize.add_argument("--workers", type=int, default=2)
     finalize.add_argument("--replace-split", action="store_true",
                           help="reassign every shard (moves shards between splits; held-out data may enter train)")

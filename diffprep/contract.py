@@ -49,6 +49,7 @@ RAW_VIDEO_FIELDS = (RAW_VIDEO, RAW_CAPTION, RAW_VIDEO_META)
 EMPTY_ENCODINGS_DIR = "empty_encodings"
 T5_EMPTY = "t5_empty.npy"
 CLIP_EMPTY = "clip_empty.npy"
+PROMPT_EMBEDS_EMPTY = "prompt_embeds_empty.npy"  # a Wan run's: the empty caption's umT5 sequence [1, L, 4096]
 
 # Output layouts (``output.layout``): energon writes the fields above under their own names; fastgen writes the
 # same shards under the member names FastGen reads by default; ltx writes the LTX-2 trainer's own folders (below).
@@ -98,6 +99,9 @@ DATASET_YAML = "dataset.yaml"
 SPLIT_YAML = "split.yaml"
 INFO_JSON = ".info.json"
 INDEX_SQLITE = "index.sqlite"
+# Written by Energon's prepare too: the dataset's id, and the legacy YAML form of .info.json.
+INDEX_UUID = "index.uuid"
+INFO_YAML = ".info.yaml"
 SPLITS = ("train", "val", "test")
 
 # diffprep's own state folder and the files in it.
@@ -130,6 +134,11 @@ def shard_name(unit: int) -> str:
     if unit < 0:
         raise ValueError(f"unit must be >= 0, got {unit}")
     return f"{unit:06d}{SHARD_SUFFIX}"
+
+
+def index_name(shard: str) -> str:
+    """The Energon index Energon's prepare writes beside a shard: ``000042.tar`` -> ``000042.tar.idx``."""
+    return shard.removesuffix(SHARD_SUFFIX) + INDEX_SUFFIX
 
 
 def unit_of_shard(name: str) -> int | None:

@@ -124,6 +124,21 @@ def assign_splits(shards: list[str], existing: dict[str, str], train_split: floa
     return {shard: assignment[shard] for shard in sorted(assignment)}
 
 
+def planned_split(shards: int, train_split: float, seed: int = 42) -> tuple[dict[str, int], str | None]:
+    """What finalize will make of ``train_split`` over ``shards`` planned shards, before any is written: the shard
+    count of each split, and a warning when whole shards cannot come close to the ratio. Raises ConfigError when
+    they cannot fill the splits at all (as finalize would, after the whole encode)."""
+    names = [contract.shard_name(unit) for unit in range(shards)]
+    assignment = assign_splits(names, {}, train_split, seed)
+    counts = {split: sum(1 for s in assignment.values() if s == split) for split in contract.SPLITS}
+    targets = split_targets(train_split)
+    if any(abs(counts[split] / shards - targets[split]) > 0.1 for split in contract.SPLITS):
+        shown = " / ".join(f"{split} {counts[split]}" for split in contract.SPLITS if counts[split])
+        return counts, (f"--train-split {train_split} over {shards} shards gives {shown} shards (splits are by "
+                        f"whole shard): lower --shard-size for a split closer to {train_split}")
+    return counts, None
+
+
 def write_dataset_yaml(output: Output | str | os.PathLike, encoding: str, layout: Layout | None = None) -> Path:
     """Write ``.nv-meta/dataset.yaml``: a CrudeWebdataset whose samples carry ``encoding`` (and a layout other
     than energon's own names: its member map, for the cookers) as subflavors."""

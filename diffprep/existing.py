@@ -19,7 +19,8 @@ from diffprep.approvals import ABORT, Question
 from diffprep.errors import ExistingOutputError
 from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
-from diffprep.plan import Plan, dtype_name, shape_matches
+from diffprep.ownership import SHOWN, classify, listed
+from diffprep.plan import Plan, dtype_name, settings_diff, shape_matches
 from diffprep.shards import load_tensor
 
 CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
@@ -37,8 +38,10 @@ class Inspection:
     units_done: list[int] = field(default_factory=list)
     units_left: list[int] = field(default_factory=list)
     damaged_units: list[int] = field(default_factory=list)  # manifest present, shard missing or of another size
-    foreign: list[str] = field(default_factory=list)  # top-level entries that diffprep did not write
-    unmanaged: list[str] = field(default_factory=list)  # shard-named files without a manifest: a run rewrites them
+    foreign: list[str] = field(default_factory=list)  # files diffprep did not write (``diffprep.ownership``): kept
+    ours: list[str] = field(default_factory=list)  # files diffprep's manifests, plan and names give: what overwrite removes
+    blocking: list[str] = field(default_factory=list)  # foreign files this run would replace or its trainer would read
+    changed_settings: list[str] = field(default_factory=list)  # "name: old -> new", when the fingerprints differ
     shape_problem: str | None = None
     bytes_on_disk: int = 0
 
@@ -57,27 +60,31 @@ class Inspection:
         if self.plan_fingerprint is None:
             lines.append("- holds no diffprep plan")
         elif not self.same_settings:
-            lines.append(f"- was written with other settings (fingerprint `{self.plan_fingerprint}`)")
+            lines.append(f"- was written with other settings (fingerprint `{self.plan_fingerprint}`)"
+                         + (":" if self.changed_settings else ""))
+            lines += [f"  - `{change}`" for change in self.changed_settings[:SHOWN]]
+            if len(self.changed_settings) > SHOWN:
+                lines.append(f"  - and {len(self.changed_settings) - SHOWN} more (see its `.diffprep/plan.json`)")
         if self.shape_problem:
             lines.append(f"- its samples do not match this run's shapes: {self.shape_problem}")
         if self.units_done:
             lines.append(f"- {len(self.units_done)} finished shard(s)")
         if self.foreign:
-            shown = ", ".join(f"`{name}`" for name in self.foreign[:10])
-            more = f" and {len(self.foreign) - 10} more" if len(self.foreign) > 10 else ""
-            lines.append(f"- {len(self.foreign)} file(s) diffprep did not write: {shown}{more}")
-        if self.unmanaged:
-            shown = ", ".join(f"`{name}`" for name in self.unmanaged[:10])
-            more = f" and {len(self.unmanaged) - 10} more" if len(self.unmanaged) > 10 else ""
-            lines.append(f"- {len(self.unmanaged)} shard-named file(s) with no diffprep manifest, which "
-                         f"`overwrite` deletes and encoding rewrites: {shown}{more}")
+            lines.append(f"- {len(self.foreign)} file(s) diffprep did not write, which stay whatever is chosen: "
+                         f"{listed(self.foreign)}")
+        if self.blocking:
+            lines.append(f"- {len(self.blocking)} of them this run would write over, or the trainer would read as "
+                         f"samples beside the new ones, so `overwrite` cannot keep them: {listed(self.blocking)}. "
+                         "Move them out of the output to overwrite it, or choose `new-dir`")
         lines.append(f"- {_human_bytes(self.bytes_on_disk)} in all")
         lines += [
             "",
             "**Choices** (`--on-existing` / `on_existing`):",
             "- `new-dir`: leave it untouched and write to the next free `<out>-v2`, `-v3`...",
-            "- `overwrite`: delete diffprep's shards, metadata and state there, then encode anew"
-            + (" (files diffprep did not write stay)" if self.foreign else ""),
+            *([] if self.blocking else [
+                f"- `overwrite`: delete the {len(self.ours)} file(s) diffprep wrote there (its shards, metadata and "
+                "state: the files its manifests and plan name), then encode anew"
+                + (f"; the {len(self.foreign)} file(s) above that it did not write stay" if self.foreign else "")]),
             "- `reuse`: keep it as it is and encode nothing",
             "- `abort`: change nothing",
         ]
@@ -93,7 +100,7 @@ class Inspection:
             key="existing-output",
             title=f"The output {self.out_dir} already holds data this run would change",
             description=self.describe(),
-            choices=("new-dir", "overwrite", "reuse", ABORT),
+            choices=tuple(c for c in ("new-dir", "overwrite", "reuse", ABORT) if c != "overwrite" or not self.blocking),
             preset_hint="--on-existing new-dir|overwrite|reuse|abort (flow parameter output.on_existing)",
         )
 
@@ -160,6 +167,7 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
                           units_left=[u.unit for u in plan.units])
     old = output.state.plan()
     manifests = output.state.manifests()
+    owned = classify(output.files(), manifests, old)
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
     committed, damaged = output.committed_units(plan.fingerprint, manifests)
@@ -175,9 +183,10 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         units_done=done if same else [],
         units_left=left if same else [u.unit for u in plan.units],
         damaged_units=damaged if same else [],
-        foreign=[name for name in entries if not output.owns(name)],
-        unmanaged=sorted(name for name in entries if contract.unit_of_shard(name) is not None
-                         and contract.unit_of_shard(name) not in manifests),
+        foreign=list(owned.foreign),
+        ours=list(owned.ours),
+        blocking=owned.blocking(plan),
+        changed_settings=[] if same or old is None else settings_diff(old.settings, plan.settings),
         bytes_on_disk=output.total_bytes(),
     )
     if same:
@@ -218,6 +227,11 @@ def decide(inspection: Inspection, on_existing: str | None, output: Output | Non
     if inspection.matches:
         # Same settings: nothing would be lost, so nothing is asked and no preset answer applies
         # (a nightly run with on_existing=overwrite must append, not re-encode everything).
+        if inspection.blocking and not inspection.complete:
+            raise ExistingOutputError(
+                f"cannot resume {inspection.out_dir}: {len(inspection.blocking)} file(s) there that diffprep did not "
+                f"write have the names this run writes, or would be read by the trainer as samples: "
+                f"{listed(inspection.blocking)}. Nothing was changed: move them out of the output and re-run.")
         return Decision("complete" if inspection.complete else "resume", inspection.out_dir, summary)
     if on_existing is None:
         raise ExistingOutputError(
@@ -238,6 +252,11 @@ def decide(inspection: Inspection, on_existing: str | None, output: Output | Non
         return Decision("new-dir", next_free_dir(output or inspection.out_dir, fingerprint), summary)
     if on_existing == "reuse":
         return Decision("reuse", inspection.out_dir, summary)
+    if inspection.blocking:
+        raise ExistingOutputError(
+            f"cannot overwrite {inspection.out_dir}: {len(inspection.blocking)} file(s) there that diffprep did not "
+            f"write would be replaced or read by the trainer as samples: {listed(inspection.blocking)}. Nothing "
+            "was changed: move them out of the output, or choose --on-existing new-dir.")
     return Decision("overwrite", inspection.out_dir, summary)
 
 

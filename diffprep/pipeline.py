@@ -37,12 +37,13 @@ from diffprep.audit import AuditReport, audit, rejects_accepted, rejects_questio
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
 from diffprep.hub import resolve_token
 from diffprep.encodings import encoding_for, get_encoding
-from diffprep.energon import FinalizeResult, finalize, split_question
+from diffprep.energon import FinalizeResult, finalize, planned_split, split_question
 from diffprep.errors import DiffprepError
 from diffprep.existing import Decision, Inspection, decide, inspect_output
 from diffprep.fetch import fetch
 from diffprep.launch import Group, my_units
 from diffprep.output import Output, OutputRef, ref_of
+from diffprep.ownership import ownership
 from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
 from diffprep.sources import open_source
@@ -106,8 +107,10 @@ def prepare_output(output: Output, decision: Decision, inspection: Inspection, p
         if aborted:
             log.info("aborted unfinished uploads of interrupted runs: %s", ", ".join(aborted))
     if decision.action == "overwrite":
-        cleared = output.clear_ours()
-        log.warning("overwrite (approved): removed %s", ", ".join(cleared) or "nothing")
+        owned = ownership(output)  # again, under the lock: only what diffprep's own records name goes
+        output.remove(owned.ours)
+        log.warning("overwrite (approved): removed the %d file(s) diffprep wrote%s", len(owned.ours),
+                    f"; kept the {len(owned.foreign)} it did not write" if owned.foreign else "")
     output.state.write_plan(plan)
     if decision.action in ("resume", "complete"):
         units = sorted(inspection.units_left + inspection.damaged_units)
@@ -186,6 +189,19 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     return result
 
 
+def check_split(plan: Plan, config: FinalizeConfig, split: bool) -> None:
+    """The split asked for, checked against the planned shards before anything is written, and recorded in the plan
+    for a later finalize (``split``: whether this output has splits at all; a trainer's own folders have none)."""
+    if not split:
+        return
+    counts, warning = planned_split(len(plan.units), config.train_split, config.shuffle_seed)
+    plan.split = {"train_split": config.train_split, "seed": config.shuffle_seed}
+    if warning:
+        log.warning("%s", warning)
+    elif config.train_split < 1.0:
+        log.info("split: %s", " / ".join(f"{split} {count} shards" for split, count in counts.items()))
+
+
 def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: Ask = ask_here, *,
                     replace_split: bool = False, finalizer: Callable[..., FinalizeResult] | None = None,
                     ) -> FinalizeResult:
@@ -210,12 +226,7 @@ def finalize_split(output: Output, encoding: str, config: FinalizeConfig, replac
 
 
 def validate_output(output: Output, encoding: str | None = None, max_load: int | None = None) -> ValidationReport:
-    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error), by the encoding
-    (a trainer's own folders are read as that trainer reads them); without one, the dataset says what it is."""
-    plan = output.state.plan()
-    own = get_encoding(encoding or plan.encoding).own_folders(plan) if (encoding or plan) else None
-    if own is not None:
-        return own.validate(output, plan)
+    """Phase 7: strict validation (the report; ``raise_if_failed`` makes a failure an error)."""
     return validate_dataset(output, encoding=encoding, max_load=max_load)
 
 
@@ -427,6 +438,7 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     output = output or settings_output(settings).open()
     plan = steps.plan(settings, output, encoding)
     encoding = plan.encoding  # a pre-encoded run writes its model family's encoding (Wan: "wan")
+    check_split(plan, settings.finalize, get_encoding(encoding).own_folders(plan) is None)
     if plan.missing_count:
         log.warning("%d planned samples are no longer in the source; nothing is removed from the dataset",
                     plan.missing_count)

@@ -45,6 +45,9 @@ class Plan:
     missing: list[str] = field(default_factory=list)  # planned ids no longer in the source (first few)
     missing_count: int = 0
     version: int = contract.CONTRACT_VERSION
+    # The split asked for (train_split, seed): a later `diffprep finalize` keeps it. Not fingerprinted (no byte of a
+    # shard depends on it); None in plans written before it was recorded.
+    split: dict[str, Any] | None = None
 
     @property
     def total_samples(self) -> int:
@@ -84,6 +87,27 @@ def fingerprint(settings: dict[str, Any]) -> str:
     """A short stable hash of the byte-affecting settings."""
     blob = json.dumps(settings, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def settings_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Each byte-affecting setting that differs between two plans, as ``name: old -> new`` (nested settings by
+    dotted name; one missing on a side shows as ``(none)``)."""
+    changes = []
+    for key in sorted(set(old) | set(new), key=str):
+        name = f"{prefix}{key}"
+        before, after = old.get(key, _MISSING), new.get(key, _MISSING)
+        if isinstance(before, dict) and isinstance(after, dict):
+            changes += settings_diff(before, after, name + ".")
+        elif before != after:
+            changes.append(f"{name}: {_shown(before)} -> {_shown(after)}")
+    return changes
+
+
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    return "(none)" if value is _MISSING else json.dumps(value, sort_keys=True)
 
 
 def plan_units(

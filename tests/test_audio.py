@@ -39,6 +39,10 @@ def test_clip_without_audio_is_rejected(tmp_path):
         clip_audio.load_clip_audio(clip, duration=FRAMES / FPS, key="000000_000001")
     assert caught.value.reason == clip_audio.REJECT_NO_AUDIO_STREAM == "no_audio_stream"
     assert "000000_000001" in str(caught.value)
+    # From memory (how a clip's bytes are read): no object repr in the message, which its sample id goes with.
+    with pytest.raises(RejectError) as caught:
+        clip_audio.load_clip_audio(io.BytesIO(clip.read_bytes()))
+    assert str(caught.value).endswith("the file has no audio stream") and "BytesIO" not in str(caught.value)
 
 
 def test_audio_that_does_not_decode_is_rejected(tmp_path):

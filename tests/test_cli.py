@@ -133,6 +133,12 @@ def test_existing_output_needs_a_choice(prefect_server, demo_inputs, tmp_path, c
     assert _tree(out) == before
     assert len(list((tmp_path / "out-v2").glob("*.tar"))) == 3
 
+    # 000000.tar is no file of diffprep's, and this run writes a shard of that name: overwrite cannot keep it.
+    assert main(_encode_args(data, model, out, "--on-existing", "overwrite", "--no-finalize")) == 2
+    err = capsys.readouterr().err
+    assert "cannot overwrite" in err and "`000000.tar`" in err and "new-dir" in err
+    assert _tree(out) == before
+    (out / "000000.tar").unlink()
     assert main(_encode_args(data, model, out, "--on-existing", "overwrite", "--no-finalize")) == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert _hashes(out) == _hashes(tmp_path / "out-v2")

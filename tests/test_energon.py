@@ -23,6 +23,7 @@ from diffprep.energon import (
     _exact_names_pattern,
     assign_splits,
     finalize,
+    planned_split,
     preview_replace_split,
     read_assignment,
     read_split_yaml,
@@ -360,3 +361,48 @@ def test_raw_dataset_loads_with_the_raw_cooker(tmp_path: Path) -> None:
             out, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
             task_encoder=FluxPreencodedTaskEncoder(), worker_config=worker_config(), repeat=False,
         )
+
+
+# The split asked for, checked against the planned shards before anything is written
+
+
+def test_planned_split_says_what_whole_shards_give() -> None:
+    assert planned_split(10, 0.8) == ({"train": 8, "val": 1, "test": 1}, None)
+    counts, warning = planned_split(3, 0.8)
+    assert counts == {"train": 1, "val": 1, "test": 1}
+    assert warning == ("--train-split 0.8 over 3 shards gives train 1 / val 1 / test 1 shards (splits are by whole "
+                       "shard): lower --shard-size for a split closer to 0.8")
+    with pytest.raises(ConfigError, match="1 shard\\(s\\) cannot fill the 3 splits"):
+        planned_split(1, 0.8)
+
+
+@pytest.mark.slow
+def test_a_split_is_checked_before_encoding_and_kept_for_a_later_finalize(tmp_path, tiny_model, settings_for,
+                                                                          caplog) -> None:
+    from diffprep.cli import main
+    from diffprep.demo import write_demo_dataset
+    from diffprep.pipeline import run
+
+    images = write_demo_dataset(tmp_path / "images", samples=6)
+    out = tmp_path / "out"
+
+    def never_ask(question, preset=None, *, release=False):
+        pytest.fail(f"asked {question.key}")
+
+    # One shard cannot be split 0.8: refused before the output exists, not after the whole encode.
+    one_shard = settings_for(out, images, tiny_model, output={"shard_size": 8}, finalize={"train_split": 0.8})
+    with pytest.raises(ConfigError, match="cannot fill the 3 splits"):
+        run(one_shard, "preencoded", ask=never_ask)
+    assert not out.exists()
+
+    # Three shards at 0.8 are 1 / 1 / 1: said before encoding. Not finalized now, the later finalize keeps 0.8.
+    settings = settings_for(out, images, tiny_model, output={"shard_size": 2},
+                            finalize={"train_split": 0.8, "enabled": False})
+    with caplog.at_level("WARNING", logger="diffprep.pipeline"):
+        run(settings, "preencoded", ask=never_ask)
+    assert "--train-split 0.8 over 3 shards gives train 1 / val 1 / test 1 shards" in caplog.text
+    assert json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())["split"] == {
+        "train_split": 0.8, "seed": 42}
+    assert main(["finalize", str(out)]) == 0
+    assert json.loads((out / contract.STATE_DIR / contract.SPLITS_JSON).read_text())["train_split"] == 0.8
+    assert sorted(set(read_split_yaml(out).values())) == ["test", "train", "val"]

@@ -17,6 +17,7 @@ from diffprep import contract
 from diffprep.errors import ExistingOutputError, LockedError
 from diffprep.existing import CHOICES, decide, inspect_output, next_free_dir
 from diffprep.output import Output, OutputLock
+from diffprep.ownership import ownership
 from diffprep.plan import write_plan
 
 
@@ -217,9 +218,20 @@ def test_describe_says_what_exists(tmp_path: Path, make_plan, write_unit) -> Non
     (out / "README.md").write_text("hello")
     text = inspect_output(out, make_plan((2, 2), settings={"v": 2})).describe()
     assert f"**Output:** `{out}`" in text
-    assert "1 file(s) diffprep did not write: `README.md`" in text
-    assert "(files diffprep did not write stay)" in text
+    assert "was written with other settings" in text and "  - `v: 1 -> 2`" in text  # which setting, old and new
+    assert "1 file(s) diffprep did not write, which stay whatever is chosen: `README.md`" in text
+    # What overwrite deletes, counted (plan, two manifests, two shards), and what it keeps.
+    assert "`overwrite`: delete the 5 file(s) diffprep wrote there" in text
+    assert "the 1 file(s) above that it did not write stay" in text
     assert "KiB in all" in text
+
+    # Many foreign files: the first ten by name, the rest counted.
+    for index in range(12):
+        (out / "notes" / f"n{index:02d}.txt").parent.mkdir(exist_ok=True)
+        (out / "notes" / f"n{index:02d}.txt").write_text("x")
+    text = inspect_output(out, make_plan((2, 2), settings={"v": 2})).describe()
+    assert "13 file(s) diffprep did not write" in text and "`notes/n08.txt` and 3 more" in text
+    assert "`notes/n09.txt`" not in text
 
 
 # next_free_dir
@@ -268,15 +280,18 @@ def test_clear_output_removes_only_diffprep_files(tmp_path: Path, plan, write_un
         (out / name).write_bytes(data)
     lock_before = lock.read_bytes()
 
-    removed = Output(out).clear_ours()
+    owned = ownership(Output(out))
+    Output(out).remove(owned.ours)
 
-    assert removed == [contract.STATE_DIR, contract.NV_META, "000000.tar", "000000.tar.idx", "000001.tar"]
+    assert set(owned.ours) == {".diffprep/plan.json", ".diffprep/units/000000.json", ".diffprep/units/000001.json",
+                               ".diffprep/audit.json", ".nv-meta/dataset.yaml", "000000.tar", "000000.tar.idx",
+                               "000001.tar"}
     for name, data in foreign.items():
         assert (out / name).read_bytes() == data
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [contract.STATE_DIR, "README.md", "00001.tar", "extra", "images.tar.gz"]
     )
-    assert [p.name for p in (out / contract.STATE_DIR).iterdir()] == [contract.LOCK_FILE]
+    assert [p.name for p in (out / contract.STATE_DIR).rglob("*") if p.is_file()] == [contract.LOCK_FILE]
     assert lock.read_bytes() == lock_before
 
 

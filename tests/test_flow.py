@@ -55,7 +55,7 @@ def foreign_output(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    (out / "000000.tar").write_bytes(b"not ours")
+    (out / "images-000.tar").write_bytes(b"not ours")
     return out
 
 
@@ -70,7 +70,8 @@ def test_foreign_output_pauses_refuses_invalid_input_then_overwrites(prefect_ser
     paused, question = run.wait_for_question("existing-output")
     # The question the UI shows: what exists and every choice.
     assert "`notes.txt`" in question and "holds no diffprep plan" in question
-    assert "no diffprep manifest" in question and "`000000.tar`" in question
+    assert "2 file(s) diffprep did not write, which stay whatever is chosen" in question
+    assert "`images-000.tar`" in question
     assert all(f"`{choice}`" in question for choice in ("new-dir", "overwrite", "reuse", "abort"))
 
     # An answer that is not a choice is rejected by the server; the run stays paused, nothing changes.
@@ -83,7 +84,7 @@ def test_foreign_output_pauses_refuses_invalid_input_then_overwrites(prefect_ser
     answer(paused, "overwrite")
     assert run.join() == StateType.COMPLETED, run.error
     assert run.result["action"] == "overwrite" and run.result["encoded_units"] == 3
-    assert (out / "notes.txt").read_text() == "mine"  # files diffprep did not write stay
+    assert {name: tree(out)[name] for name in before} == before  # files diffprep did not write stay
     manifests = read_manifests(out)
     assert [m.count for m in manifests.values()] == [4, 4, 4]
     assert all((out / m.shard).stat().st_size == m.bytes for m in manifests.values())

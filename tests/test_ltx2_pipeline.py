@@ -240,6 +240,9 @@ def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "samples written: 3" in printed
+    # The summary says what there is: no blank split line, no unknown size.
+    assert "no splits: the trainer reads latents/, conditions/, audio_latents/ as they are" in printed
+    assert "splits: \n" not in printed and "? bytes" not in printed and "    latents/: 3 files" in printed
 
     root = data / contract.PRECOMPUTED_DIR
     samples = trainer_samples(root, ("latents", "conditions", "audio_latents"))
@@ -254,6 +257,16 @@ def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_
     assert (audit["written"], audit["rejected"], audit["problems"]) == (3, 0, [])
     before = {p: p.read_bytes() for p in root.rglob("*.pt")}
     assert main(args) == 0 and "complete" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in root.rglob("*.pt")} == before
+
+    # validate, decode and finalize find the layout by themselves, named by --output-dir or by .precomputed.
+    for named in (data, root):
+        assert main(["validate", str(named)]) == 0, capsys.readouterr()
+        assert "3 samples in latents/" in capsys.readouterr().out
+    assert main(["finalize", str(data)]) == 0 and "3 samples in latents/" in capsys.readouterr().out
+    assert main(["decode", str(data), "--samples", "2", "--to", str(tmp_path / "decoded")]) == 0
+    assert "2 samples of the ltx2 dataset" in capsys.readouterr().out
+    assert len(list((tmp_path / "decoded").glob("*.mp4"))) == 2
     assert {p: p.read_bytes() for p in root.rglob("*.pt")} == before
 
 

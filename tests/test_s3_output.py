@@ -194,7 +194,10 @@ def test_interrupted_upload_is_redone_not_trusted(prefect_server, tiny_model, ad
 def test_existing_prefix_is_changed_only_after_approval(prefect_server, tiny_model, demo_data, admin, proxy) -> None:
     url = prefix_url()
     encode_dataset(s3_parameters(demo_data, tiny_model, url, proxy, finalize={"enabled": False}))
-    admin.put_object(Bucket=BUCKET, Key=key_of(url, "notes.txt"), Body=b"mine")
+    planted = {"notes.txt": b"mine", ".nv-meta/custom/keep.yaml": b"mine: true\n", ".diffprep/my-notes.txt": b"m",
+               "empty_encodings/user_note.txt": b"keep me"}
+    for name, data in planted.items():
+        admin.put_object(Bucket=BUCKET, Key=key_of(url, name), Body=data)
     before = objects(admin, url)
     other = {"image": {"image_size": 16}, "finalize": {"enabled": False}}
 
@@ -216,7 +219,7 @@ def test_existing_prefix_is_changed_only_after_approval(prefect_server, tiny_mod
     answer(paused, "overwrite")
     assert run.join() == StateType.COMPLETED, run.error
     after = objects(admin, url)
-    assert after["notes.txt"] == b"mine"  # objects diffprep did not write stay
+    assert {name: after.get(name) for name in planted} == planted  # objects diffprep did not write stay
     assert after["000000.tar"] != before["000000.tar"]
     assert json.loads(after[".diffprep/plan.json"])["fingerprint"] == run.result["fingerprint"]
 

@@ -58,6 +58,16 @@ def precomputed_root(output_dir: str) -> str:
     return os.path.join(output_dir, contract.PRECOMPUTED_DIR)
 
 
+def dataset_root(location: str) -> str:
+    """The dataset a user names: ``location`` itself, or the ``.precomputed`` folder in it when only that holds a
+    diffprep plan (an LTX-layout output is named by the ``--output-dir`` it was written with)."""
+    plan = os.path.join(contract.STATE_DIR, contract.PLAN_JSON)
+    inner = os.path.join(location, contract.PRECOMPUTED_DIR)
+    if not os.path.isfile(os.path.join(location, plan)) and os.path.isfile(os.path.join(inner, plan)):
+        return inner
+    return location
+
+
 def folders(plan: Plan) -> list[str]:
     """The record folders a plan writes, the trainer's primary one first (what its t2v / v2v strategies read, and
     the flexible strategy's T2A: ``conditions`` and ``audio_latents``)."""
@@ -93,6 +103,19 @@ def sample_names(plan: Plan) -> dict[str, PurePosixPath | str]:
     _NAMES.clear()
     _NAMES[plan.fingerprint + str(plan.total_samples)] = names
     return names
+
+
+def planned_files(plan: Plan) -> list[str]:
+    """Every record file a run of ``plan`` writes (``<folder>/<name>.pt``), whether or not it is written yet."""
+    names = [name for name in sample_names(plan).values() if isinstance(name, PurePosixPath)]
+    return [f"{kind}/{name}" for kind in folders(plan) for name in names]
+
+
+def read_by_trainer(path: str) -> bool:
+    """Whether the trainer's dataset reads the file at ``path`` (relative to ``.precomputed``): a ``.pt`` below one
+    of its record folders (it globs ``<folder>/**/*.pt``)."""
+    folder, _, rest = path.partition("/")
+    return folder in contract.PRECOMPUTED_DIRS and rest.endswith(contract.PRECOMPUTED_SUFFIX)
 
 
 class PrecomputedWriter:

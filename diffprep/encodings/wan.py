@@ -150,7 +150,7 @@ class Wan(clips.ClipEncoding):
         """One batch at the largest planned bucket, decoded again (clip PSNR), and the run projected per bucket."""
         empty = loaded.empty_prompt_embeds()
         output.state.write_bytes(contract.EMPTY_PROMPT, torch_bytes({"prompt_embeds": empty.clone()}))
-        output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/prompt_embeds_empty.npy", npy_bytes(empty[None]))
+        output.write_file(f"{contract.EMPTY_ENCODINGS_DIR}/{contract.PROMPT_EMBEDS_EMPTY}", npy_bytes(empty[None]))
         layout = Layout.of_plan(plan.settings)
         if layout.negative:  # fastgen: the negative prompt's umT5 sequence
             layout.write_negative(output, {contract.PROMPT_EMBEDS:

@@ -68,7 +68,8 @@ def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None =
     """
     import av
 
-    name = key or str(source)
+    # A file in memory has no name of its own: the reject is recorded under its sample's id.
+    name = key or ("the file" if isinstance(source, io.BytesIO) else str(source))
     try:
         container = av.open(source if isinstance(source, io.BytesIO) else str(source))
     except (av.error.FFmpegError, OSError) as error:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-from diffprep import contract
 from diffprep.output.locks import OutputLock, pid_alive
 from diffprep.output.state import StateStore
 from diffprep.shards import (
@@ -36,16 +34,6 @@ from diffprep.shards import (
 class CommittedUnits(NamedTuple):
     done: dict[int, UnitManifest]  # unit -> manifest: committed, shard as written
     damaged: list[int]  # committed once, but the shard is missing or another size now: to be redone
-
-
-def is_ours(name: str) -> bool:
-    """Whether a top-level entry of an output is one diffprep writes (state, Energon metadata, shards, indexes,
-    a trainer layout's files)."""
-    if name in (contract.NV_META, contract.STATE_DIR, contract.EMPTY_ENCODINGS_DIR, *contract.LAYOUT_FILES):
-        return True
-    if name.endswith(contract.INDEX_SUFFIX):
-        name = name[: -len(".idx")]
-    return contract.unit_of_shard(name) is not None
 
 
 class Output:
@@ -69,6 +57,16 @@ class Output:
     def entries(self) -> list[str]:
         """Top-level names: files and folders, ours and foreign."""
         return sorted(os.listdir(self.local)) if self.local.is_dir() else []
+
+    def files(self) -> list[str]:
+        """Every file below the output, ours and foreign, as ``/``-separated paths relative to it (a link is a
+        file: it is listed, never followed)."""
+        found = []
+        for root, dirs, names in os.walk(self.local):
+            folder = Path(root).relative_to(self.local)
+            for name in names + [d for d in dirs if (Path(root) / d).is_symlink()]:
+                found.append((folder / name).as_posix())
+        return sorted(found)
 
     def size(self, name: str) -> int | None:
         """Size of the top-level file ``name``; None when there is none."""
@@ -111,13 +109,6 @@ class Output:
         if manifest.files is not None:
             return all(self.size(name) == size for name, size in manifest.files.items())
         return self.size(manifest.shard) == manifest.bytes
-
-    def owns(self, name: str) -> bool:
-        """Whether a top-level entry is diffprep's: ``is_ours``, and in a ``.precomputed`` root (the LTX layout)
-        the trainer's record folders."""
-        precomputed = self.local.name == contract.PRECOMPUTED_DIR or self.local.name.startswith(
-            contract.PRECOMPUTED_DIR + "-v")
-        return is_ours(name) or (precomputed and name in contract.PRECOMPUTED_DIRS)
 
     def committed_units(self, fingerprint: str, manifests: dict[int, UnitManifest] | None = None) -> CommittedUnits:
         """The one answer to "what is done": the units committed for ``fingerprint`` whose shard is intact, and
@@ -169,24 +160,18 @@ class Output:
         """Uploads left unfinished by runs that died; a folder has none."""
         return []
 
-    def clear_ours(self) -> list[str]:
-        """Delete what diffprep wrote (only after an approved overwrite); files it did not write stay.
-
-        The lock of the run doing the overwrite stays. Returns the top-level names removed.
-        """
-        removed = []
-        for name in self.entries():
-            if not self.owns(name):
-                continue
-            path = self.local / name
-            if name == contract.STATE_DIR:
-                self.state.clear()
-            elif path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-            removed.append(name)
-        return removed
+    def remove(self, paths: list[str] | tuple[str, ...]) -> None:
+        """Delete exactly the files ``paths`` (only after an approved overwrite: ``diffprep.ownership`` says which
+        are diffprep's), then the folders that removing them left empty; every other file stays."""
+        folders = set()
+        for relative in paths:
+            path = self.local / relative
+            path.unlink(missing_ok=True)
+            folders.update(parent for parent in path.parents if parent != self.local and self.local in parent.parents)
+        for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):  # not empty: a file that stays is in it
+                folder.rmdir()
+        self.state.reopened()
 
     def clear_dead_temp_files(self) -> list[str]:
         """Remove temporary files that writers on this host left when they died: never committed, never data.
@@ -239,4 +224,4 @@ class Output:
 
 LocalOutput = Output
 
-__all__ = ["CommittedUnits", "LocalOutput", "Output", "is_ours"]
+__all__ = ["CommittedUnits", "LocalOutput", "Output"]

@@ -27,8 +27,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import IO, Any
 
 from diffprep import contract
 from diffprep.errors import SourceError
-from diffprep.output.base import Output, is_ours
+from diffprep.output.base import Output
 from diffprep.output.locks import S3Lock
 from diffprep.output.msc import energon_path
 from diffprep.output.upload import MULTIPART_CHUNK, ObjectUpload, etag_of, request
@@ -111,6 +109,9 @@ class S3Output(Output):
 
     def entries(self) -> list[str]:
         return sorted({name.split("/", 1)[0] for name in self.objects(refresh=True)})
+
+    def files(self) -> list[str]:
+        return sorted(self.objects(refresh=True))
 
     def size(self, name: str) -> int | None:
         info = self.objects().get(name)
@@ -271,10 +272,9 @@ class S3Output(Output):
             raise storage_error(exc, self.url, "ListMultipartUploads", self.client) from None
         return sorted(aborted)
 
-    def clear_ours(self) -> list[str]:
-        locks = re.compile(rf"{re.escape(contract.STATE_DIR)}/lock(-shard-\d+)?\.json")  # the runs' own: kept
-        doomed = sorted(name for name in self.objects(refresh=True)
-                        if is_ours(name.split("/", 1)[0]) and not locks.fullmatch(name))
+    def remove(self, paths: list[str] | tuple[str, ...]) -> None:
+        """Delete exactly the objects ``paths`` (call with the run's lock held), and their staged copies."""
+        doomed = sorted(paths)
         for start in range(0, len(doomed), 1000):
             batch = doomed[start:start + 1000]
             try:
@@ -287,12 +287,7 @@ class S3Output(Output):
                 raise OSError(f"{self.uri}: DeleteObjects refused {len(response['Errors'])} object(s), e.g. "
                               f"{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}")
         self._objects = None
-        # The staged state goes too (the lock stays).
-        self.state.clear()
-        meta = self.local / contract.NV_META
-        if meta.is_dir():
-            shutil.rmtree(meta)
-        return sorted({name.split("/", 1)[0] for name in doomed})
+        super().remove(doomed)
 
     def next_free(self, fingerprint: str | None = None) -> S3Output:
         version = 2

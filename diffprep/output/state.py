@@ -134,14 +134,5 @@ class StateStore:
             except OSError:
                 break
 
-    def clear(self) -> None:
-        """Forget every state file but the run's own locks (after an approved overwrite)."""
-        if not self.root.is_dir():
-            return
-        for child in sorted(self.root.iterdir()):
-            if contract.is_lock_file(child.name):
-                continue
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-
 
 __all__ = ["StateStore"]

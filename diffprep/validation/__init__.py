@@ -30,7 +30,9 @@ from typing import Any
 from diffprep import contract
 from diffprep.checks import Check
 from diffprep.encodings import get_encoding
+from diffprep.encodings.ltx_layout import dataset_root
 from diffprep.errors import ConfigError, SourceError
+from diffprep.layouts import Layout
 from diffprep.output import Output, OutputRef, as_output
 from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
 from diffprep.validation.dataset import normalize_expected, read_dataset
@@ -78,6 +80,12 @@ def validate_dataset(
     elif not output.local.is_dir():
         return _report(output, [Check("metadata", False, f"{output.local} is not a directory")], {})
 
+    # A trainer's own folders (the LTX layout), read as that trainer reads them. (A plan.json may hold only the
+    # ``expected`` shapes: the layout decides whether it must be a whole plan.)
+    recorded = output.state.read_json(contract.PLAN_JSON) or {}
+    if Layout.of_plan(recorded.get("settings")).name == contract.LAYOUT_LTX:
+        plan = output.state.plan()
+        return get_encoding(plan.encoding).own_folders(plan).validate(output, plan)
     summary: dict[str, Any] = {"max_load": max_load} if max_load is not None else {}
     dataset, metadata = read_dataset(output, encoding, expected)
     summary["encoding"] = dataset.encoding
@@ -166,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options = {"encoding": args.encoding, "max_load": args.max_load, "previews": args.previews}
     try:
-        out = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
+        out = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
+                        profile=args.s3_profile).open()
         if args.json:
             # Energon prints progress and errors on stdout; keep stdout for the JSON alone.
             with contextlib.redirect_stdout(sys.stderr):

@@ -113,7 +113,7 @@ def _check_shard(ds: Dataset, output: Output, encoding: Encoding | None, name: s
     files, counts, manifests_check, fields = (findings[n] for n in ("shard files", "shard counts", "manifests",
                                                                     "fields"))
     count = ds.info[name]
-    idx = name.removesuffix(contract.SHARD_SUFFIX) + contract.INDEX_SUFFIX
+    idx = contract.index_name(name)
     idx_size = output.size(idx)
     if idx_size is None:
         files.add(f"{idx} is missing; run finalize to rebuild the tar index")

@@ -1,0 +1,164 @@
+"""Which files of an output diffprep wrote: what an approved overwrite removes, and what it must leave alone.
+
+A file is diffprep's when its own records name it:
+
+- a shard (and the Energon index beside it), or a trainer-layout file, that a
+  unit manifest lists or the output's plan plans (a unit that died between its
+  shard and its manifest leaves a shard the plan still names);
+- a metadata file diffprep writes by name: ``.nv-meta``'s (``dataset.yaml`` and
+  the files Energon's prepare writes), the empty encodings, a layout's files at
+  the top;
+- a state file of ``.diffprep`` (plan, manifests, reports, sanity and scratch);
+  the runs' locks are diffprep's too, but an overwrite keeps them;
+- a temporary file of any of these, named by ``shards.temp_name``.
+
+Every other file is foreign, wherever it sits (``.nv-meta/custom/``,
+``empty_encodings/``, ``latents/``...): an overwrite lists it in its question
+and keeps it byte for byte. A foreign file that this run would write over, or
+that the trainer would read as a sample, blocks the overwrite instead.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from diffprep import contract
+from diffprep.pictures import CONTACT_SHEET
+from diffprep.plan import Plan
+from diffprep.shards import TEMP_SUFFIX, UnitManifest
+
+# Energon's names in .nv-meta (megatron.energon.flavors.webdataset.config) and diffprep's dataset.yaml.
+NV_META_FILES = frozenset({contract.DATASET_YAML, contract.SPLIT_YAML, contract.INFO_JSON, contract.INDEX_SQLITE,
+                           contract.INDEX_UUID, contract.INFO_YAML})
+EMPTY_ENCODINGS = frozenset({contract.T5_EMPTY, contract.CLIP_EMPTY, contract.PROMPT_EMBEDS_EMPTY})
+STATE_FILES = frozenset({contract.PLAN_JSON, contract.AUDIT_JSON, contract.VALIDATION_JSON, contract.SPLITS_JSON,
+                         contract.LATENT_STATS, contract.EMPTY_PROMPT, contract.MSC_CONFIG, CONTACT_SHEET})
+SANITY_FILES = frozenset({contract.SANITY_REPORT, contract.SANITY_SAMPLE, CONTACT_SHEET})
+_MANIFEST_RE = re.compile(r"\d{6,}\.json")
+_TEMP_SHARD_RE = re.compile(r"\d{6,}\.tar\..+\.\d+" + re.escape(TEMP_SUFFIX))  # ShardWriter's, in tmp/
+_CACHED_TEXT_RE = re.compile(r"[0-9a-f]+/(?:[^/]+/)?[0-9a-f]{64}\.pt")  # <fingerprint>/[<host>/]<sha256>.pt
+_TEMP_RE = re.compile(r"\.(?P<rest>.+)\.\d+" + re.escape(TEMP_SUFFIX))  # shards.temp_name's, hidden (atomic writes)
+SHOWN = 10  # files named in a question; the rest are counted
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """An output's files (paths relative to it, ``/``-separated), sorted by who wrote them."""
+
+    ours: tuple[str, ...]  # what an approved overwrite removes
+    locks: tuple[str, ...]  # diffprep's, kept: the run doing the overwrite holds one
+    foreign: tuple[str, ...]  # not diffprep's: listed, kept
+
+    def blocking(self, plan: Plan) -> list[str]:
+        """Foreign files an overwrite with ``plan`` cannot keep: this run writes files of their names, or the
+        trainer reads them as samples beside the new ones."""
+        writes = set(planned_files(plan))
+        return [name for name in self.foreign if name in writes or read_as_data(name, plan)]
+
+
+def state_file(relative: str) -> bool:
+    """Whether ``relative`` (inside ``.diffprep``) is a state file diffprep writes."""
+    folder, _, rest = relative.partition("/")
+    if not rest:
+        return folder in STATE_FILES
+    if folder == contract.UNITS_DIR:
+        return _MANIFEST_RE.fullmatch(rest) is not None
+    if folder == contract.SANITY_DIR:
+        return rest in SANITY_FILES
+    if folder == contract.TMP_DIR:
+        return _TEMP_SHARD_RE.fullmatch(rest) is not None
+    if folder == contract.TEXT_CACHE_DIR:
+        return _CACHED_TEXT_RE.fullmatch(rest) is not None
+    return False
+
+
+def named_by_name(path: str) -> bool:
+    """Whether diffprep writes the file at ``path`` by its name alone (metadata and state; not a lock)."""
+    folder, _, rest = path.partition("/")
+    if not rest:
+        return folder in contract.LAYOUT_FILES
+    if folder == contract.STATE_DIR:
+        return state_file(rest)
+    if folder == contract.NV_META:
+        return rest in NV_META_FILES
+    if folder == contract.EMPTY_ENCODINGS_DIR:
+        return rest in EMPTY_ENCODINGS
+    return False
+
+
+def data_files(manifests: dict[int, UnitManifest], plan: Plan | None) -> set[str]:
+    """The shards, their indexes and the layout files that diffprep's manifests list and its plan plans."""
+    names: set[str] = set()
+    for manifest in manifests.values():
+        if manifest.shard:
+            names.update((manifest.shard, contract.index_name(manifest.shard)))
+        names.update(manifest.files or ())
+    if plan is not None:
+        names.update(planned_files(plan))
+    return names
+
+
+def planned_files(plan: Plan) -> list[str]:
+    """Every data file a run of ``plan`` writes: its shards and their indexes, or its layout's files."""
+    from diffprep.encodings.ltx_layout import is_ltx
+    from diffprep.encodings.ltx_layout import planned_files as ltx_files
+
+    if is_ltx(plan):
+        return ltx_files(plan)
+    shards = [contract.shard_name(unit.unit) for unit in plan.units]
+    return shards + [contract.index_name(name) for name in shards]
+
+
+def read_as_data(path: str, plan: Plan) -> bool:
+    """Whether the trainer of ``plan``'s layout reads the file at ``path`` as a sample (the LTX trainer globs its
+    record folders; Energon reads only the shards its metadata names)."""
+    from diffprep.encodings.ltx_layout import is_ltx, read_by_trainer
+
+    return is_ltx(plan) and read_by_trainer(path)
+
+
+def classify(files: list[str], manifests: dict[int, UnitManifest], plan: Plan | None) -> Ownership:
+    """Sort ``files`` (every file of an output) by who wrote them (the module docstring)."""
+    named = data_files(manifests, plan)
+
+    def is_ours(path: str) -> bool:
+        return path in named or named_by_name(path)
+
+    ours, locks, foreign = [], [], []
+    for path in sorted(files):
+        folder, _, rest = path.partition("/")
+        if folder == contract.STATE_DIR and contract.is_lock_file(rest):
+            locks.append(path)
+        elif is_ours(path) or any(is_ours(target) for target in temp_targets(path)):
+            ours.append(path)
+        else:
+            foreign.append(path)
+    return Ownership(tuple(ours), tuple(locks), tuple(foreign))
+
+
+def temp_targets(path: str) -> list[str]:
+    """The files a temporary file at ``path`` may have been written for (``shards.atomic_write_bytes`` names it
+    ``.<name>.<host>.<pid>.tmp`` beside its target; a host name may hold dots, so every cut is a candidate)."""
+    parent, _, base = path.rpartition("/")
+    match = _TEMP_RE.fullmatch(base)
+    if not match:
+        return []
+    rest = match.group("rest")
+    prefix = parent + "/" if parent else ""
+    return [prefix + rest[:i] for i, char in enumerate(rest) if char == "."]
+
+
+def ownership(output: Any) -> Ownership:
+    """Who wrote each file of ``output`` (a folder or a bucket prefix), by its manifests and its plan."""
+    return classify(output.files(), output.state.manifests(), output.state.plan())
+
+
+def listed(names: list[str] | tuple[str, ...], limit: int = SHOWN) -> str:
+    """``a``, ``b`` and 3 more: the first ``limit`` names, then a count."""
+    shown = ", ".join(f"`{name}`" for name in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+__all__ = ["Ownership", "classify", "listed", "ownership", "planned_files"]
