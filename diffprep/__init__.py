@@ -2,12 +2,7 @@
 
 import logging
 
-from diffprep.families.ltx2_torchaudio import allow_torchaudio_without_extension
-
 __version__ = "0.1.0"
-
-# Before anything imports torchaudio (ltx-core, transformers, diffusers): see that module.
-allow_torchaudio_without_extension()
 
 # diffusers imports bitsandbytes whenever it is installed (the LTX-2 8-bit text encoder), and on an AVX-512 CPU
 # bitsandbytes then warns that it could not fetch an optional 4-bit kernel from the Hugging Face hub: nothing

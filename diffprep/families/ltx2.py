@@ -40,6 +40,7 @@ from diffprep.families.ltx2_gemma import (
     feature_extractor_key_ops,
     load_gemma,
 )
+from diffprep.families.ltx2_torchaudio import require_torchaudio
 from diffprep.media.audio import ClipAudio
 
 if TYPE_CHECKING:
@@ -179,6 +180,7 @@ def describe_ltx2(
     """
     from importlib.metadata import version
 
+    require_torchaudio()  # ltx-core's audio side imports it, and so do transformers and diffusers
     from ltx_core.model.audio_vae import AudioEncoderConfigurator
 
     checkpoint = Path(checkpoint)
@@ -304,6 +306,7 @@ class Ltx2Encoders:
         decode``: the video VAE decoder, and with ``audio`` the audio VAE decoder
         and the vocoder (mel -> waveform), in ``audio_dtype``.
         """
+        require_torchaudio()  # before ltx-core, transformers or diffusers imports it
         from ltx_core.loader import SingleGPUModelBuilder
         from ltx_core.model.audio_vae import (
             AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
