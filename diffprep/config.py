@@ -5,6 +5,8 @@ Prefect UI form read, so the sections stay in one file.)
 
 The YAML file has the sections ``source``, ``output``, ``model``, ``image``,
 ``video``, ``raw``, ``finalize``, ``auth`` and ``workers``; an unknown section or key is an error that names it.
+Its ``${VAR}`` / ``${VAR:default}`` are expanded and Primus's spellings taken first (``config_files``); a path
+setting that still holds ``${`` is refused, so no folder is ever created under such a name.
 Parameters passed explicitly (CLI flags, flow parameters) win even when they
 equal the default: the CLI only passes the flags the user typed.
 """
@@ -13,13 +15,12 @@ from __future__ import annotations
 
 import contextvars
 import os
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from diffprep.config_files import read_config, refuse_unexpanded
 from diffprep.errors import ConfigError
 
 SourceType = Literal["directory", "huggingface", "webdataset", "metadata"]
@@ -105,6 +106,9 @@ class SourceConfig(_Section):
         "AWS_PROFILE or the default chain.",
     )
 
+    _paths_expanded = field_validator("input_dir", "hf_dataset", "metadata_file", "class_names",
+                                      "input_path")(refuse_unexpanded)
+
     @model_validator(mode="before")
     @classmethod
     def _type_from_location(cls, data: Any) -> Any:
@@ -156,6 +160,8 @@ class OutputConfig(_Section):
         None, description="Other member names for some fields, e.g. 'latents=latent.pth,prompt_embeds=txt_emb.pth' "
         "(a mapping in YAML): field -> name, the field's own extension kept. Not with layout fastgen (a preset).",
     )
+
+    _paths_expanded = field_validator("output_dir")(refuse_unexpanded)
 
     @field_validator("key_map", mode="before")
     @classmethod
@@ -234,6 +240,9 @@ class ModelConfig(_Section):
         description="Sanity check: the median VAE round-trip PSNR (dB) of the first batch must reach this; a "
         "correctly configured Flux VAE scores about 30. 0 turns the check off (random-weight test models).",
     )
+
+    _paths_expanded = field_validator("model_path", "text_encoder_path", "vae_path", "t5_path",
+                                      "clip_path")(refuse_unexpanded)
 
 
 class ImageConfig(_Section):
@@ -326,7 +335,10 @@ class FinalizeConfig(_Section):
 
 
 class AuthConfig(_Section):
-    hf_token_file: str | None = Field(None, description="File holding a Hugging Face token (mode 600 or 400).")
+    hf_token_file: str | None = Field(
+        None, description="File holding a Hugging Face token (mode 600 or 400). Empty: none (HF_TOKEN, or the "
+        "cached login).",
+    )
     hf_credentials_block: str | None = Field(
         None, description="Name of a saved diffprep Hugging Face credentials block (Prefect runs)."
     )
@@ -334,6 +346,14 @@ class AuthConfig(_Section):
         None, description="Name of a saved diffprep S3 credentials block (Prefect runs): the keys for s3:// "
         "sources and outputs. Unset: the AWS chain (env, profile, instance role).",
     )
+
+    @field_validator("hf_token_file", mode="before")
+    @classmethod
+    def _empty_is_no_file(cls, value: Any) -> Any:
+        """``hf_token_file: ""`` means no token file (Primus's configs write it so for public datasets)."""
+        return None if isinstance(value, str) and not value.strip() else value
+
+    _paths_expanded = field_validator("hf_token_file")(refuse_unexpanded)
 
 
 class WorkersConfig(_Section):
@@ -458,31 +478,9 @@ class RawParameters(_RunParameters):
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a config file and refuse unknown sections and keys, naming them."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
-    for section, values in data.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
-        if values is None:
-            data[section] = {}
-            continue
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: section {section!r} must be a mapping, got {type(values).__name__}")
-        known = SECTIONS[section].model_fields
-        for key in values:
-            if key not in known:
-                raise ConfigError(
-                    f"{path}: unknown key {key!r} in section {section!r}; valid keys: {', '.join(known)}"
-                )
-    return data
+    """Read a config file (variables expanded, Primus's spellings taken) and refuse unknown sections and keys,
+    naming them (``config_files.read_config``)."""
+    return read_config(path, SECTIONS)
 
 
 def load_settings(config: str | os.PathLike | None = None,
