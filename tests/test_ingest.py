@@ -203,7 +203,8 @@ def test_a_row_with_a_missing_or_foreign_column_is_a_reject():
 def _args(mlperf: Path, out: Path, *extra: str) -> list[str]:
     return ["ingest", "--manifest", str(mlperf / "flux-1-tiny-preprocessed.md5"), "--output-dir", str(out),
             "--empty-encodings", str(mlperf / "empty" / "flux-1-empty-encodings.uri"), "--prefetch-depth", "2",
-            "--accept-rejects", "0.2", "--train-split", "0.34", "--retries", "1", "--backoff-s", "0.01", *extra]
+            "--accept-rejects", "0.2", "--train-split", "0.34", "--retries", "1", "--backoff-s", "0.01",
+            *extra]
 
 
 def _snapshot(out: Path) -> dict[str, str]:
@@ -266,7 +267,7 @@ def test_a_file_whose_md5_does_not_match_fails_the_run_and_keeps_nothing(mlperf,
     folder = tmp_path / "bad"
     folder.mkdir()
     write_arrow(folder / "a.arrow", 2, 0, keys=False)
-    write_manifest(folder, "m", {"a.arrow": "0" * 32})
+    write_manifest(folder, "m", {"a.arrow": "0" * 32}, base=folder.as_uri())  # a file:// base URL
     out = tmp_path / "out"
     assert main(["ingest", "--manifest", str(folder / "m.uri"), "--output-dir", str(out), "--retries", "1",
                  "--backoff-s", "0.01"]) == 2
