@@ -181,6 +181,10 @@ def test_the_prefetch_keeps_at_most_its_depth_on_disk(server, tmp_path):
             prefetcher.release(name)
             assert len(list(folder.iterdir())) <= 2
     assert list(folder.iterdir()) == []
+    # A planned file the manifest no longer lists fails its get(), never hangs it.
+    with Prefetcher(manifest, ["gone.arrow"], folder, retries=0) as prefetcher:
+        with pytest.raises(SourceError, match="no longer listed"):
+            prefetcher.get("gone.arrow")
 
 
 def test_a_row_with_a_missing_or_foreign_column_is_a_reject():
@@ -197,7 +201,7 @@ def test_a_row_with_a_missing_or_foreign_column_is_a_reject():
     assert isinstance(row_fields(row | {"clip_encodings": b"not npy"}, "f#0", "k"), Reject)
 
 
-# --- the whole ingest ---------------------------------------------------------------------------------------------------
+# --- the whole ingest -------------------------------------------------------------------------------------------------
 
 
 def _args(mlperf: Path, out: Path, *extra: str) -> list[str]:

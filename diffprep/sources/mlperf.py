@@ -240,10 +240,15 @@ class Prefetcher:
                     return
             if self._closed.is_set():
                 return
-            entry = self.manifest.entry(name)
+            try:
+                entry = self.manifest.entry(name)
+                future = self._pool.submit(download, file_url(self.manifest.base_url, name), self.path(name),
+                                           entry.md5, **self.options)
+            except Exception as error:  # noqa: BLE001 - a name the manifest lost, a pool shut down: get() raises it
+                future = Future()
+                future.set_exception(error)
             with self._lock:
-                self._futures[name] = self._pool.submit(download, file_url(self.manifest.base_url, name),
-                                                        self.path(name), entry.md5, **self.options)
+                self._futures[name] = future
                 self._lock.notify_all()
 
     def get(self, name: str) -> Path:
