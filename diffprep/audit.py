@@ -116,22 +116,26 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     rejected_ids: list[dict] = []
     inputs = written = rejected = 0
     ltx, audited = ltx_layout.is_ltx(plan), []
+    encoding = get_encoding(plan.encoding)
     for unit in wanted:
-        inputs += len(unit.source_ids)
         manifest = manifests.get(unit.unit)
         if manifest is None:
+            inputs += len(unit.source_ids)
             problems.append(f"unit {unit.unit:06d} has no manifest (not encoded): re-run the encode")
             continue
         if manifest.fingerprint != plan.fingerprint:
+            inputs += len(unit.source_ids)
             problems.append(f"unit {unit.unit:06d} was written with other settings "
                             f"(fingerprint {manifest.fingerprint})")
             continue
+        planned = encoding.planned_ids(unit, manifest)  # an ingested file: the rows it held
+        inputs += len(planned)
         accounted = list(manifest.source_ids) + [r.source_id for r in manifest.rejects]
-        if sorted(accounted) != sorted(unit.source_ids):
-            lost = sorted(set(unit.source_ids) - set(accounted))
-            extra = sorted(set(accounted) - set(unit.source_ids))
+        if sorted(accounted) != sorted(planned):
+            lost = sorted(set(planned) - set(accounted))
+            extra = sorted(set(accounted) - set(planned))
             problems.append(
-                f"unit {unit.unit:06d}: {len(unit.source_ids)} planned, {manifest.count} written + "
+                f"unit {unit.unit:06d}: {len(planned)} planned, {manifest.count} written + "
                 f"{len(manifest.rejects)} rejected; unaccounted {lost[:5]}, unplanned {extra[:5]}"
             )
         if manifest.count != len(manifest.keys):

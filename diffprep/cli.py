@@ -1,4 +1,4 @@
-"""The ``diffprep`` command: encode, raw, decode, finalize, validate, tiny-model, demo, automation, serve.
+"""The ``diffprep`` command: encode, raw, ingest, decode, finalize, validate, tiny-model, demo, automation, serve.
 
 (Over 400 lines: every subcommand's flags and their settings in one place.)
 
@@ -106,6 +106,11 @@ RAW_FLAGS: dict[str, tuple[str, str]] = {
     "--image-quality": ("raw", "image_quality"),
     "--video-crf": ("raw", "video_crf"),
 }
+# `diffprep ingest`: where the dataset goes, approvals and finalize; what to ingest is diffprep.ingest_settings'.
+INGEST_OUTPUT_FLAGS: dict[str, tuple[str, str]] = {
+    flag: ENCODE_FLAGS[flag] for flag in ("--output-dir", "--output-s3-endpoint-url", "--output-s3-profile",
+                                          "--on-existing", "--accept-rejects", "--approval-timeout", "--train-split",
+                                          "--finalize", "--on-split-change")}
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling",
                  "--skip-audio", "--load-text-encoder-in-8bit"}
 LIST_FLAGS = {"--hf-data-files"}
@@ -281,6 +286,18 @@ def cmd_raw(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from diffprep.config import load_settings
+    from diffprep.ingest import ingest
+    from diffprep.ingest_settings import SECTION, ingest_config
+
+    overrides = overrides_from(args)
+    config = ingest_config(overrides.pop(SECTION, {}))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s - %(message)s")
+    print_summary(ingest(load_settings(args.config, overrides), config).to_json())
+    return 0
+
+
 def cmd_decode(args: argparse.Namespace) -> int:
     from diffprep.decode import decode_dataset
     from diffprep.encodings.ltx_layout import dataset_root
@@ -450,6 +467,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "captions without encoding (runs the encode-raw flow)")
     _add_encode_flags(raw, RAW_FLAGS)
     raw.set_defaults(func=cmd_raw)
+
+    ingest = sub.add_parser("ingest", help="turn an already-encoded dataset (MLPerf Flux's Arrow files listed in a "
+                            ".uri/.md5 manifest) into Energon shards, with an encode's resume, audit and validation")
+    from diffprep.ingest_settings import add_arguments as add_ingest_arguments
+
+    _add_encode_flags(ingest, INGEST_OUTPUT_FLAGS)
+    add_ingest_arguments(ingest)
+    ingest.set_defaults(func=cmd_ingest)
 
     decode = sub.add_parser("decode", help="decode samples back to images next to their sources and print the PSNR")
     decode.add_argument("out", help="the dataset folder")

@@ -44,6 +44,22 @@ RAW_VIDEO = "mp4"
 RAW_VIDEO_META = "json"
 RAW_VIDEO_FIELDS = (RAW_VIDEO, RAW_CAPTION, RAW_VIDEO_META)
 
+# An ingested MLPerf Flux sample (``diffprep ingest``, Primus's ``encoding: preencoded_numpy``): the stored
+# arrays as they came, each an ``.npy`` of uint16 words that are bfloat16 values (T5 sequence [L, 4096], CLIP
+# pooled [768], the VAE posterior's mean and logvar [16, H/8, W/8]), and a JSON record of where the row came from.
+T5_BYTES = "t5.bytes"
+CLIP_BYTES = "clip.bytes"
+MEAN_BYTES = "mean.bytes"
+LOGVAR_BYTES = "logvar.bytes"
+INGESTED_META = "json"
+INGESTED_FIELDS = (T5_BYTES, CLIP_BYTES, MEAN_BYTES, LOGVAR_BYTES, INGESTED_META)
+# The Arrow IPC stream columns of an MLPerf Flux file, in the order of the fields above; ``__key__`` is optional.
+MLPERF_COLUMNS = ("t5_encodings", "clip_encodings", "mean", "logvar")
+MLPERF_KEY_COLUMN = "__key__"
+# An MLPerf manifest: ``<name>.uri`` holds the base URL, ``<name>.md5`` lines of ``<md5>  <file name>``.
+MANIFEST_URI_SUFFIX = ".uri"
+MANIFEST_MD5_SUFFIX = ".md5"
+
 # Classifier-free guidance files at the output's top, for trainers that read them from a folder (Primus's
 # empty_encodings_path): the empty caption's T5 sequence [1, L, 4096] and CLIP pooled [1, 768], float32 .npy.
 EMPTY_ENCODINGS_DIR = "empty_encodings"
@@ -75,7 +91,9 @@ ENCODING_WAN = "wan"  # pre-encoded with a Wan 2.x model (video)
 ENCODING_LTX2 = "ltx2"  # pre-encoded with an LTX-2 checkpoint (video + audio)
 ENCODING_RAW_VIDEO = "raw_video"  # clips stored as mp4, not encoded
 ENCODING_LTX2_AUDIO = "ltx2_audio"  # LTX-2 audio only (T2A): audio latents and text, no video latents
-ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO)
+ENCODING_PREENCODED_NUMPY = "preencoded_numpy"  # already encoded elsewhere, ingested as stored (MLPerf Flux)
+ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO,
+             ENCODING_PREENCODED_NUMPY)
 
 # The LTX-2 trainer's layout (--layout ltx; reference/consumer-formats.md A1/A2): under <out>/.precomputed/, one
 # torch.save'd dict per sample and folder, named after the sample's media path relative to the metadata file with
@@ -115,6 +133,9 @@ SPLITS_JSON = "splits.json"
 LATENT_STATS = "latent_stats.pt"
 EMPTY_PROMPT = "empty_prompt.pth"
 SANITY_DIR = "sanity"
+# An ingest's downloads while they wait for their unit (``diffprep ingest``): removed once the unit is committed.
+DOWNLOADS_DIR = "downloads"
+DOWNLOAD_PART_SUFFIX = ".part"
 # Scratch of a run in progress, never published: the caption encodings its processes on one machine share
 # (text_cache/<fingerprint>/<sha256 of the caption>.pt, diffprep.families.text_cache); removed after the units.
 TEXT_CACHE_DIR = "text_cache"

@@ -42,15 +42,18 @@ size together (Energon's ``batch_group_criterion``); video datasets with
 ``VideoPreencodedTaskEncoder`` (one resolution bucket per batch). Raw datasets load with ``FluxRawTaskEncoder``,
 which yields the image file's bytes and the caption (decode and augment in
 your own ``encode_sample``); raw video datasets with ``RawVideoTaskEncoder`` (the mp4 bytes) or
-``RawVideoFramesTaskEncoder`` (decoded frames, one bucket per batch).
+``RawVideoFramesTaskEncoder`` (decoded frames, one bucket per batch). An ingested MLPerf Flux dataset
+(``encoding: preencoded_numpy``) loads with ``NumpyPreencodedTaskEncoder``: its uint16 ``.npy`` words as bfloat16.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.energon import Batch, Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, edataclass, stateless
 
@@ -322,13 +325,46 @@ def cook_ltx2_audio(sample: dict) -> Ltx2Sample:
     return _cook_ltx2(sample, video=False)
 
 
+@edataclass
+class NumpyPreencodedSample(Sample):
+    """One ingested MLPerf Flux sample (``encoding: preencoded_numpy``), as Primus's trainer reads it: bfloat16."""
+
+    prompt_embeds: torch.Tensor  # T5 sequence [L, 4096]
+    pooled_prompt_embeds: torch.Tensor  # CLIP pooled [768]
+    mean: torch.Tensor  # the VAE posterior's mean [16, H/8, W/8]
+    logvar: torch.Tensor  # and its log-variance
+    meta: dict  # the row's key and source id
+
+
+def load_bf16_npy(data: bytes, *, key: str = "?", field: str = "?") -> torch.Tensor:
+    """uint16 ``.npy`` bytes (no pickle) as the bfloat16 tensor they hold."""
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as error:  # noqa: BLE001 - numpy's errors, named with the sample
+        raise SampleLoadError(f"sample {key!r} field {field!r} is not a plain .npy: {error}") from None
+    if array.dtype.kind != "u" or array.dtype.itemsize != 2:
+        raise SampleLoadError(f"sample {key!r} field {field!r} is {array.dtype}, not uint16 words of bfloat16")
+    return torch.from_numpy(array.astype("<u2", copy=True)).view(torch.bfloat16)
+
+
+@stateless
+def cook_preencoded_numpy(sample: dict) -> NumpyPreencodedSample:
+    key = sample.get("__key__", "?")
+    tensors = {name: load_bf16_npy(_field(sample, member), key=key, field=member)
+               for name, member in (("prompt_embeds", contract.T5_BYTES), ("pooled_prompt_embeds", contract.CLIP_BYTES),
+                                    ("mean", contract.MEAN_BYTES), ("logvar", contract.LOGVAR_BYTES))}
+    return NumpyPreencodedSample(**basic_sample_keys(sample), **tensors,
+                                 meta=json.loads(_text(sample, contract.INGESTED_META)))
+
+
 PREENCODED_COOKER = Cooker(cook_preencoded, has_subflavors={"encoding": contract.ENCODING_PREENCODED})
 RAW_COOKER = Cooker(cook_raw, has_subflavors={"encoding": contract.ENCODING_RAW})
 WAN_COOKER = Cooker(cook_video, has_subflavors={"encoding": contract.ENCODING_WAN})
 LTX2_COOKER = Cooker(cook_ltx2, has_subflavors={"encoding": contract.ENCODING_LTX2})
 LTX2_AUDIO_COOKER = Cooker(cook_ltx2_audio, has_subflavors={"encoding": contract.ENCODING_LTX2_AUDIO})
 RAW_VIDEO_COOKER = Cooker(cook_raw_video, has_subflavors={"encoding": contract.ENCODING_RAW_VIDEO})
-COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER, LTX2_COOKER, LTX2_AUDIO_COOKER, RAW_VIDEO_COOKER]
+NUMPY_COOKER = Cooker(cook_preencoded_numpy, has_subflavors={"encoding": contract.ENCODING_PREENCODED_NUMPY})
+COOKERS = [PREENCODED_COOKER, RAW_COOKER, WAN_COOKER, LTX2_COOKER, LTX2_AUDIO_COOKER, RAW_VIDEO_COOKER, NUMPY_COOKER]
 
 
 def _stack(samples: list[Any], name: str) -> torch.Tensor:
@@ -452,3 +488,11 @@ class RawVideoFramesTaskEncoder(_OneBucketPerBatch, RawVideoTaskEncoder):
     @stateless
     def batch(self, samples: list[RawVideoSample]) -> RawVideoBatch:
         return _bucket_batch(RawVideoBatch, samples, "frames")
+
+
+class NumpyPreencodedTaskEncoder(DefaultTaskEncoder[NumpyPreencodedSample, NumpyPreencodedSample, Any, Any]):
+    """Loads an ingested MLPerf Flux dataset (``encoding: preencoded_numpy``): bfloat16 tensors, Energon's default
+    batching."""
+
+    decoder = None
+    cookers = [NUMPY_COOKER]

@@ -1,8 +1,9 @@
 """What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw images, pre-encoded Wan and
-LTX-2 (video, and audio only), raw video."""
+LTX-2 (video, and audio only), raw video, and datasets encoded elsewhere and ingested as stored."""
 
 from diffprep import contract
 from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.encodings.ingested import Ingested
 from diffprep.encodings.ltx2 import Ltx2
 from diffprep.encodings.ltx2_audio import Ltx2Audio
 from diffprep.encodings.preencoded import Preencoded
@@ -13,7 +14,7 @@ from diffprep.errors import ConfigError
 
 # Ltx2 before Wan: encoding_of_sample asks in this order, and an LTX-2 sample also has Wan's latents field.
 ENCODINGS: dict[str, Encoding] = {encoding.name: encoding
-                                  for encoding in (Preencoded(), Raw(), Ltx2Audio(), Ltx2(), Wan(), RawVideo())}
+                                  for encoding in (Preencoded(), Raw(), Ltx2Audio(), Ltx2(), Wan(), RawVideo(), Ingested())}
 
 
 def encoding_for(settings, kind: str, token: str | None = None) -> str:
@@ -46,5 +47,5 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Ltx2", "Ltx2Audio", "Preencoded", "Raw", "RawVideo", "SampleFields", "Wan",
+__all__ = ["ENCODINGS", "Encoding", "Ingested", "Ltx2", "Ltx2Audio", "Preencoded", "Raw", "RawVideo", "SampleFields", "Wan",
            "encoding_for", "encoding_of_sample", "get_encoding"]

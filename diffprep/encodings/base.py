@@ -26,10 +26,10 @@ from diffprep.images import ImageSpec, bucket_name, image_buckets, image_size_of
 from diffprep.layouts import LayoutPreset, layout_for
 from diffprep.media.buckets import Bucket, choose_bucket
 from diffprep.output import Output
-from diffprep.plan import Plan
+from diffprep.plan import Plan, UnitPlan
 from diffprep.reader import Batch
 from diffprep.sanity import SanityReport
-from diffprep.shards import Reject
+from diffprep.shards import Reject, UnitManifest
 from diffprep.sources import Source, SourceSample
 from diffprep.sources.base import caption_settings
 
@@ -162,6 +162,11 @@ class Encoding(ABC):
             return bucket_name(bucket.width, bucket.height)
 
         return probe_in_parallel(source, ids, bucket_of, settings.image.decode_workers)
+
+    def planned_ids(self, unit: UnitPlan, manifest: UnitManifest) -> list[str]:
+        """The source ids a unit's committed ``manifest`` must account for (written or rejected): the plan's; an
+        encoding whose unit is a container read only when it is written (an ingested file) says from the manifest."""
+        return unit.source_ids
 
     @abstractmethod
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
