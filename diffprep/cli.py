@@ -366,6 +366,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return validate_main(argv)
 
 
+def cmd_latent_stats(args: argparse.Namespace) -> int:
+    from diffprep.encodings.ltx_layout import dataset_root
+    from diffprep.errors import DatasetValidationError
+    from diffprep.latent_stats import dataset_stats, stats_bytes, summary
+    from diffprep.output import OutputRef
+
+    output = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
+                       profile=args.s3_profile).open()
+    plan = output.state.plan()
+    if plan is None:
+        raise DatasetValidationError(f"{output.uri} holds no {contract.STATE_DIR}/{contract.PLAN_JSON}: not a "
+                                     "diffprep dataset, or encoding has not started")
+    stats = dataset_stats(output, plan, full_cov=args.full_cov)
+    if not stats:
+        raise DatasetValidationError(f"{output.uri} has no committed latents (encoding {plan.encoding!r})")
+    data = stats_bytes(stats)
+    if args.output:
+        Path(args.output).write_bytes(data)
+        where = args.output
+    else:
+        output.state.write_bytes(contract.LATENT_STATS, data)
+        where = f"{output.uri}/{contract.STATE_DIR}/{contract.LATENT_STATS}"
+    line = summary(stats)
+    condition = f", condition number {line['condition']:.3g}" if "condition" in line else ""
+    print(f"latent statistics of {line['samples']} samples ({line['count']} values per channel, "
+          f"{line['channels']} channels{condition}) written to {where}")
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     if args.family == "ltx2":
         from diffprep.families.ltx2_tiny import write_tiny_ltx2
@@ -504,6 +533,16 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--max-load", type=int, default=None, help="load at most N samples per split")
     _s3_arguments(validate)
     validate.set_defaults(func=cmd_validate)
+
+    stats = sub.add_parser("latent-stats", help="per-channel mean/std (and with --full-cov the covariance and its "
+                           "whitening) of every stored latent of a finished dataset, without re-encoding")
+    stats.add_argument("out", help="the output folder, s3://bucket/prefix, or an LTX layout's --output-dir")
+    stats.add_argument("--full-cov", action="store_true",
+                       help="also the channel covariance, whiten = cov^-1/2 and unwhiten = cov^1/2 (ZCA)")
+    stats.add_argument("--output", default=None, metavar="FILE",
+                       help=f"where to write the statistics (default: OUT/{contract.STATE_DIR}/{contract.LATENT_STATS})")
+    _s3_arguments(stats)
+    stats.set_defaults(func=cmd_latent_stats)
 
     from diffprep.families import FAMILIES
 

@@ -269,6 +269,15 @@ def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_
     assert len(list((tmp_path / "decoded").glob("*.mp4"))) == 2
     assert {p: p.read_bytes() for p in root.rglob("*.pt")} == before
 
+    # Latent statistics of the records: video at the top, audio under its field's name, each from every record.
+    assert main(["latent-stats", str(data), "--full-cov", "--output", str(tmp_path / "stats.pt")]) == 0
+    stats = torch.load(tmp_path / "stats.pt", weights_only=True)
+    for folder, got in (("latents", stats), ("audio_latents", stats["audio_latents"])):
+        values = torch.cat([s[folder]["latents"].double().reshape(s[folder]["latents"].shape[0], -1)
+                            for s in samples.values()], dim=1)
+        assert torch.allclose(got["mean"], values.mean(dim=1), atol=1e-9) and int(got["samples"]) == 3
+        assert torch.allclose(got["cov"], torch.cov(values, correction=0), atol=1e-9)
+
 
 def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
     data = tmp_path / "dataset"

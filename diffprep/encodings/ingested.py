@@ -158,7 +158,7 @@ class IngestedInspector:
     TENSORS = ("prompt_embeds", "pooled_prompt_embeds", "mean", "logvar")
 
     def __init__(self, expected: dict[str, Any] | None) -> None:
-        from diffprep.encodings.preencoded import LatentStats
+        from diffprep.latent_stats import LatentStats
 
         self.expected = dict(expected or {})
         self.shapes = Findings("shapes and dtypes")

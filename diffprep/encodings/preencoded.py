@@ -31,6 +31,7 @@ from diffprep.families.flux_vae import VaeDecoder
 from diffprep.encodings.base import Encoding, SampleFields, encoded_samples
 from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec, bucket_name, image_buckets, to_uint8
+from diffprep.latent_stats import LatentStats
 from diffprep.layouts import Layout, LayoutPreset
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, dtype_name, shape_matches
@@ -311,40 +312,6 @@ __all__ = ["Preencoded", "expected_shapes", "load_encoders", "preencoded_fields"
 
 
 MAX_SHAPES_KEPT = 20
-
-
-class LatentStats:
-    """Per-channel mean and variance over all latent values, merged per sample in float64 (Chan et al.)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.samples = 0
-        self.mean: torch.Tensor | None = None
-        self.m2: torch.Tensor | None = None
-
-    def add(self, latents: torch.Tensor) -> None:
-        values = latents.detach().to(torch.float64).reshape(latents.shape[0], -1)
-        n = values.shape[1]
-        mean = values.mean(dim=1)
-        m2 = ((values - mean[:, None]) ** 2).sum(dim=1)
-        if self.mean is None:
-            self.count, self.mean, self.m2 = n, mean, m2
-        else:
-            total = self.count + n
-            delta = mean - self.mean
-            self.mean = self.mean + delta * (n / total)
-            self.m2 = self.m2 + m2 + delta**2 * (self.count * n / total)
-            self.count = total
-        self.samples += 1
-
-    def result(self) -> dict[str, torch.Tensor]:
-        assert self.mean is not None and self.m2 is not None
-        return {
-            "mean": self.mean.clone(),
-            "std": (self.m2 / self.count).sqrt(),  # population std over every latent value of the channel
-            "count": torch.tensor(self.count, dtype=torch.int64),
-            "samples": torch.tensor(self.samples, dtype=torch.int64),
-        }
 
 
 class PreencodedInspector:

@@ -1,0 +1,195 @@
+"""Latent statistics: per-channel mean and std, and the full channel covariance with its whitening, for training.
+
+Every latent value of a channel is one observation: a latent ``[C, ...]``
+(an image's ``[C, H, W]``, a clip's ``[C, F, H, W]``, LTX-2 audio's
+``[C, T, F]``) adds ``prod(...)`` observations of a ``C``-vector. Moments are
+kept in float64 and merged per sample with Chan et al.'s pairwise update (the
+mean, the per-channel sum of squared deviations and, with ``full_cov``, the
+matrix of co-deviations), so any split of the samples into units, workers or
+runs merges to the same statistics up to float64 rounding.
+
+The result is the dict GAE's trainer loads (reference/scenes-and-cameras.md):
+``mean`` (C,), ``std`` (C,, population), ``count`` (observations per channel)
+and ``samples``; with the full covariance also ``cov`` (C, C, population),
+``whiten`` = cov^-1/2 and ``unwhiten`` = cov^1/2 (ZCA: the symmetric
+eigendecomposition, eigenvalues floored at 1e-8) and ``condition`` (the
+largest eigenvalue over the smallest, after the floor). Everything is float64:
+cast to the training dtype where it is applied (``(z - mean) / std``, or
+``whiten @ (z - mean)`` over the channel axis).
+
+``dataset_stats`` reads every committed sample of a finished dataset (shards,
+local or in a bucket, under any layout; or the LTX trainer's record folders)
+without re-encoding: ``diffprep latent-stats OUT``.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from diffprep import contract
+from diffprep.layouts import Layout
+from diffprep.shards import load_tensor
+
+EIGEN_FLOOR = 1e-8
+# The latent fields of a sample that get statistics (in the Energon layout's names), and the LTX trainer's folders
+# that hold them.
+LATENT_FIELDS = (contract.LATENTS, contract.AUDIO_LATENTS)
+RECORD_FOLDERS = {contract.LATENTS: contract.LATENTS_DIR, contract.AUDIO_LATENTS: contract.AUDIO_LATENTS_DIR}
+
+
+class LatentStats:
+    """Per-channel mean and variance (and, with ``full_cov``, the covariance) over all latent values, merged per
+    sample in float64 (Chan et al.)."""
+
+    def __init__(self, full_cov: bool = False) -> None:
+        self.full_cov = full_cov
+        self.count = 0
+        self.samples = 0
+        self.mean: torch.Tensor | None = None
+        self.m2: torch.Tensor | None = None
+        self.comoment: torch.Tensor | None = None  # sum of (x - mean)(x - mean)^T, with full_cov
+
+    def add(self, latents: torch.Tensor) -> None:
+        values = latents.detach().to(torch.float64).reshape(latents.shape[0], -1)
+        n = values.shape[1]
+        mean = values.mean(dim=1)
+        centered = values - mean[:, None]
+        m2 = (centered**2).sum(dim=1)
+        comoment = centered @ centered.T if self.full_cov else None
+        self._merge(n, mean, m2, comoment)
+        self.samples += 1
+
+    def merge(self, other: LatentStats) -> None:
+        """Fold ``other`` (statistics of other samples, e.g. another unit's) into these."""
+        if other.mean is None:
+            return
+        self._merge(other.count, other.mean, other.m2, other.comoment if self.full_cov else None)
+        self.samples += other.samples
+
+    def _merge(self, n: int, mean: torch.Tensor, m2: torch.Tensor, comoment: torch.Tensor | None) -> None:
+        if self.mean is None:
+            self.count, self.mean, self.m2, self.comoment = n, mean, m2, comoment
+            return
+        if mean.shape != self.mean.shape:
+            raise ValueError(f"latents with {mean.shape[0]} channels cannot join statistics of {self.mean.shape[0]}")
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self.m2 = self.m2 + m2 + delta**2 * (self.count * n / total)
+        if self.full_cov:
+            if comoment is None or self.comoment is None:
+                raise ValueError("full covariance needs the co-moments of every part")
+            self.comoment = self.comoment + comoment + torch.outer(delta, delta) * (self.count * n / total)
+        self.count = total
+
+    def result(self) -> dict[str, torch.Tensor]:
+        assert self.mean is not None and self.m2 is not None
+        stats = {
+            "mean": self.mean.clone(),
+            "std": (self.m2 / self.count).sqrt(),  # population std over every latent value of the channel
+            "count": torch.tensor(self.count, dtype=torch.int64),
+            "samples": torch.tensor(self.samples, dtype=torch.int64),
+        }
+        if self.full_cov and self.comoment is not None:
+            cov = self.comoment / self.count
+            cov = (cov + cov.T) / 2  # exactly symmetric for the eigendecomposition
+            eigenvalues, vectors = torch.linalg.eigh(cov)
+            floored = eigenvalues.clamp_min(EIGEN_FLOOR)
+            stats |= {
+                "cov": cov,
+                "whiten": (vectors * floored.rsqrt()) @ vectors.T,
+                "unwhiten": (vectors * floored.sqrt()) @ vectors.T,
+                "condition": floored.max() / floored.min(),
+            }
+        return stats
+
+
+def stored_latents(output: Any, plan: Any) -> Iterator[tuple[str, str | None, dict[str, torch.Tensor]]]:
+    """Every committed sample's latent tensors, as (key, bucket, field -> tensor), in unit and key order: read from
+    its shard under the plan's layout (loaded weights only), or from the LTX trainer's records."""
+    from diffprep.encodings.ltx_layout import is_ltx, load_record, sample_names
+
+    manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
+    if is_ltx(plan):
+        names = sample_names(plan)
+        for manifest in manifests:
+            bucket = plan.unit(manifest.unit).bucket
+            for key, source_id in zip(manifest.keys, manifest.source_ids):
+                tensors = {}
+                for field, folder in RECORD_FOLDERS.items():
+                    relative = f"{folder}/{names[source_id]}"
+                    if relative in (manifest.files or {}):
+                        tensors[field] = load_record(output.local / relative)["latents"]
+                yield key, bucket, tensors
+        return
+    layout = Layout.of_plan(plan.settings)
+    wanted = set(LATENT_FIELDS)
+    for manifest in manifests:
+        if not manifest.keys:
+            continue
+        bucket = plan.unit(manifest.unit).bucket
+        with output.open(manifest.shard) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            key, members = None, {}
+            for member in tar:
+                name, _, extension = member.name.partition(".")
+                if name != key and key is not None:
+                    yield key, bucket, _latents(layout.read(members, key), key, wanted)
+                    members = {}
+                key = name
+                if member.isfile():
+                    members[extension] = tar.extractfile(member).read()
+            if key is not None:
+                yield key, bucket, _latents(layout.read(members, key), key, wanted)
+
+
+def _latents(fields: dict[str, Any], key: str, wanted: set[str]) -> dict[str, torch.Tensor]:
+    return {name: value if isinstance(value, torch.Tensor) else load_tensor(value, key=key, field=name)
+            for name, value in fields.items() if name in wanted}
+
+
+def dataset_stats(output: Any, plan: Any, *, full_cov: bool = False) -> dict[str, Any]:
+    """The statistics of every committed latent of ``output``: the ``latents`` field's at the top (GAE's dict),
+    ``audio_latents`` (LTX-2) under that key, and for a dataset of several buckets ``buckets``: bucket -> the
+    same for its samples."""
+    totals: dict[str, LatentStats] = {}
+    per_bucket: dict[str, dict[str, LatentStats]] = {}
+    for _key, bucket, tensors in stored_latents(output, plan):
+        for field, tensor in tensors.items():
+            totals.setdefault(field, LatentStats(full_cov)).add(tensor)
+            if bucket is not None:
+                per_bucket.setdefault(bucket, {}).setdefault(field, LatentStats(full_cov)).add(tensor)
+    return _arrange(totals, per_bucket if len(per_bucket) > 1 else {})
+
+
+def _arrange(totals: dict[str, LatentStats], per_bucket: dict[str, dict[str, LatentStats]]) -> dict[str, Any]:
+    stats: dict[str, Any] = totals[contract.LATENTS].result() if contract.LATENTS in totals else {}
+    for field, moments in totals.items():
+        if field != contract.LATENTS:
+            stats[contract.field_stem(field)] = moments.result()
+    if per_bucket:
+        stats["buckets"] = {bucket: _arrange(fields, {}) for bucket, fields in sorted(per_bucket.items())}
+    return stats
+
+
+def stats_bytes(stats: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(stats, buffer)
+    return buffer.getvalue()
+
+
+def summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """What the validation summary and the command print: the count, samples and (full covariance) condition."""
+    if "mean" not in stats:  # audio only: its field's
+        stats = next(value for value in stats.values() if isinstance(value, dict) and "mean" in value)
+    line = {"count": int(stats["count"]), "samples": int(stats["samples"]), "channels": int(stats["mean"].shape[0])}
+    if "condition" in stats:
+        line["condition"] = float(stats["condition"])
+    return line
+
+
+__all__ = ["LatentStats", "dataset_stats", "stats_bytes", "stored_latents", "summary"]

@@ -1,0 +1,92 @@
+"""Latent statistics (diffprep/latent_stats.py): merged moments equal the direct computation, the whitening is
+cov^-1/2, and `diffprep latent-stats` reproduces, from the stored shards, what validation saved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffprep import contract
+from diffprep.latent_stats import EIGEN_FLOOR, LatentStats
+from diffprep.shards import load_tensor
+from flow_runs import shard_samples
+
+
+def direct(latents: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, population std and population covariance over every latent value, from all samples at once."""
+    values = torch.cat([x.double().reshape(x.shape[0], -1) for x in latents], dim=1)
+    return values.mean(dim=1), values.std(dim=1, correction=0), torch.cov(values, correction=0)
+
+
+def test_merged_parts_equal_the_direct_statistics() -> None:
+    generator = torch.Generator().manual_seed(0)
+    mixing = torch.randn(4, 4, generator=generator)  # correlated channels
+    latents = [(mixing @ torch.randn(4, 6 * (i + 1), generator=generator)).reshape(4, 2, -1) + i for i in range(7)]
+    mean, std, cov = direct(latents)
+
+    whole = LatentStats(full_cov=True)
+    for x in latents:
+        whole.add(x)
+    # Units of two workers and a resumed run: parts merged in another order.
+    parts = [LatentStats(full_cov=True) for _ in range(3)]
+    for i, x in enumerate(latents):
+        parts[i % 3].add(x)
+    merged = LatentStats(full_cov=True)
+    for part in reversed(parts):
+        merged.merge(part)
+
+    for stats in (whole.result(), merged.result()):
+        assert torch.allclose(stats["mean"], mean, atol=1e-12) and torch.allclose(stats["std"], std, atol=1e-12)
+        assert torch.allclose(stats["cov"], cov, atol=1e-10)
+        assert int(stats["count"]) == sum(x[0].numel() for x in latents) and int(stats["samples"]) == 7
+        identity = torch.eye(4, dtype=torch.float64)
+        assert torch.allclose(stats["whiten"] @ stats["cov"] @ stats["whiten"], identity, atol=1e-8)
+        assert torch.allclose(stats["unwhiten"] @ stats["whiten"], identity, atol=1e-8)
+        assert torch.allclose(stats["whiten"], stats["whiten"].T)  # ZCA: symmetric
+        eigenvalues = torch.linalg.eigvalsh(cov)
+        assert float(stats["condition"]) == pytest.approx(float(eigenvalues.max() / eigenvalues.min()), rel=1e-8)
+
+
+def test_a_constant_channel_is_floored_not_infinite() -> None:
+    stats = LatentStats(full_cov=True)
+    stats.add(torch.stack([torch.arange(8.0), torch.zeros(8)]))
+    result = stats.result()
+    assert torch.isfinite(result["whiten"]).all()
+    assert float(result["whiten"][1, 1]) == pytest.approx(EIGEN_FLOOR ** -0.5)
+    assert float(result["condition"]) == pytest.approx(float(result["cov"][0, 0]) / EIGEN_FLOOR)
+
+
+def test_without_full_cov_the_result_is_per_channel_only_and_channels_must_agree() -> None:
+    stats = LatentStats()
+    stats.add(torch.ones(3, 2, 2))
+    assert sorted(stats.result()) == ["count", "mean", "samples", "std"]
+    with pytest.raises(ValueError, match="4 channels cannot join statistics of 3"):
+        stats.add(torch.ones(4, 2, 2))
+
+
+@pytest.mark.slow
+def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, demo_data, tiny_model,
+                                                                    settings_for, capsys) -> None:
+    from diffprep.cli import main
+    from diffprep.pipeline import run
+
+    out = tmp_path / "out"
+    settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 3}, finalize={"train_split": 1.0})
+    assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 12
+    saved = torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)
+
+    latents = [load_tensor(fields[contract.LATENTS]) for fields in shard_samples(out).values()]
+    assert len(latents) == 12
+    mean, std, cov = direct(latents)
+    path = tmp_path / "stats.pt"
+    assert main(["latent-stats", str(out), "--full-cov", "--output", str(path)]) == 0
+    assert f"latent statistics of 12 samples ({12 * 4 * 4} values per channel, 16 channels" in capsys.readouterr().out
+    computed = torch.load(path, weights_only=True)
+    assert torch.allclose(computed["mean"], mean, atol=1e-12) and torch.allclose(computed["std"], std, atol=1e-12)
+    assert torch.allclose(computed["cov"], cov, atol=1e-12)
+    # The same numbers as validation's (which merged the samples in Energon's loading order), to float32 precision.
+    for name in ("mean", "std", "count", "samples"):
+        assert torch.allclose(computed[name].float(), saved[name].float(), rtol=1e-6), name
+    # Without --output, into the dataset's state folder (per channel only).
+    assert main(["latent-stats", str(out)]) == 0
+    assert sorted(torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)) == sorted(saved)
