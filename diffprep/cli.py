@@ -397,6 +397,9 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     if args.family == "ltx2":
+        from diffprep.families.ltx2_torchaudio import require_torchaudio
+
+        require_torchaudio()  # ltx-core's audio code needs it: a build that does not load is named with its fix
         from diffprep.families.ltx2_tiny import write_tiny_ltx2
 
         path = write_tiny_ltx2(args.path, seed=args.seed, text_projection=args.ltx2_text)

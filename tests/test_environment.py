@@ -86,6 +86,12 @@ def test_a_torchaudio_that_does_not_load_stops_ltx2_loading_with_the_fix(tmp_pat
         "        print(error)",
         "    else:",
         "        raise SystemExit('no error')",
+        # The tiny LTX-2 set needs ltx-core's audio code too: the same message, as the command's error.
+        "import contextlib, io",
+        "err = io.StringIO()",
+        "with contextlib.redirect_stderr(err):",
+        "    code = diffprep.cli.main(['tiny-model', 'tiny-ltx2', '--family', 'ltx2'])",
+        "assert code == 2 and 'does not import beside torch 2.' in err.getvalue(), (code, err.getvalue())",
     ])
     result = run_fresh(code, tmp_path, PYTHONPATH=str(shadow.parent))
     assert result.returncode == 0, result.stderr
