@@ -83,6 +83,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--variable-size": ("image", "variable_size"),
     "--max-size": ("image", "max_size"),
     "--max-pixels": ("image", "max_pixels"),
+    "--min-image-size": ("image", "min_size"),
     "--decode-workers": ("image", "decode_workers"),
     "--buckets": ("image", "buckets"),
     "--train-split": ("finalize", "train_split"),

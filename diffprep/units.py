@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from diffprep.errors import DiffprepError
 from diffprep.failpoints import failpoint
-from diffprep.images import ImageSpec
+from diffprep.images import UPSCALED, ImageSpec
 from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, UnitPlan
@@ -139,6 +139,8 @@ def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: Sa
                 continue
             if not batch.captions[i].strip():
                 notes["empty_caption"] += 1
+            if UPSCALED in batch.metas[i].get("notes", ()):
+                notes["image_upscaled"] += 1
             writer.write(batch.keys[i], layout.write(fields))
             failpoint("shard-write")
             keys.append(batch.keys[i])
