@@ -68,6 +68,7 @@ from diffprep.sources.base import (
     is_video_name,
     reject,
     rejected,
+    file_stamp,
     unescape_id,
     unsupported,
 )
@@ -78,6 +79,7 @@ from diffprep.storage import (
     is_s3_url,
     list_objects,
     object_exists,
+    object_stamp,
     parse_s3_url,
     read_object,
     s3_client,
@@ -228,6 +230,9 @@ class _LocalFolder:
     def exists(self, sub: str, rel: str) -> bool:
         return os.path.isfile(self.where(sub, rel))
 
+    def stamp(self, sub: str, rel: str) -> str:
+        return file_stamp(self.where(sub, rel))
+
     def read_bytes(self, sub: str, rel: str) -> bytes:
         with open(self.where(sub, rel), "rb") as f:
             return f.read()
@@ -344,6 +349,9 @@ class _S3Folder:
     def exists(self, sub: str, rel: str) -> bool:
         return object_exists(self._client, self._folders[sub].join(rel))
 
+    def stamp(self, sub: str, rel: str) -> str:
+        return object_stamp(self._client, self._folders[sub].join(rel))
+
     def read_bytes(self, sub: str, rel: str) -> bytes:
         return read_object(self._client, self._folders[sub].join(rel))
 
@@ -377,6 +385,24 @@ class DirectorySource:
                               f"{_LAYOUT_HINT}")
         yield from others
 
+    def stamps(self, ids: Sequence[str]) -> dict[str, str]:
+        """Each sample's files as they are now (a stat, or a HEAD in a bucket, per file): the media file and its
+        caption (in whichever spelling it has), a caption-only or other file alone."""
+        return {source_id: self._stamp(source_id) for source_id in ids}
+
+    def _stamp(self, source_id: str) -> str:
+        if source_id.startswith(CAPTION_ONLY_PREFIX):
+            return self._folder.stamp(CAPTIONS_DIR, unescape_id(source_id[len(CAPTION_ONLY_PREFIX):]))
+        if source_id.startswith(OTHER_PREFIX):
+            sub, _, escaped = source_id[len(OTHER_PREFIX):].partition("/")
+            return self._folder.stamp(sub, unescape_id(escaped))
+        rel = unescape_id(source_id)
+        stem = os.path.splitext(rel)[0]
+        caption = self._folder.stamp(CAPTIONS_DIR, stem + CAPTION_EXTENSION)
+        if caption == "-" and (found := self._folder.find_caption(stem)) is not None:
+            caption = f"{found[len(stem):]}={self._folder.stamp(CAPTIONS_DIR, found)}"
+        return f"{self._folder.stamp(_media_folder(rel), rel)} {caption}"
+
     def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
         for source_id in ids:
             if source_id.startswith(CAPTION_ONLY_PREFIX):
@@ -407,12 +433,12 @@ class DirectorySource:
         if sub not in (*MEDIA_EXTENSIONS, CAPTIONS_DIR) or not self._folder.exists(sub, rel):
             return rejected(source_id, "source_missing", f"{path} no longer exists")
         if sub == CAPTIONS_DIR and is_caption_name(rel):
-            chosen = self._folder.find_caption(os.path.splitext(rel)[0])
+            chosen = self._folder.where(CAPTIONS_DIR, self._folder.find_caption(os.path.splitext(rel)[0]) or rel)
             return rejected(source_id, "duplicate_caption",
-                            f"{path} is a second spelling of the caption {self._folder.where(CAPTIONS_DIR, chosen or rel)}, "
-                            "which is the one read: remove one of them")
+                            f"{path} is a second spelling of the caption {chosen}, which is the one read: remove one")
         if sub == IMAGES_DIR and is_video_name(rel):
-            return rejected(source_id, "unsupported_format", f"{path} is a clip in {IMAGES_DIR}/: move it to {VIDEOS_DIR}/")
+            return rejected(source_id, "unsupported_format",
+                            f"{path} is a clip in {IMAGES_DIR}/: move it to {VIDEOS_DIR}/")
         if sub == VIDEOS_DIR and is_image_name(rel):
             return rejected(source_id, "unsupported_format",
                             f"{path} is an image in {VIDEOS_DIR}/: move it to {IMAGES_DIR}/ (a thumbnail: remove it)")
@@ -452,7 +478,7 @@ class DirectorySource:
             found = self._folder.find_caption(os.path.splitext(rel)[0])
             if found is None:
                 return sample(media, None, reject("missing_caption",
-                                                  f"no caption file {caption_path} (in any letter case)"))
+                                                  f"no caption file, in any letter case, {caption_path}"))
             caption_path = self._folder.where(CAPTIONS_DIR, found)
             try:
                 data = self._folder.read_bytes(CAPTIONS_DIR, found)

@@ -333,8 +333,9 @@ class WebDatasetSource:
         media = self._media(parts)
         if media is None:
             # A dotted member of a format read (img.001.jpg) is missing_image: its message says how to name it.
-            other = sorted(ext for ext in parts if ext.rpartition(".")[2] not in
-                           {*_NOT_MEDIA, *IMAGE_EXTENSIONS, *VIDEO_EXTENSIONS} and ext != (self.caption_key or "").lower())
+            known = {*_NOT_MEDIA, *IMAGE_EXTENSIONS, *VIDEO_EXTENSIONS}
+            other = sorted(ext for ext in parts
+                           if ext.rpartition(".")[2] not in known and ext != (self.caption_key or "").lower())
             if other and not (self.video_key or self.image_key):
                 error = unsupported(f"{where}: members {other}", "." + other[0].rpartition(".")[2])
                 return SourceSample(source_id, None, None, error)
