@@ -241,6 +241,8 @@ def print_summary(result: dict) -> None:
         print(f"    rejected {reason}: {count}")
     for name, count in result.get("notes", {}).items():
         print(f"    kept, {name}: {count}")
+    if result.get("retried"):
+        print(f"    retried: {result['retried']} rejected samples whose inputs changed (in new units)")
     finalize = result.get("finalize")
     if finalize:
         splits = ", ".join(f"{split} {len(shards)} shards / {finalize['counts'].get(split, 0)} samples"

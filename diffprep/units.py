@@ -103,6 +103,10 @@ def encode_unit(
     # Rejects in source order, whatever phase found them.
     order = {sid: i for i, sid in enumerate(unit.source_ids)}
     rejects.sort(key=lambda r: order[r.source_id])
+    stamps = getattr(source, "stamps", None)  # what a later run compares to retry a reject whose inputs changed
+    if stamps is not None and rejects:
+        for reject, stamp in zip(rejects, stamps([r.source_id for r in rejects]).values()):
+            reject.stamp = stamp
     manifest = UnitManifest(
         unit=unit_index,
         shard=info.name,

@@ -135,6 +135,18 @@ class Source(Protocol):
         """A small JSON-able description for plan.json (no secrets)."""
         ...
 
+    # Optional: ``stamps(ids) -> {id: str}``, a cheap mark of each sample's input files (sizes and mtimes, or
+    # ETags; no content read) recorded with a reject, so that a re-run retries it once its inputs changed.
+
+
+def file_stamp(path: str) -> str:
+    """``<size>:<mtime_ns>`` of a local file, ``-`` when there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return "-"
+    return f"{info.st_size}:{info.st_mtime_ns}"
+
 
 def reject(reason: str, detail: str) -> RejectError:
     return RejectError(reason, detail, phase=READ_PHASE)
