@@ -3,12 +3,15 @@
 For every unit: inputs == written + rejected, the tar holds exactly the
 manifest's keys, and the manifest's source ids plus its rejects are exactly
 the unit's planned ids. Problems make the audit fail; rejects are surfaced
-for approval.
+for approval. A reject retried in a later unit (its inputs changed) is
+superseded: the id counts once, with its latest outcome.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -33,6 +36,8 @@ class AuditReport:
     rejected_ids: list[dict]  # source id, reason, detail (first REJECT_PREVIEW)
     problems: list[str] = field(default_factory=list)
     missing_from_source: int = 0
+    superseded: int = 0  # rejects retried in a later unit, counted there instead
+    rejects_digest: str = ""  # sha256 of every counted reject's id and reason (an answer holds for these)
 
     @property
     def ok(self) -> bool:
@@ -43,7 +48,11 @@ class AuditReport:
         return self.rejected / self.inputs if self.inputs else 0.0
 
     def to_json(self) -> dict:
-        return asdict(self) | {"ok": self.ok}
+        data = asdict(self) | {"ok": self.ok}
+        for name in ("superseded", "rejects_digest"):  # audit.json as before for runs without them
+            if not data[name]:
+                del data[name]
+        return data
 
     def to_markdown(self) -> str:
         lines = [
@@ -99,6 +108,24 @@ def rejects_question(report: AuditReport, out_dir: str | os.PathLike, advice: st
     )
 
 
+def answered_before(output: Output, report: AuditReport) -> dict | None:
+    """The answer recorded for exactly these rejects (``record_answer``), or None: they are to be asked about."""
+    recorded = output.state.read_json(contract.REJECTS_ANSWER_JSON)
+    if recorded and recorded.get("answer") == "accept" and recorded.get("rejects_digest") == report.rejects_digest:
+        return recorded
+    return None
+
+
+def record_answer(output: Output, report: AuditReport, answer: str) -> None:
+    """Keep the rejects question's answer for these rejects, so a re-run (a schedule without a terminal) does not
+    ask it again; a different set of rejects has another digest and is asked about."""
+    output.state.write_json(contract.REJECTS_ANSWER_JSON, {
+        "answer": answer, "rejects_digest": report.rejects_digest, "rejected": report.rejected,
+        "inputs": report.inputs, "by_reason": report.by_reason,
+        "answered_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+
+
 def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
     """Reconcile the plan, the manifests and the tars; write ``.diffprep/audit.json``.
 
@@ -114,7 +141,8 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     by_reason: Counter[str] = Counter()
     notes: Counter[str] = Counter()
     rejected_ids: list[dict] = []
-    inputs = written = rejected = 0
+    inputs = written = rejected = superseded = 0
+    digest = hashlib.sha256()
     ltx, audited = ltx_layout.is_ltx(plan), []
     encoding = get_encoding(plan.encoding)
     for unit in wanted:
@@ -160,8 +188,12 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
                 if incomplete:
                     problems.append(f"unit {unit.unit:06d}: samples with missing fields: {incomplete[:5]}")
         written += manifest.count
-        rejected += len(manifest.rejects)
         for reject in manifest.rejects:
+            if plan.superseded(unit.unit, reject.source_id):
+                superseded += 1
+                continue
+            rejected += 1
+            digest.update(f"{reject.source_id}\t{reject.reason}\n".encode("utf-8", "surrogateescape"))
             by_reason[reject.reason] += 1
             if len(rejected_ids) < REJECT_PREVIEW:
                 rejected_ids.append({"source_id": reject.source_id, "reason": reject.reason, "detail": reject.detail})
@@ -170,7 +202,7 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
         problems += ltx_layout.audit_folders(output, plan, audited)
     report = AuditReport(
         units=len(wanted),
-        inputs=inputs,
+        inputs=inputs - superseded,
         written=written,
         rejected=rejected,
         by_reason=dict(sorted(by_reason.items())),
@@ -178,6 +210,8 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
         rejected_ids=rejected_ids,
         problems=problems,
         missing_from_source=plan.missing_count,
+        superseded=superseded,
+        rejects_digest=digest.hexdigest() if rejected else "",
     )
     output.state.write_json(contract.AUDIT_JSON, report.to_json())
     return report

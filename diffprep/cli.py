@@ -83,6 +83,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--variable-size": ("image", "variable_size"),
     "--max-size": ("image", "max_size"),
     "--max-pixels": ("image", "max_pixels"),
+    "--min-image-size": ("image", "min_size"),
     "--decode-workers": ("image", "decode_workers"),
     "--buckets": ("image", "buckets"),
     "--train-split": ("finalize", "train_split"),
@@ -245,6 +246,8 @@ def print_summary(result: dict) -> None:
         print(f"    rejected {reason}: {count}")
     for name, count in result.get("notes", {}).items():
         print(f"    kept, {name}: {count}")
+    if result.get("retried"):
+        print(f"    retried: {result['retried']} rejected samples whose inputs changed (in new units)")
     finalize = result.get("finalize")
     if finalize:
         splits = ", ".join(f"{split} {len(shards)} shards / {finalize['counts'].get(split, 0)} samples"

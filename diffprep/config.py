@@ -257,6 +257,10 @@ class ImageConfig(_Section):
     max_pixels: int = Field(
         89_478_485, ge=1, description="Decompression-bomb limit: images with more pixels are rejected."
     )
+    min_size: int | None = Field(
+        None, ge=1, le=8192, description="Reject images whose shorter side (upright) is below this many pixels "
+        "(image_too_small). Unset: every size is kept; an upscaled image is counted as the note image_upscaled.",
+    )
     background: tuple[int, int, int] = Field(
         (255, 255, 255), description="RGB colour that transparent pixels are composited on."
     )

@@ -128,6 +128,9 @@ PLAN_JSON = "plan.json"
 UNITS_DIR = "units"
 TMP_DIR = "tmp"
 AUDIT_JSON = "audit.json"
+# The answer given to the rejects question, for the rejects it was asked about (their digest): it holds for them on
+# later runs; other rejects are asked about again.
+REJECTS_ANSWER_JSON = "rejects_answer.json"
 VALIDATION_JSON = "validation.json"
 SPLITS_JSON = "splits.json"
 LATENT_STATS = "latent_stats.pt"

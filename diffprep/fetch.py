@@ -45,14 +45,20 @@ def fetch(
     previous = output.state.plan() if output.local.is_dir() else None
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do
-    ids, bucket_of = _bucketed(settings, encoding, source, previous, byte)
+    retry = changed_rejects(output, previous, source) if previous is not None else []
+    ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
     units, missing, missing_count = plan_units(
         ids,
         shard_size=settings.output.shard_size,
         max_samples=settings.output.max_samples,
         previous=previous,
         bucket_of=bucket_of,
+        retry=retry,
     )
+    retried = dict(previous.retried) if previous is not None else {}
+    first_new = len(previous.units) if previous is not None else 0
+    again = set(retry)
+    retried |= {sid: unit.unit for unit in units[first_new:] for sid in unit.source_ids if sid in again}
     if not units:
         raise SourceError(f"the source holds no samples: {json.dumps(source.describe())}")
     plan = Plan(
@@ -64,12 +70,36 @@ def fetch(
         encoding=encoding,
         missing=missing,
         missing_count=missing_count,
+        retried=retried,
+        retrying=len(retry),
     )
     return plan, source
 
 
-def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict
-              ) -> tuple[Iterable[str], Callable[[str], str | None] | None]:
+def changed_rejects(output: Output, previous: Plan, source: Source) -> list[str]:
+    """The rejected samples of ``previous`` whose input files changed or appeared since (their stamps differ), in
+    plan order: the latest outcome of each id only, and only rejects the source stamped. Costs one stamp (a stat
+    or HEAD per file) per such reject, none per sample."""
+    stamps = getattr(source, "stamps", None)
+    if stamps is None:
+        return []
+    recorded: dict[str, str] = {}
+    for unit, manifest in sorted(output.state.manifests().items()):
+        if manifest.fingerprint != previous.fingerprint:
+            continue
+        for reject in manifest.rejects:
+            if reject.stamp is not None and not previous.superseded(unit, reject.source_id):
+                recorded[reject.source_id] = reject.stamp
+    if not recorded:
+        return []
+    now = stamps(list(recorded))
+    # A sample whose own file is gone is not retried: the plan reports it missing from the source.
+    return [sid for sid, stamp in recorded.items()
+            if now.get(sid, stamp) != stamp and not now[sid].startswith("-")]
+
+
+def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict,
+              retry: list[str]) -> tuple[Iterable[str], Callable[[str], str | None] | None]:
     """The source's ids, and for a bucketing encoding (video) the bucket of each id the plan will add."""
     ids: Iterable[str] = source.list_ids()
     if not get_encoding(encoding).bucketed(byte):
@@ -79,5 +109,6 @@ def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan 
     new = [sid for sid in ids if sid not in planned]
     if settings.output.max_samples is not None:
         new = new[:max(0, settings.output.max_samples - len(planned))]
+    new = retry + new
     buckets = get_encoding(encoding).probe_buckets(settings, source, new, byte)
     return ids, buckets.get

@@ -53,6 +53,9 @@ __all__ = ["ImageSpec", "PreparedImage", "target_size", "prepare_image", "to_mod
 # Smallest output side in every mode: the VAE downsamples by 8 and Flux packs latents 2x2.
 MULTIPLE = 16
 
+# The note of an image enlarged to fill its output (a 1x1 icon at 64x64): kept, and counted.
+UPSCALED = "upscaled"
+
 # EPS is rendered by spawning Ghostscript on the file: never for untrusted bytes.
 _REFUSED_FORMATS = frozenset({"EPS"})
 
@@ -86,6 +89,10 @@ class ImageSpec:
     resized to cover it and centre-cropped.
 
     Transparent pixels are composited over ``background`` (RGB, 0-255).
+
+    ``min_size``: an image whose shorter side (upright) is below it is the
+    reject ``image_too_small``; unset, every size is kept. An image whose
+    pixels are enlarged to fill the output has the note ``upscaled``.
     """
 
     image_size: int = 1024
@@ -95,6 +102,7 @@ class ImageSpec:
     max_pixels: int = 89_478_485
     background: tuple[int, int, int] = (255, 255, 255)
     buckets: tuple[tuple[int, int], ...] = ()
+    min_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("image_size", "max_size"):
@@ -122,6 +130,7 @@ class ImageSpec:
             max_pixels=cfg.max_pixels,
             background=tuple(cfg.background),
             buckets=tuple((b.width, b.height) for b in image_buckets(cfg)),
+            min_size=cfg.min_size,
         )
 
 
@@ -187,7 +196,12 @@ def prepare_image(data: bytes, spec: ImageSpec) -> PreparedImage:
         rgb = _to_rgb(img, spec.background, notes)
 
         width, height = rgb.size
+        if spec.min_size is not None and min(width, height) < spec.min_size:
+            raise RejectError("image_too_small", f"{width}x{height}: the shorter side {min(width, height)} px is "
+                              f"below image.min_size {spec.min_size} (--min-image-size)")
         (out_w, out_h), box = _plan(width, height, spec)
+        if out_w > box[2] - box[0] or out_h > box[3] - box[1]:
+            notes.append(UPSCALED)
         if (box[2] - box[0], box[3] - box[1]) == (out_w, out_h):
             out = rgb.crop(box)  # scale 1: an exact crop, no resampling
         else:

@@ -33,7 +33,7 @@ import torch
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question, ask_terminal
-from diffprep.audit import AuditReport, audit, rejects_accepted, rejects_question
+from diffprep.audit import AuditReport, answered_before, audit, record_answer, rejects_accepted, rejects_question
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
 from diffprep.hub import resolve_token
 from diffprep.encodings import encoding_for, get_encoding
@@ -414,6 +414,7 @@ class RunResult:
     rejected: int | None = None
     rejects_by_reason: dict[str, int] | None = None
     notes: dict[str, int] | None = None
+    retried: int | None = None  # rejected samples this run planned again (their inputs changed)
     sanity: dict | None = None
     finalize: dict | None = None
     validation: dict | None = None
@@ -442,6 +443,9 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     if plan.missing_count:
         log.warning("%d planned samples are no longer in the source; nothing is removed from the dataset",
                     plan.missing_count)
+    if plan.retrying:
+        log.info("retrying %d rejected samples whose input files changed or appeared, in new units (the shards "
+                 "written stay as they are)", plan.retrying)
 
     inspection = steps.verify(output, plan)
     on_existing = settings.output.on_existing
@@ -498,10 +502,15 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
         if report.problems:
             raise DiffprepError("audit failed:\n  " + "\n  ".join(report.problems))
         if not rejects_accepted(report, settings.output.accept_rejects):
-            advice = get_encoding(plan.encoding).rejects_advice(report, plan)
-            ask(rejects_question(report, output.uri, advice), release=True)
+            if (before := answered_before(output, report)) is not None:
+                log.info("these %d rejects were accepted on %s (%s/%s): not asked again", report.rejected,
+                         before.get("answered_at"), contract.STATE_DIR, contract.REJECTS_ANSWER_JSON)
+            else:
+                advice = get_encoding(plan.encoding).rejects_advice(report, plan)
+                record_answer(output, report, ask(rejects_question(report, output.uri, advice), release=True))
         result.samples, result.rejected = report.written, report.rejected
         result.rejects_by_reason, result.notes = report.by_reason, report.notes
+        result.retried = plan.retrying or None
         if settings.finalize.enabled:
             finalized = finalize_output(output, encoding, settings.finalize, ask,
                                         finalizer=lambda o, e, c, r: steps.finalize(o, e, c, r))

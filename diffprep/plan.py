@@ -48,6 +48,14 @@ class Plan:
     # The split asked for (train_split, seed): a later `diffprep finalize` keeps it. Not fingerprinted (no byte of a
     # shard depends on it); None in plans written before it was recorded.
     split: dict[str, Any] | None = None
+    # Rejected ids planned again because their inputs changed: id -> the last unit that encodes it again. Its
+    # rejects in earlier units are superseded (the audit counts the id once, in that unit).
+    retried: dict[str, int] = field(default_factory=dict)
+    retrying: int = 0  # how many of them this plan added
+
+    def superseded(self, unit: int, source_id: str) -> bool:
+        """Whether ``source_id``'s outcome in ``unit`` gave way to a retry in a later unit."""
+        return self.retried.get(source_id, -1) > unit
 
     @property
     def total_samples(self) -> int:
@@ -64,6 +72,9 @@ class Plan:
         for unit in data["units"]:
             if unit["bucket"] is None:  # image runs: plan.json exactly as before buckets existed
                 del unit["bucket"]
+        for name in ("retried", "retrying"):  # the same for plans that never retried
+            if not data[name]:
+                del data[name]
         return data
 
     @classmethod
@@ -117,6 +128,7 @@ def plan_units(
     max_samples: int | None = None,
     previous: Plan | None = None,
     bucket_of: Callable[[str], str | None] | None = None,
+    retry: Iterable[str] = (),
 ) -> tuple[list[UnitPlan], list[str], int]:
     """Cut the source listing into units.
 
@@ -125,7 +137,9 @@ def plan_units(
     already) and only ids it does not hold get new units. ``bucket_of`` (video
     runs): the bucket of a new id; each unit then holds one bucket, its ids in
     source order, and an id with no bucket (it cannot be read; the encode phase
-    records why) goes to units of their own. Returns the units, a preview of
+    records why) goes to units of their own. ``retry``: planned ids (rejected,
+    their inputs changed since) planned again, in new units before the new ids.
+    Returns the units, a preview of
     planned ids that disappeared from the source, and their count.
     """
     units = [UnitPlan(u.unit, list(u.source_ids), u.bucket) for u in previous.units] if previous else []
@@ -135,6 +149,19 @@ def plan_units(
     next_unit = (max(u.unit for u in units) + 1) if units else 0
     groups: dict[str | None, list[str]] = {}  # bucket -> its ids not yet in a unit (one group when not bucketed)
     seen_new: set[str] = set()
+
+    def add(sid: str) -> None:
+        nonlocal next_unit
+        bucket = bucket_of(sid) if bucket_of is not None else None
+        current = groups.setdefault(bucket, [])
+        current.append(sid)
+        if len(current) == shard_size:
+            units.append(UnitPlan(next_unit, list(current), bucket))
+            next_unit += 1
+            current.clear()
+
+    for sid in retry:
+        add(sid)
     for sid in ids:
         if sid in planned:
             seen_planned.add(sid)
@@ -146,14 +173,8 @@ def plan_units(
         if sid in seen_new:
             raise ValueError(f"the source listed the sample id {sid!r} twice; source ids must be unique")
         seen_new.add(sid)
-        bucket = bucket_of(sid) if bucket_of is not None else None
-        current = groups.setdefault(bucket, [])
-        current.append(sid)
+        add(sid)
         total += 1
-        if len(current) == shard_size:
-            units.append(UnitPlan(next_unit, list(current), bucket))
-            next_unit += 1
-            current.clear()
     for bucket, current in groups.items():  # the partly filled units, in order of their buckets' first sample
         if current:
             units.append(UnitPlan(next_unit, current, bucket))

@@ -297,6 +297,9 @@ class Reject:
     reason: str
     detail: str = ""
     phase: str = "decode"
+    # The sample's input files when it was rejected (size and mtime, or ETag; the source's ``stamps``): a later
+    # run retries the sample when they differ. None: the source cannot tell (never retried).
+    stamp: str | None = None
 
 
 @dataclass
@@ -325,6 +328,9 @@ class UnitManifest:
         data = asdict(self)
         if data["files"] is None:  # a shard's manifest exactly as before files existed
             del data["files"]
+        for reject in data["rejects"]:
+            if reject["stamp"] is None:
+                del reject["stamp"]
         return data
 
     @classmethod

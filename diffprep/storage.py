@@ -236,6 +236,18 @@ def has_objects(client: BaseClient, url: S3Url) -> bool:
     return bool(response.get("Contents"))
 
 
+def object_stamp(client: BaseClient, url: S3Url) -> str:
+    """``<size>:<ETag>`` of an object (one HEAD request), ``-`` when there is none."""
+    try:
+        head = client.head_object(Bucket=url.bucket, Key=url.key)
+    except (ClientError, BotoCoreError) as exc:
+        error = storage_error(exc, url, "HeadObject", client)
+        if isinstance(error, FileNotFoundError):
+            return "-"
+        raise error from None
+    return f"{head.get('ContentLength')}:{head.get('ETag', '').strip(chr(34))}"
+
+
 def object_exists(client: BaseClient, url: S3Url) -> bool:
     try:
         client.head_object(Bucket=url.bucket, Key=url.key)

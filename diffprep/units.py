@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from diffprep.errors import DiffprepError
 from diffprep.failpoints import failpoint
-from diffprep.images import ImageSpec
+from diffprep.images import UPSCALED, ImageSpec
 from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, UnitPlan
@@ -103,6 +103,10 @@ def encode_unit(
     # Rejects in source order, whatever phase found them.
     order = {sid: i for i, sid in enumerate(unit.source_ids)}
     rejects.sort(key=lambda r: order[r.source_id])
+    stamps = getattr(source, "stamps", None)  # what a later run compares to retry a reject whose inputs changed
+    if stamps is not None and rejects:
+        for reject, stamp in zip(rejects, stamps([r.source_id for r in rejects]).values()):
+            reject.stamp = stamp
     manifest = UnitManifest(
         unit=unit_index,
         shard=info.name,
@@ -139,6 +143,8 @@ def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: Sa
                 continue
             if not batch.captions[i].strip():
                 notes["empty_caption"] += 1
+            if UPSCALED in batch.metas[i].get("notes", ()):
+                notes["image_upscaled"] += 1
             writer.write(batch.keys[i], layout.write(fields))
             failpoint("shard-write")
             keys.append(batch.keys[i])

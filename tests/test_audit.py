@@ -177,3 +177,72 @@ def test_output_without_state_folder_reports_every_unit(out: Path, make_plan) ->
         "unit 000001 has no manifest (not encoded): re-run the encode",
     ]
     assert json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())["ok"] is False
+
+
+def test_a_retried_reject_is_counted_once_with_its_latest_outcome(out: Path, make_plan, write_unit) -> None:
+    from diffprep.plan import UnitPlan
+
+    plan = make_plan((4, 4))
+    write_unit(out, plan, 0, rejects={"img0001.png": "missing_caption", "img0002.png": "image_truncated"})
+    write_unit(out, plan, 1)
+    # A later run retried img0001.png (its caption appeared) in unit 2, where it was written.
+    plan.units.append(UnitPlan(2, ["img0001.png"]))
+    plan.retried = {"img0001.png": 2}
+    write_plan(out, plan)
+    write_unit(out, plan, 2)
+    report = audit(out, plan)
+    assert report.ok, report.problems
+    assert (report.inputs, report.written, report.rejected, report.superseded) == (8, 7, 1, 1)
+    assert report.inputs == report.written + report.rejected
+    assert [r["source_id"] for r in report.rejected_ids] == ["img0002.png"]
+
+
+def test_an_answer_holds_for_the_same_rejects_only(out: Path, make_plan, write_unit) -> None:
+    from diffprep.audit import answered_before, record_answer
+    from diffprep.output import as_output
+
+    plan = make_plan((4,))
+    write_plan(out, plan)
+    write_unit(out, plan, 0, rejects={"img0001.png": "missing_caption"})
+    report = audit(out, plan)
+    assert answered_before(as_output(out), report) is None
+    record_answer(as_output(out), report, "accept")
+    assert (out / contract.STATE_DIR / contract.REJECTS_ANSWER_JSON).is_file()
+    assert answered_before(as_output(out), audit(out, plan))["rejected"] == 1
+    write_unit(out, plan, 0, rejects={"img0002.png": "missing_caption"})  # other rejects: asked again
+    assert answered_before(as_output(out), audit(out, plan)) is None
+
+
+def test_rejects_named_retried_once_fixed_and_an_answer_kept(tmp_path: Path, demo_data: Path, tiny_model: Path,
+                                                             settings_for) -> None:
+    from PIL import Image
+
+    from diffprep.pipeline import run
+
+    caption = next(iter(sorted((demo_data / "captions").iterdir())))
+    text = caption.read_bytes()
+    caption.unlink()  # a missing caption, fixed below
+    (demo_data / "images/photo.heic").write_bytes(b"ftypheic")  # a format nothing here reads
+    Image.new("RGB", (1, 1), (200, 0, 0)).save(demo_data / "images/tiny.png")  # upscaled to 32x32: a note
+    (demo_data / "captions/tiny.txt").write_text("a red dot")
+    settings = settings_for(tmp_path / "out", demo_data, tiny_model, finalize={"enabled": False})
+    asked = []
+
+    def accept(question, preset=None, *, release=False):
+        asked.append(question.key)
+        return "accept"
+
+    first = run(settings, "preencoded", ask=accept)
+    assert first.rejects_by_reason == {"missing_caption": 1, "unsupported_format": 1}
+    assert first.notes.get("image_upscaled") == 1 and asked == ["rejected-samples"]
+    # The same rejects: the recorded answer holds (a cron job without a terminal would have exited here).
+    again = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked again about the same rejects"))
+    assert again.encoded_units == 0 and again.retried is None
+
+    caption.write_bytes(text)  # the fix: the re-run retries that sample alone, in a new unit
+    fixed = run(settings, "preencoded", ask=accept)
+    assert fixed.retried == 1 and fixed.encoded_units == 1 and fixed.units == first.units + 1
+    assert fixed.rejects_by_reason == {"unsupported_format": 1} and asked == ["rejected-samples"] * 2
+    assert fixed.samples == first.samples + 1
+    saved = json.loads((tmp_path / "out" / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    assert saved["inputs"] == saved["written"] + saved["rejected"] == 14 and saved["superseded"] == 1

@@ -250,7 +250,9 @@ def test_directory_run_accounts_for_every_sample(directory_run: Run) -> None:
     assert {sid: directory_run.outcome(sid) for sid in DIRECTORY_REJECTS} == DIRECTORY_REJECTS
     assert sorted(directory_run.written) == sorted(DIRECTORY_KEPT)
     assert directory_run.report.by_reason == dict(Counter(DIRECTORY_REJECTS.values()))
-    assert directory_run.report.notes == directory_run.notes == {"caption_truncated": 1, "empty_caption": 2}
+    upscaled = sum("upscaled" in directory_run.meta(sid)["notes"] for sid in directory_run.written)
+    assert directory_run.report.notes == directory_run.notes == {"caption_truncated": 1, "empty_caption": 2,
+                                                                 "image_upscaled": upscaled}
 
 
 def test_every_written_sample_has_the_planned_shapes_and_finite_values(directory_run: Run) -> None:
@@ -322,6 +324,7 @@ def test_exif_rotated_jpeg_is_stored_upright(directory_run: Run) -> None:
 def test_one_pixel_image_is_kept(directory_run: Run) -> None:
     meta = directory_run.meta("one_pixel.png")
     assert meta["original_size"] == [1, 1] and meta["crop_box"] == [0, 0, 1, 1]
+    assert "upscaled" in meta["notes"]  # kept, and counted as image_upscaled
     if directory_run.plan.settings["image"]["variable_size"]:
         assert meta["size"] == [16, 16] and directory_run.shape("one_pixel.png") == [16, 2, 2]
     else:
@@ -346,7 +349,8 @@ def test_empty_and_long_captions_are_kept_and_counted(directory_run: Run) -> Non
     assert written["blank_caption.png"][contract.CAPTION] == b""
     assert written["long_caption.png"][contract.CAPTION].decode() == LONG_CAPTION  # stored in full
     assert directory_run.shape("long_caption.png", contract.PROMPT_EMBEDS) == [T5_LENGTH, 32]
-    assert directory_run.report.notes == {"caption_truncated": 1, "empty_caption": 2}
+    assert {k: v for k, v in directory_run.report.notes.items() if k != "image_upscaled"} == {
+        "caption_truncated": 1, "empty_caption": 2}
 
 
 def test_same_stem_and_upper_case_extensions_are_all_kept(directory_run: Run) -> None:

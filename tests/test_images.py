@@ -514,3 +514,22 @@ def test_decode_round_trip_psnr_of_a_prepared_image() -> None:
     pixels = prepare_image(encode(Image.fromarray(random_rgb(32, 32)), "PNG"), EXACT).pixels
     assert psnr(to_uint8(to_model_input(pixels, torch.float32)), pixels) == math.inf
     assert psnr(to_uint8(to_model_input(pixels, torch.float16)), pixels) > 45
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "BMP", "TIFF", "AVIF"])
+def test_every_image_extension_the_sources_list_decodes(fmt: str) -> None:
+    prepared = prepare_image(encode(Image.new("RGB", (32, 32), (200, 10, 10)), fmt), ImageSpec(image_size=16))
+    assert prepared.pixels.shape == (3, 16, 16)
+
+
+def test_an_upscaled_image_has_a_note_and_min_size_rejects_it() -> None:
+    tiny = encode(Image.new("RGB", (1, 1), (9, 9, 9)), "PNG")
+    kept = prepare_image(tiny, ImageSpec(image_size=64))
+    assert kept.pixels.shape == (3, 64, 64) and "upscaled" in kept.notes
+    assert "upscaled" not in prepare_image(encode(Image.new("RGB", (96, 80)), "PNG"), ImageSpec(image_size=64)).notes
+    with pytest.raises(RejectError) as info:
+        prepare_image(tiny, ImageSpec(image_size=64, min_size=32))
+    assert info.value.reason == "image_too_small" and "1x1" in info.value.detail and "32" in info.value.detail
+    assert "upscaled" in prepare_image(encode(Image.new("RGB", (40, 40)), "PNG"), ImageSpec(image_size=64,
+                                                                                             min_size=32)).notes
+    assert ImageSpec.from_config(ImageConfig(min_size=32)).min_size == 32

@@ -288,3 +288,19 @@ def test_fingerprint_counts_the_class_names_not_their_file(tmp_path: Path, demo_
     assert planned(first).fingerprint != base.fingerprint
     # Without class names or a template the plan holds no "captions" entry: other fingerprints stay as they were.
     assert "captions" not in fetch(settings_for(tmp_path / "out2", demo_data, tiny_model))[0].settings
+
+
+def test_retried_rejects_go_to_new_units_and_old_units_stay() -> None:
+    first, _, _ = plan_units(ids(6), shard_size=4)
+    previous = make_plan(first)
+    units, missing, _ = plan_units(ids(7), shard_size=4, previous=previous, retry=["s001", "s005"])
+    assert as_pairs(units) == [
+        (0, ["s000", "s001", "s002", "s003"]),
+        (1, ["s004", "s005"]),
+        (2, ["s001", "s005", "s006"]),  # the retried ids first, then the new ones
+    ]
+    assert missing == []
+    assert "retried" not in previous.to_json()  # plans that never retried keep their plan.json
+    retried = make_plan(units, retried={"s001": 2, "s005": 2}, retrying=2)
+    again = Plan.from_json(json.loads(json.dumps(retried.to_json())))
+    assert again.retried == {"s001": 2, "s005": 2} and again.superseded(0, "s001") and not again.superseded(2, "s001")

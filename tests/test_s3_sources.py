@@ -188,7 +188,8 @@ def write_folder(root: Path) -> Path:
         "images/c.Png": image_bytes(4), "images/sub/deep/e.jpeg": image_bytes(6, "JPEG"),
         "images/orphan.jpg": image_bytes(7), "images/bad.png": image_bytes(8), "images/empty.png": image_bytes(9),
         "images/x.jpg": image_bytes(10), "images/x.k.jpg": image_bytes(11), "images/y.jpg": image_bytes(12),
-        "images/notes.md": b"not an image",
+        "images/notes.md": b"not an image", "images/up.jpg": image_bytes(13), "captions/up.TXT": b"upper",
+        "captions/x.TXT": b"second spelling of x.txt",
         "captions/a.txt": b"an a", "captions/B.txt": b"a b", "captions/c.txt": b"a c",
         "captions/sub/deep/e.txt": b"nested e", "captions/bad.txt": b"ok\xff\xfe", "captions/empty.txt": b"",
         "captions/lonely.txt": b"no image", "captions/sub/lonely2.txt": b"none",
@@ -216,7 +217,9 @@ def test_directory_under_prefix_equals_local(admin, proxy: FaultProxy, tmp_path:
     assert {i: s.reject.reason for i, s in remote.items() if s.reject} == {
         "orphan.jpg": "missing_caption", "bad.png": "caption_decode_error", "caption-only:lonely.txt":
         "missing_image", "caption-only:sub/lonely2.txt": "missing_image", "caption-only:y.jpg.txt": "missing_image",
+        "other:images/notes.md": "unsupported_format", "other:captions/x.TXT": "duplicate_caption",
     }
+    assert remote["up.jpg"].caption == "upper"  # a caption's extension in any letter case
     assert (remote["x.jpg"].caption, remote["x.k.jpg"].caption, remote["y.jpg"].caption) == (
         "plain x", "dotted x", "y with bom")
     assert remote["B.JPG"].image == (root / "images/B.JPG").read_bytes() and remote["empty.png"].caption == ""

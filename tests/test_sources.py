@@ -81,8 +81,9 @@ def test_directory_pairs_images_and_captions(folder: Path) -> None:
     samples = read_all(directory(folder))
     assert sorted(samples) == sorted([
         "B.JPG", "a.jpg", "a.png", "bad.png", "bom.png", "c.Png", "d.webp", "empty.png", "orphan.jpg",
-        "sub/deep/e.jpeg", "caption-only:lonely.txt", "caption-only:sub/lonely2.txt",
+        "sub/deep/e.jpeg", "caption-only:lonely.txt", "caption-only:sub/lonely2.txt", "other:images/notes.md",
     ])
+    assert reason(samples["other:images/notes.md"]) == "unsupported_format"
     assert samples["a.jpg"].caption == samples["a.png"].caption == "an a"  # same stem, both pair with a.txt
     assert samples["a.png"].image == (folder / "images/a.png").read_bytes()
     assert (samples["B.JPG"].caption, samples["c.Png"].caption, samples["d.webp"].caption) == ("a b", "a c", "a d")
@@ -393,3 +394,45 @@ def test_webdataset_grouping_matches_webdataset(tmp_path: Path) -> None:
         wds(str(tmp_path / "none-*.tar"))
     with pytest.raises(SourceError, match="local tar files or s3:// URLs"):
         wds("gs://bucket/*.tar")
+
+
+def test_every_file_in_the_folders_is_a_sample_or_a_named_reject(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    gif = io.BytesIO()
+    Image.new("P", (8, 8)).save(gif, format="GIF")
+    for name, data in {"anim.gif": gif.getvalue(), "photo.heic": b"ftypheic", "capup.jpg": image_bytes(1, "JPEG"),
+                       "a.jpg": image_bytes(2, "JPEG"), "clip.mp4": b"x", ".DS_Store": b"x", "Thumbs.db": b"x"
+                       }.items():
+        write(root / "images" / name, data)
+    for name, text in {"anim.txt": "anim", "photo.txt": "p", "capup.TXT": "upper", "a.txt": "a", "a.TXT": "A",
+                       "readme.md": "r", "lonely.Txt": "l"}.items():
+        write(root / "captions" / name, text)
+    ids = list(directory(root).list_ids())
+    assert ids == ["a.jpg", "anim.gif", "caption-only:lonely.Txt", "caption-only:photo.txt", "capup.jpg",
+                   "other:captions/a.TXT", "other:captions/readme.md", "other:images/clip.mp4",
+                   "other:images/photo.heic"]
+    samples = read_all(directory(root))
+    assert samples["anim.gif"].reject is None and samples["anim.gif"].caption == "anim"  # GIF: an image
+    assert samples["capup.jpg"].reject is None and samples["capup.jpg"].caption == "upper"  # any letter case
+    assert samples["a.jpg"].caption == "a"  # .txt is the caption; a.TXT is named
+    assert reason(samples["other:captions/a.TXT"]) == "duplicate_caption"
+    assert "captions/a.txt" in samples["other:captions/a.TXT"].reject.detail
+    heic = samples["other:images/photo.heic"].reject
+    assert heic.reason == "unsupported_format" and ".heic" in heic.detail and ".jpg" in heic.detail
+    assert ".mp4" in heic.detail and ".txt" in heic.detail  # the formats that are read
+    assert "videos/" in samples["other:images/clip.mp4"].reject.detail
+    assert reason(samples["other:captions/readme.md"]) == "unsupported_format"
+    assert reason(samples["caption-only:lonely.Txt"]) == "missing_image"
+
+
+def test_unsupported_members_and_rows_are_named(tmp_path: Path) -> None:
+    make_tar(tmp_path / "s.tar", [("p.heic", b"x"), ("p.txt", b"a photo"), ("n.txt", b"no media")])
+    samples = read_all(wds(str(tmp_path / "s.tar")))
+    heic = samples["s.tar/p"].reject
+    assert heic.reason == "unsupported_format" and "heic" in heic.detail and ".jpg" in heic.detail
+    assert reason(samples["s.tar/n"]) == "missing_image"
+    (tmp_path / "meta.jsonl").write_text(json.dumps({"image": "photo.heic", "caption": "c"}) + "\n")
+    (tmp_path / "photo.heic").write_bytes(b"x")
+    source = open_source(SourceConfig(type="metadata", metadata_file=str(tmp_path / "meta.jsonl")))
+    (row,) = source.read(list(source.list_ids()))
+    assert row.reject.reason == "unsupported_format" and ".png" in row.reject.detail

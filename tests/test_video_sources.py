@@ -119,12 +119,15 @@ def test_directory_reads_videos_beside_images(tmp_path: Path) -> None:
     root = write_video_folder(tmp_path / "data")
     source = directory(root)
     ids = list(source.list_ids())
-    assert ids == sorted(ids, key=str.encode)  # one bytewise-sorted listing over both folders
+    samples_ids = [i for i in ids if not i.startswith("other:")]
+    assert samples_ids == sorted(samples_ids, key=str.encode)  # one bytewise-sorted listing over both folders
+    assert ids[len(samples_ids):] == ["other:videos/anim.gif", "other:videos/notes.md"]  # then the other files
     samples = read_all(source)
     assert list(samples) == [
         "B.WEBM", "a.jpg", "a.mp4", "bad.mp4", "caption-only:lonely.txt", "caption-only:sub/lonely2.txt", "d.mkv",
-        "e.png", "orphan.mp4", "sub/deep/c.Mov", "sub/f.png",
+        "e.png", "orphan.mp4", "sub/deep/c.Mov", "sub/f.png", "other:videos/anim.gif", "other:videos/notes.md",
     ]
+    assert "move it to images/" in samples["other:videos/anim.gif"].reject.detail  # a GIF is an image
     # Clips carry video bytes and no image; images are read exactly as before.
     assert (samples["a.mp4"].video, samples["a.mp4"].image, samples["a.mp4"].caption) == (MP4, None, "clip a")
     assert samples["a.mp4"].media == MP4
@@ -139,6 +142,7 @@ def test_directory_reads_videos_beside_images(tmp_path: Path) -> None:
     assert {i: reason(s) for i, s in samples.items() if s.reject} == {
         "bad.mp4": "caption_decode_error", "caption-only:lonely.txt": "missing_image",
         "caption-only:sub/lonely2.txt": "missing_image", "orphan.mp4": "missing_caption",
+        "other:videos/anim.gif": "unsupported_format", "other:videos/notes.md": "unsupported_format",
     }
     assert samples["orphan.mp4"].video == (root / "videos/orphan.mp4").read_bytes()  # kept for the report
     assert samples["bad.mp4"].video is not None and "byte offset 2" in samples["bad.mp4"].reject.detail

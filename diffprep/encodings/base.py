@@ -121,6 +121,8 @@ class Encoding(ABC):
         }
         if image.buckets:  # only when set: an unbucketed plan (and its fingerprint) stays as it always was
             sizing["buckets"] = [bucket_name(b.width, b.height) for b in image_buckets(image)]
+        if image.min_size is not None:  # the same: only a plan that rejects small images records it
+            sizing["min_size"] = image.min_size
         byte = {
             "contract": contract.CONTRACT_VERSION,
             "encoding": self.name,

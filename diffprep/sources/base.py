@@ -27,9 +27,20 @@ READ_PHASE = "read"
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 # File name extensions (lower case, with the dot) that make a file an image or a clip, in every source
-# that goes by file names; a name's extension matches in any letter case.
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp"})
+# that goes by file names; a name's extension matches in any letter case. Images are what Pillow decodes
+# (an animated GIF, WebP or TIFF gives its first frame and the note multiframe:first_frame); clips what PyAV does.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".avif"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mov", ".mkv"})
+# A caption file's extension, matched in any letter case; where one stem has several spellings (a.txt and a.TXT)
+# the first of these that exists is its caption (.txt, then the others in byte order), the others are rejects.
+CAPTION_EXTENSION = ".txt"
+CAPTION_SPELLINGS = (CAPTION_EXTENSION, *sorted({"." + "".join(c.upper() if (n >> i) & 1 else c for i, c in
+                                                              enumerate("txt")) for n in range(8)} - {".txt"}))
+# Image formats no decoder here reads (Pillow has no plugin for them): a path naming one is rejected as
+# unsupported_format before it is read, in the sources that are given paths or members.
+UNREADABLE_IMAGE_EXTENSIONS = frozenset({".heic", ".heif", ".jxl", ".svg", ".dng", ".cr2", ".nef", ".arw"})
+# Files that are no one's data (the desktop's folder metadata): not listed, not rejected.
+IGNORED_NAMES = frozenset({"Thumbs.db", "desktop.ini"})
 
 
 def is_image_name(name: str) -> bool:
@@ -40,8 +51,31 @@ def is_video_name(name: str) -> bool:
     return _extension(name) in VIDEO_EXTENSIONS
 
 
+def is_caption_name(name: str) -> bool:
+    return _extension(name) == CAPTION_EXTENSION
+
+
+def is_ignored_name(name: str) -> bool:
+    """A dot file (``.DS_Store``) or desktop metadata beside the data; only ever asked of a name that is no sample."""
+    base = posixpath.basename(name)
+    return base.startswith(".") or base in IGNORED_NAMES
+
+
 def _extension(name: str) -> str:
     return posixpath.splitext(name)[1].lower()
+
+
+def supported_formats() -> str:
+    """The formats every source reads, for an ``unsupported_format`` message."""
+    return (f"images {' '.join(sorted(IMAGE_EXTENSIONS))}, clips {' '.join(sorted(VIDEO_EXTENSIONS))}, "
+            f"captions {CAPTION_EXTENSION} (any letter case)")
+
+
+def unsupported(where: str, name: str) -> RejectError:
+    """``unsupported_format`` for a file or member ``name`` that no reader here decodes."""
+    ext = _extension(name) or "(no extension)"
+    return reject("unsupported_format", f"{where}: {ext} is not a format diffprep reads; it reads "
+                  f"{supported_formats()}: convert the file (an animation meant as a clip: to .mp4)")
 
 
 def read_class_names(path: str) -> list[str]:
@@ -100,6 +134,18 @@ class Source(Protocol):
     def describe(self) -> dict:
         """A small JSON-able description for plan.json (no secrets)."""
         ...
+
+    # Optional: ``stamps(ids) -> {id: str}``, a cheap mark of each sample's input files (sizes and mtimes, or
+    # ETags; no content read) recorded with a reject, so that a re-run retries it once its inputs changed.
+
+
+def file_stamp(path: str) -> str:
+    """``<size>:<mtime_ns>`` of a local file, ``-`` when there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return "-"
+    return f"{info.st_size}:{info.st_mtime_ns}"
 
 
 def reject(reason: str, detail: str) -> RejectError:

@@ -18,9 +18,12 @@ beside ``s3://b/ds/dataset.json`` it is ``s3://b/ds/clips/a.mp4``). Absolute
 paths and ``s3://`` URLs are taken as they are (``/abs`` is a local path even
 in a bucket's metadata file); a relative path climbing out of the bucket is
 an ``invalid_media_path`` reject. A path with an image extension (jpg, jpeg,
-png, webp) gives an image sample, one with a video extension (mp4, webm, mov,
-mkv) a clip sample; any other path follows its column (``image``: an image,
-otherwise a clip, whose decoding then says what it is).
+png, webp, gif, bmp, tif, tiff, avif) gives an image sample, one with a video
+extension (mp4, webm, mov, mkv) a clip sample; a path naming an image format no
+decoder here reads (heic, heif, jxl, svg, camera raw) is an
+``unsupported_format`` reject listing the formats read, before it is read; any
+other path follows its column (``image``: an image, otherwise a clip, whose
+decoding then says what it is).
 
 Ids are the media path as written in the row (escaped as ids are everywhere,
 and ``#`` written ``%23``), in row order; a path that an earlier row already
@@ -69,6 +72,7 @@ from typing import Any
 
 from diffprep.errors import RejectError, SourceError
 from diffprep.sources.base import (
+    UNREADABLE_IMAGE_EXTENSIONS,
     SourceSample,
     escape_id,
     is_image_name,
@@ -76,6 +80,7 @@ from diffprep.sources.base import (
     normalize_caption,
     reject,
     rejected,
+    unsupported,
 )
 from diffprep.storage import (
     S3Url,
@@ -315,6 +320,8 @@ class MetadataSource:
         if not isinstance(media, str):
             return rejected(source_id, "invalid_media_path",
                             f"{where}: column {self.media_key!r} holds a {type(media).__name__}, not a path")
+        if not self.audio_only and posixpath.splitext(media)[1].lower() in UNREADABLE_IMAGE_EXTENSIONS:
+            return SourceSample(source_id, None, None, unsupported(f"{where}: {media!r}", media))
         is_video = is_video_name(media) or (not is_image_name(media) and not self._column_is_image)
         try:
             data = self._read_media(media, where)

@@ -32,10 +32,13 @@ Member names are never used as file paths (nothing is extracted); a key with a
 
 Media: a sample holding a clip member (mp4, webm, mov, mkv; the first of those)
 is a clip sample (``SourceSample.video``), even beside an image member, which is
-then taken for a thumbnail; else the first of jpg, jpeg, png, webp is its image.
-``source.video_key`` / ``source.image_key`` (extensions) name the members
-instead: only the named ones are looked at, the clip's first. A sample with
-none of them is a ``missing_image`` reject naming its members.
+then taken for a thumbnail; else the first of jpg, jpeg, png, webp, gif, bmp,
+tif, tiff, avif is its image. ``source.video_key`` / ``source.image_key``
+(extensions) name the members instead: only the named ones are looked at, the
+clip's first. A sample with none of them is an ``unsupported_format`` reject
+when it has a member that could be media (``photo.heic``: not a caption, json
+or class member), listing the formats read, else a ``missing_image`` reject;
+both name its members.
 
 Caption: ``source.caption_key`` (an extension such as ``txt``, or
 ``json.prompt`` for a field of the json member), else txt, then caption, then
@@ -66,6 +69,7 @@ from diffprep.sources.base import (
     reject,
     rejected,
     unescape_id,
+    unsupported,
 )
 from diffprep.storage import (
     S3Url,
@@ -77,9 +81,12 @@ from diffprep.storage import (
     s3_client,
 )
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "avif")
 VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv")
 CAPTION_EXTENSIONS = ("txt", "caption")
+# Members that are not media: a sample with none of the media members and one of something else is
+# unsupported_format (a photo.heic member), not missing_image.
+_NOT_MEDIA = frozenset({*CAPTION_EXTENSIONS, "json", "cls", "cls2", "id", "key", "url", "meta"})
 JSON_CAPTION_FIELDS = ("caption", "text", "prompt")
 
 # Copied from webdataset.tariterators (base_plus_ext and tar_file_iterator's
@@ -325,6 +332,13 @@ class WebDatasetSource:
         parts = sample.parts
         media = self._media(parts)
         if media is None:
+            # A dotted member of a format read (img.001.jpg) is missing_image: its message says how to name it.
+            known = {*_NOT_MEDIA, *IMAGE_EXTENSIONS, *VIDEO_EXTENSIONS}
+            other = sorted(ext for ext in parts
+                           if ext.rpartition(".")[2] not in known and ext != (self.caption_key or "").lower())
+            if other and not (self.video_key or self.image_key):
+                error = unsupported(f"{where}: members {other}", "." + other[0].rpartition(".")[2])
+                return SourceSample(source_id, None, None, error)
             return rejected(source_id, "missing_image",
                             f"{where}: no {self._media_wanted()} member; members are {sorted(parts)}")
         is_video, data = media
