@@ -119,11 +119,12 @@ LIST_FLAGS = {"--hf-data-files"}
 FLAG_ALIASES = {"--caption-key": ("--caption-column",), "--video-key": ("--video-column",)}
 
 
-def _add_encode_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str]] = ENCODE_FLAGS) -> None:
+def _add_encode_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str]] = ENCODE_FLAGS,
+                      config_help: str | None = None) -> None:
     from diffprep.config import SECTIONS
 
     sections = ", ".join(dict.fromkeys(section for section, _ in flags.values()))
-    parser.add_argument("--config", help=f"YAML config (sections used: {sections})")
+    parser.add_argument("--config", help=(config_help or f"YAML config (sections used: {sections})").replace("%", "%%"))
     for flag, (section, key) in flags.items():
         info = SECTIONS[section].model_fields[key]
         help_text = f"{info.description} [{section}.{key}]".replace("%", "%%")  # argparse formats help with %
@@ -290,14 +291,13 @@ def cmd_raw(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from diffprep.config import load_settings
     from diffprep.ingest import ingest
-    from diffprep.ingest_settings import SECTION, ingest_config
+    from diffprep.ingest_settings import SECTION, load_ingest
 
     overrides = overrides_from(args)
-    config = ingest_config(overrides.pop(SECTION, {}))
+    settings, config = load_ingest(args.config, overrides, overrides.pop(SECTION, {}))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s - %(message)s")
-    print_summary(ingest(load_settings(args.config, overrides), config).to_json())
+    print_summary(ingest(settings, config).to_json())
     return 0
 
 
@@ -507,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                             ".uri/.md5 manifest) into Energon shards, with an encode's resume, audit and validation")
     from diffprep.ingest_settings import add_arguments as add_ingest_arguments
 
-    _add_encode_flags(ingest, INGEST_OUTPUT_FLAGS)
+    _add_encode_flags(ingest, INGEST_OUTPUT_FLAGS,
+                      config_help="YAML config: Primus's `data diffusion-ingest` sections datasets, empty_encodings, "
+                                  "pipeline, and output, finalize; ${VAR} expanded; flags win over it")
     add_ingest_arguments(ingest)
     ingest.set_defaults(func=cmd_ingest)
 

@@ -23,7 +23,8 @@ mapped onto the diffprep setting it means:
 
 A Primus name next to its diffprep name with another value is refused, naming both. A Primus
 ``data diffusion-ingest`` file (sections ``datasets``, ``empty_encodings``, ``pipeline``) is not an encode config:
-it is refused with the command that runs it.
+it is refused with the command that runs it, ``diffprep ingest --config``, which reads it with
+``read_ingest_file`` (its keys: ``INGEST_ALIASES``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationInfo
 
+from diffprep import contract
 from diffprep.errors import ConfigError
 
 # ${NAME} or ${NAME:default}: a name without ':', '{' or '}', a default without '}' (Primus's loader's rule).
@@ -216,6 +218,95 @@ def take_primus_spellings(data: dict[str, Any], source: str) -> dict[str, Any]:
     return result
 
 
+# --- A Primus `data diffusion-ingest` file ----------------------------------------------------------------------------
+
+# (Primus section, key) -> the diffprep ingest setting (``diffprep.ingest_settings.IngestConfig``) it means.
+INGEST_ALIASES: dict[tuple[str, str], str] = {
+    ("empty_encodings", "manifest_url"): "empty_encodings",
+    ("pipeline", "max_workers"): "download_workers",
+    ("pipeline", "prefetch_depth"): "prefetch_depth",
+    ("pipeline", "max_files"): "max_files",
+}
+# A datasets entry's keys -> the fields of diffprep.ingest_settings.IngestDataset.
+DATASET_KEYS = {"name": "name", "manifest_url": "manifest", "split_name": "split"}
+
+
+def _mapping(source: str, where: str, value: Any, known: list[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping of {', '.join(known)}, got {type(value).__name__}")
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r} in {where}; valid keys: {', '.join(known)}")
+    return value
+
+
+def _datasets(source: str, value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: datasets must be a list of {{{', '.join(DATASET_KEYS)}}}, got "
+                          f"{type(value).__name__}")
+    result = []
+    for i, entry in enumerate(value):
+        entry = _mapping(source, f"datasets[{i}]", entry, list(DATASET_KEYS))
+        missing = [key for key in DATASET_KEYS if entry.get(key) is None]
+        if missing:
+            raise ConfigError(f"{source}: datasets[{i}] has no {', '.join(missing)} (each dataset needs "
+                              f"{', '.join(DATASET_KEYS)})")
+        result.append({DATASET_KEYS[key]: item for key, item in entry.items()})
+    return result
+
+
+def _empty_encodings(source: str, value: Any) -> str | None:
+    """The empty encodings' manifest; they go where Primus's trainer finds them, ``<out>/empty_encodings/``."""
+    if not value:  # null or {}: none, as Primus skips them
+        return None
+    keys = [key for section, key in INGEST_ALIASES if section == "empty_encodings"] + ["output_subdir"]
+    value = _mapping(source, "section 'empty_encodings'", value, keys)
+    subdir = value.get("output_subdir", contract.EMPTY_ENCODINGS_DIR)
+    if subdir != contract.EMPTY_ENCODINGS_DIR:
+        folder = contract.EMPTY_ENCODINGS_DIR
+        raise ConfigError(f"{source}: empty_encodings.output_subdir is {subdir!r}; diffprep writes them into "
+                          f"{folder!r}, where Primus's trainer finds them (<data_path>/{folder}) and an overwrite "
+                          f"knows them as diffprep's: set it to {folder} or remove it")
+    if value.get("manifest_url") is None:
+        raise ConfigError(f"{source}: empty_encodings has no manifest_url (remove the section for none)")
+    return value["manifest_url"]
+
+
+def read_ingest_file(path: str | os.PathLike, settings: dict[str, tuple[str, ...]]
+                     ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """A Primus ``data diffusion-ingest`` file (variables expanded): (its settings sections, each a mapping of the
+    keys ``settings`` allows it, and its ingest settings by ``IngestConfig`` field name). Primus's ``datasets``,
+    ``empty_encodings`` and ``pipeline`` sections are mapped (``INGEST_ALIASES``, ``DATASET_KEYS``); an unknown
+    section or key is refused with the valid ones."""
+    data = load_yaml_file(path)
+    source = str(path)
+    if data is None:
+        return {}, {}
+    ingest_sections = ("datasets", "empty_encodings", "pipeline")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections ({', '.join([*ingest_sections, *settings])}), "
+                          f"got {type(data).__name__}")
+    sections: dict[str, dict[str, Any]] = {}
+    ingest: dict[str, Any] = {}
+    for section, values in data.items():
+        if section == "datasets":
+            ingest["datasets"] = _datasets(source, values)
+        elif section == "empty_encodings":
+            if (manifest := _empty_encodings(source, values)) is not None:
+                ingest["empty_encodings"] = manifest
+        elif section == "pipeline":
+            keys = [key for where, key in INGEST_ALIASES if where == "pipeline"]
+            for key, value in _mapping(source, "section 'pipeline'", values or {}, keys).items():
+                if value is not None:  # null: the default (max_files: null = every file, as in Primus)
+                    ingest[INGEST_ALIASES[("pipeline", key)]] = value
+        elif section in settings:
+            sections[section] = dict(_mapping(source, f"section {section!r}", values or {}, list(settings[section])))
+        else:
+            raise ConfigError(f"{source}: unknown section {section!r} in an ingest config; valid sections: "
+                              f"{', '.join([*ingest_sections, *settings])}")
+    return sections, ingest
+
+
 # --- The whole file ---------------------------------------------------------------------------------------------------
 
 
@@ -245,5 +336,5 @@ def read_config(path: str | os.PathLike, sections: dict[str, type[BaseModel]]) -
     return data
 
 
-__all__ = ["ALIASES", "ALIAS_SECTIONS", "Alias", "expand_variables", "load_yaml_file", "read_config",
-           "refuse_unexpanded", "take_primus_spellings"]
+__all__ = ["ALIASES", "ALIAS_SECTIONS", "Alias", "DATASET_KEYS", "INGEST_ALIASES", "expand_variables",
+           "load_yaml_file", "read_config", "read_ingest_file", "refuse_unexpanded", "take_primus_spellings"]

@@ -9,6 +9,12 @@ step downloads files ahead of the unit being written (``Prefetcher``: at most
 (``diffprep.encodings.ingested``: the bytes as stored) through the shard
 writer, and commits the unit by its manifest, the commit point; only then is
 the file removed. A killed run resumes at the first unit without a manifest.
+
+Several manifests (``datasets``: Primus's ``mlperf_flux1.yaml`` lists CC12M
+for train and COCO for val) go into one dataset: the plan's units are one per
+file across them, the datasets in their order and each one's files in name
+order (``<dataset>/<file>`` source ids, so a re-run keeps every unit), and the
+finalize step gives each shard its dataset's split instead of a ratio's.
 """
 
 from __future__ import annotations
@@ -21,20 +27,23 @@ from pathlib import Path
 from typing import Any
 
 from diffprep import contract
-from diffprep.config import Settings, WorkersConfig
+from diffprep.approvals import ABORT, Question
+from diffprep.config import FinalizeConfig, Settings, WorkersConfig
 from diffprep.encodings import get_encoding
 from diffprep.encodings.ingested import FORMAT_MLPERF, row_fields, row_id, shapes_of
+from diffprep.energon import SPLITS_VERSION, FinalizeResult, committed_shards, finalize, read_assignment
 from diffprep.errors import ConfigError
 from diffprep.existing import Decision, Inspection
 from diffprep.failpoints import failpoint
 from diffprep.ingest_settings import IngestConfig
 from diffprep.output import Output
-from diffprep.pipeline import Ask, Events, Progress, RunResult, Steps, ask_here, prepare_output, run
+from diffprep.pipeline import (Ask, Events, Progress, RunResult, Steps, ask_here, finalize_split, prepare_output,
+                               run)
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, finish_sanity
 from diffprep.shards import Reject, UnitManifest
-from diffprep.sources.mlperf import (Manifest, Prefetcher, arrow_rows, clear_partial_downloads, download, file_md5,
-                                     file_url, read_manifest, safe_file_name)
+from diffprep.sources.mlperf import (ManifestSet, Prefetcher, arrow_rows, clear_partial_downloads, download,
+                                     file_md5, file_url, read_manifest, safe_file_name)
 from diffprep.units import DiskSpaceError, UnitResult, UnitWriter, disk_full_message
 
 log = logging.getLogger("diffprep.ingest")
@@ -83,10 +92,12 @@ def ingest_unit(output: Output, plan: Plan, unit_index: int, path: Path) -> Unit
 class IngestJob:
     """One ingest run's steps for ``diffprep.pipeline.run``, sharing the manifest and the downloads between them."""
 
-    def __init__(self, config: IngestConfig, manifest: Manifest) -> None:
-        self.config, self.manifest = config, manifest
+    def __init__(self, config: IngestConfig, manifests: ManifestSet, ask: Ask = ask_here) -> None:
+        self.config, self.manifests, self.ask = config, manifests, ask
         self.prefetcher: Prefetcher | None = None
         self.encoding = get_encoding(contract.ENCODING_PREENCODED_NUMPY)
+        # dataset -> its split; empty for one manifest (split by --train-split, as an encode)
+        self.splits = {d.name: d.split for d in config.datasets or ()}
 
     @property
     def download_options(self) -> dict[str, Any]:
@@ -100,17 +111,36 @@ class IngestJob:
     # --- the steps -------------------------------------------------------------------------------------------------
 
     def plan(self, settings: Settings, output: Output, encoding: str) -> Plan:
-        """One unit per manifest file (an earlier plan of the same fingerprint keeps its units)."""
+        """One unit per manifest file, across the datasets in their order (an earlier plan of the same fingerprint
+        keeps its units)."""
         byte, expected = self.encoding.ingest_settings(FORMAT_MLPERF)
         fp = fingerprint(byte)
         previous = output.state.plan() if output.local.is_dir() else None
         if previous is not None and previous.fingerprint != fp:
             previous = None  # other settings: verify-existing asks what to do
-        names = [entry.name for entry in self.manifest.entries]
-        units, missing, missing_count = plan_units(names, shard_size=1, max_samples=self.config.max_files,
-                                                   previous=previous)
-        return Plan(fingerprint=fp, settings=byte, source=self.manifest.describe(), expected=expected, units=units,
+        units, missing, missing_count = plan_units(self.listing(previous), shard_size=1, previous=previous)
+        return Plan(fingerprint=fp, settings=byte, source=self.manifests.describe(), expected=expected, units=units,
                     encoding=self.encoding.name, missing=missing, missing_count=missing_count)
+
+    def listing(self, previous: Plan | None) -> list[str]:
+        """The file ids to plan: every dataset's, in order; with ``max_files``, a dataset's planned files and its
+        first others up to ``max_files`` of it (Primus's ``max_files`` counts per dataset)."""
+        planned = {sid for unit in previous.units for sid in unit.source_ids} if previous else set()
+        limit = self.config.max_files
+        ids: list[str] = []
+        for dataset, _ in self.manifests.manifests:
+            mine = self.manifests.ids(dataset)
+            room = None if limit is None else limit - sum(1 for sid in mine if sid in planned)
+            for sid in mine:
+                if sid in planned:
+                    ids.append(sid)
+                elif room is None or room > 0:
+                    ids.append(sid)
+                    room = None if room is None else room - 1
+        return ids
+
+    def split_of(self, file_id: str) -> str:
+        return self.splits[self.manifests.dataset_of(file_id)]
 
     def prepare(self, output: Output, decision: Decision, inspection: Inspection, plan: Plan,
                 workers: WorkersConfig) -> list[int]:
@@ -185,9 +215,55 @@ class IngestJob:
         if not self.config.download_dir:
             output.state.discard_scratch(contract.DOWNLOADS_DIR)
 
+    def finalize(self, output: Output, encoding: str, config: FinalizeConfig, replace: bool) -> FinalizeResult:
+        """The encode's finalize; with datasets, every shard in its dataset's split. A committed shard recorded in
+        another split (the config changed a split_name) moves only when the user approves (``replace``); ``keep``
+        leaves the recorded shards where they are."""
+        if not self.splits:
+            return finalize_split(output, encoding, config, replace)
+        plan = output.state.plan()
+        committed, _, _ = committed_shards(output)
+        wanted = {contract.shard_name(u.unit): self.split_of(u.source_ids[0]) for u in plan.units}
+        wanted = {shard: wanted[shard] for shard in sorted(committed) if shard in wanted}
+        previous = read_assignment(output)
+        moves = {s: (previous[s], split) for s, split in wanted.items() if previous.get(s, split) != split}
+        if moves and not replace:
+            replace = self.ask(self.split_change(output, moves), config.on_split_change, release=True) == "replace"
+        assignment = previous | (wanted if replace else {s: p for s, p in wanted.items() if s not in previous})
+        # Recorded first, so that finalize keeps every shard where its dataset puts it (it assigns by ratio only
+        # the shards no record names, and there are none left).
+        output.state.write_json(contract.SPLITS_JSON, {"version": SPLITS_VERSION, "train_split": config.train_split,
+                                                       "seed": config.shuffle_seed, "assignment": assignment})
+        result = finalize(output, encoding=encoding, train_split=config.train_split, seed=config.shuffle_seed,
+                          workers=config.workers, replace_split=False)
+        result.new_shards = sorted(s for s in wanted if s not in previous)
+        result.moved = {s: move for s, move in moves.items() if replace}
+        result.changed = bool(result.new_shards or result.moved)
+        log.info("split by dataset: %s", ", ".join(f"{split} {len(names)} shards"
+                                                   for split, names in result.splits.items()))
+        return result
+
+    def split_change(self, output: Output, moves: dict[str, tuple[str, str]]) -> Question:
+        shown = [f"- `{shard}`: {old} → {new}" for shard, (old, new) in sorted(moves.items())[:10]]
+        if len(moves) > 10:
+            shown.append(f"- … and {len(moves) - 10} more")
+        return Question(
+            key="replace-split",
+            title=f"{len(moves)} shard(s) of {output.uri} are in another split than their dataset's",
+            description="\n".join([
+                f"`{output.uri}` records these shards in other splits than the config's datasets now give them:",
+                *shown, "",
+                "`replace`: move them to their dataset's split (a held-out shard may move into train) · `keep`: "
+                "leave the recorded shards where they are, new shards follow the datasets · `abort`: change nothing.",
+            ]),
+            choices=("replace", "keep", ABORT),
+            preset_hint="--on-split-change replace|keep|abort",
+        )
+
     def steps(self) -> Steps:
         steps = Steps.here()
         steps.plan, steps.prepare, steps.sanity, steps.units = self.plan, self.prepare, self.sanity, self.units
+        steps.finalize = self.finalize
         return steps
 
     # --- downloads -------------------------------------------------------------------------------------------------
@@ -195,7 +271,7 @@ class IngestJob:
     def _prefetcher(self, output: Output, plan: Plan, units: list[int]) -> Prefetcher:
         if self.prefetcher is None:
             names = [plan.unit(u).source_ids[0] for u in units]
-            self.prefetcher = Prefetcher(self.manifest, names, self.downloads(output),
+            self.prefetcher = Prefetcher(self.manifests, names, self.downloads(output),
                                          depth=self.config.prefetch_depth, workers=self.config.download_workers,
                                          **self.download_options)
         return self.prefetcher
@@ -228,8 +304,18 @@ class IngestJob:
 
 class IngestEvents(Events):
     def planned(self, plan: Plan, units_left: list[int], output: Output) -> None:
-        log.info("planned %d files of %s in %d units (fingerprint %s), %d to ingest", plan.total_samples,
-                 plan.source.get("manifest"), len(plan.units), plan.fingerprint, len(units_left))
+        where = plan.source.get("manifest") or ", ".join(
+            f"{d['name']} ({d['manifest']})" for d in plan.source.get("datasets", ()))
+        log.info("planned %d files of %s in %d units (fingerprint %s), %d to ingest", plan.total_samples, where,
+                 len(plan.units), plan.fingerprint, len(units_left))
+
+
+def read_manifests(config: IngestConfig) -> ManifestSet:
+    """The manifest, or each dataset's, read (with retries) before anything is written."""
+    options = {"retries": config.retries, "backoff_s": config.backoff_s, "timeout_s": config.timeout_s}
+    if config.datasets is None:
+        return ManifestSet(((None, read_manifest(config.manifest, **options)),))
+    return ManifestSet(tuple((d.name, read_manifest(d.manifest, **options)) for d in config.datasets))
 
 
 def ingest(settings: Settings, config: IngestConfig, *, ask: Ask = ask_here, output: Output | None = None
@@ -239,9 +325,10 @@ def ingest(settings: Settings, config: IngestConfig, *, ask: Ask = ask_here, out
         raise ConfigError("output.output_dir is not set (pass --output-dir)")
     if settings.workers.num_shards is not None:
         raise ConfigError("an ingest runs in one process: remove --num-shards/--shard-index")
-    manifest = read_manifest(config.manifest, retries=config.retries, backoff_s=config.backoff_s,
-                             timeout_s=config.timeout_s)
-    job = IngestJob(config, manifest)
+    if config.datasets is not None and settings.finalize.train_split != 1.0:
+        raise ConfigError(f"finalize.train_split is {settings.finalize.train_split}, but the datasets give the "
+                          "splits (each its split_name): remove --train-split")
+    job = IngestJob(config, read_manifests(config), ask)
     try:
         return run(settings, contract.ENCODING_PREENCODED_NUMPY, ask=ask, steps=job.steps(), events=IngestEvents(),
                    output=output)
@@ -249,4 +336,4 @@ def ingest(settings: Settings, config: IngestConfig, *, ask: Ask = ask_here, out
         job.close()
 
 
-__all__ = ["IngestEvents", "IngestJob", "ingest", "ingest_unit"]
+__all__ = ["IngestEvents", "IngestJob", "ingest", "ingest_unit", "read_manifests"]

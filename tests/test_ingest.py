@@ -1,4 +1,5 @@
-"""`diffprep ingest` of MLPerf Flux's format: a .uri/.md5 manifest of Arrow IPC stream files, written here."""
+"""`diffprep ingest` of MLPerf Flux's format: a .uri/.md5 manifest of Arrow IPC stream files, written here; several
+manifests into one dataset from a Primus-style config (Primus's own file: tests/test_primus_configs.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ import pyarrow as pa
 import pyarrow.ipc
 import pytest
 import torch
+import yaml
 
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.cooker import load_bf16_npy
 from diffprep.encodings.ingested import npy_header, row_fields
+from diffprep.energon import read_split_yaml
 from diffprep.errors import SourceError
 from diffprep.failpoints import ENV as FAILPOINT_ENV
+from diffprep.ingest_settings import load_ingest
 from diffprep.shards import Reject
 from diffprep.sources.mlperf import Prefetcher, download, parse_md5_lines, read_manifest, safe_file_name
 
@@ -278,3 +282,122 @@ def test_a_file_whose_md5_does_not_match_fails_the_run_and_keeps_nothing(mlperf,
     assert "md5" in capsys.readouterr().err
     assert list(out.glob("*.tar")) == []
     assert list((out / contract.STATE_DIR / contract.DOWNLOADS_DIR).glob("*")) == []
+
+
+# --- several datasets into one (a Primus data diffusion-ingest config) -----------------------------------------------
+
+
+def _datasets_config(mlperf: Path, folder: Path, datasets: dict[str, tuple[list[int], str]], **pipeline) -> Path:
+    """A Primus-style ingest config over the ``mlperf`` fixture's files: dataset -> (its file indexes, split)."""
+    entries = []
+    for name, (files, split) in datasets.items():
+        listed = {f"data-{i:05d}.arrow": hashlib.md5((mlperf / f"data-{i:05d}.arrow").read_bytes()).hexdigest()
+                  for i in files}
+        uri = write_manifest(folder, f"flux-1-{name}-preprocessed", listed, base=str(mlperf))
+        entries.append({"name": name, "manifest_url": str(uri), "split_name": split})
+    config = {"datasets": entries,
+              "empty_encodings": {"manifest_url": str(mlperf / "empty" / "flux-1-empty-encodings.uri"),
+                                  "output_subdir": "empty_encodings"},
+              "output": {"output_dir": "${INGEST_TEST_ROOT:/nonexistent}/mlperf_flux1"},
+              "pipeline": {"max_workers": 2, "prefetch_depth": 2, "max_files": None, **pipeline}}
+    path = folder / "mlperf_flux1.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _config_args(config: Path, out: Path, *extra: str) -> list[str]:
+    return ["ingest", "--config", str(config), "--output-dir", str(out), "--accept-rejects", "0.2", "--retries", "1",
+            "--backoff-s", "0.01", *extra]
+
+
+def test_datasets_resume_grow_and_keep_their_splits(mlperf, tmp_path, capsys):
+    """Units one per file across the datasets, stable when killed and resumed and when a manifest grows; each shard
+    in its dataset's split; a split_name changed later moves recorded shards only when approved."""
+    config = _datasets_config(mlperf, tmp_path, {"cc12m": ([0, 1], "train"), "coco": ([2], "val")})
+    reference = tmp_path / "reference"
+    assert main(_config_args(config, reference)) == 0
+    plan = json.loads((reference / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert [u["source_ids"] for u in plan["units"]] == [["cc12m/data-00000.arrow"], ["cc12m/data-00001.arrow"],
+                                                         ["coco/data-00002.arrow"]]
+    assert read_split_yaml(reference) == {"000000.tar": "train", "000001.tar": "train", "000002.tar": "val"}
+    audit = json.loads((reference / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    assert audit["rejected_ids"][0]["source_id"] == "cc12m/data-00001.arrow#2"
+
+    out = tmp_path / "out"
+    env = os.environ | {FAILPOINT_ENV: "before-manifest@2", "PYTHONPATH": str(REPO)}
+    killed = subprocess.run([sys.executable, "-m", "diffprep.cli", *_config_args(config, out)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert main(_config_args(config, out)) == 0
+    assert _snapshot(out) == _snapshot(reference)
+
+    # cc12m's manifest grows by a file: the old units stay, the new file is unit 3, in train.
+    before = _snapshot(out)
+    grown = _datasets_config(mlperf, tmp_path, {"cc12m": ([0, 1, 2], "train"), "coco": ([2], "val")})
+    assert main(_config_args(grown, out)) == 0
+    assert read_split_yaml(out) == {"000000.tar": "train", "000001.tar": "train", "000002.tar": "val",
+                                    "000003.tar": "train"}
+    assert {k: v for k, v in _snapshot(out).items() if k in before and k.endswith(".tar")} == {
+        k: v for k, v in before.items() if k.endswith(".tar")}
+
+    # COCO now says test: nobody to ask, so nothing moves; approved, its shard moves.
+    moved = _datasets_config(mlperf, tmp_path, {"cc12m": ([0, 1, 2], "train"), "coco": ([2], "test")})
+    capsys.readouterr()
+    assert main(_config_args(moved, out)) == 2
+    err = capsys.readouterr().err
+    assert "1 shard(s) of" in err and "`000002.tar`: val → test" in err, err[-2000:]
+    assert read_split_yaml(out)["000002.tar"] == "val"
+    assert main(_config_args(moved, out, "--on-split-change", "replace")) == 0
+    assert read_split_yaml(out)["000002.tar"] == "test"
+
+
+def test_an_ingest_config_takes_the_environment_and_flags_over_its_values(mlperf, tmp_path, monkeypatch):
+    config = _datasets_config(mlperf, tmp_path, {"cc12m": ([0], "train")}, max_files=1)
+    monkeypatch.setenv("INGEST_TEST_ROOT", str(tmp_path / "root"))
+    settings, ingest = load_ingest(config, {}, {})
+    assert settings.output.output_dir == str(tmp_path / "root" / "mlperf_flux1")
+    assert (ingest.download_workers, ingest.prefetch_depth, ingest.max_files) == (2, 2, 1)
+    assert ingest.empty_encodings == str(mlperf / "empty" / "flux-1-empty-encodings.uri")
+    assert [(d.name, d.split) for d in ingest.datasets] == [("cc12m", "train")]
+    monkeypatch.setenv("DIFFPREP_OUTPUT__OUTPUT_DIR", str(tmp_path / "env"))
+    assert load_ingest(config, {}, {})[0].output.output_dir == str(tmp_path / "env")
+    settings, ingest = load_ingest(config, {"output": {"output_dir": str(tmp_path / "flag")}}, {"max_files": 3})
+    assert (settings.output.output_dir, ingest.max_files) == (str(tmp_path / "flag"), 3)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(extra={"a": 1}), "unknown section 'extra' in an ingest config; valid sections: datasets, "
+                                         "empty_encodings, pipeline, output, finalize"),
+    (lambda c: c["datasets"][0].update(path="x"), "unknown key 'path' in datasets[0]; valid keys: name, "
+                                                  "manifest_url, split_name"),
+    (lambda c: c["datasets"][0].pop("split_name"), "datasets[0] has no split_name"),
+    (lambda c: c["datasets"][0].update(split_name="eval"), "datasets.0.split: Input should be 'train', 'val' or "
+                                                           "'test'"),
+    (lambda c: c["datasets"].append(dict(c["datasets"][0])), "dataset names must be unique: ['cc12m'] given twice"),
+    (lambda c: c["pipeline"].update(workers=3), "unknown key 'workers' in section 'pipeline'; valid keys: "
+                                                "max_workers, prefetch_depth, max_files"),
+    (lambda c: c["empty_encodings"].update(output_subdir="empties"), "empty_encodings.output_subdir is 'empties'"),
+    (lambda c: c["output"].update(shard_size=3), "unknown key 'shard_size' in section 'output'; valid keys: "
+                                                 "output_dir, s3_endpoint_url"),
+])
+def test_an_ingest_config_with_a_key_it_does_not_know_is_refused_with_the_valid_ones(mlperf, tmp_path, capsys,
+                                                                                     change, message):
+    config = _datasets_config(mlperf, tmp_path, {"cc12m": ([0], "train")})
+    data = yaml.safe_load(config.read_text())
+    change(data)
+    config.write_text(yaml.safe_dump(data))
+    assert main(["ingest", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_ingest_config_refuses_a_second_manifest_and_a_ratio_split(mlperf, tmp_path, capsys):
+    config = _datasets_config(mlperf, tmp_path, {"cc12m": ([0], "train")})
+    out = str(tmp_path / "out")
+    assert main(["ingest", "--config", str(config), "--output-dir", out, "--manifest", "x.uri"]) == 2
+    assert "remove --manifest" in capsys.readouterr().err
+    assert main(["ingest", "--config", str(config), "--output-dir", out, "--train-split", "0.5"]) == 2
+    assert "the datasets give the splits (each its split_name): remove --train-split" in capsys.readouterr().err
+    assert main(["ingest", "--output-dir", out]) == 2
+    assert "nothing to ingest: pass --manifest, or --config with a datasets list" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -7,29 +7,40 @@ whole pipeline (plan, sanity, units, audit, finalize, validation) with only its 
 overridden -- plus what the tiny model and a machine without a GPU need: ``min_psnr 0`` (random weights cannot
 reconstruct an image); without CUDA, ``device cpu`` where the config says ``device: cuda`` (the config as written
 is then refused with the fix, checked below) and 32 px images (bf16 convolutions on a CPU take seconds a batch at
-256 px; every other setting, bf16 included, stays as the config has it). Primus's ingest config is refused with
-the command that runs it.
+256 px; every other setting, bf16 included, stays as the config has it). Primus's ingest config runs through
+`diffprep ingest --config` with only ``PRIMUS_DATA_ROOT`` (or ``--output-dir``) set and its manifest URLs pointed at
+local stand-ins the test serves over HTTP; `diffprep encode` refuses it with the command that runs it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import http.server
 import io
 import json
 import os
 import subprocess
 import sys
 import tarfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+import pyarrow.ipc
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from diffprep import contract
+from diffprep.cli import main
 from diffprep.config import check_runnable, load_settings
+from diffprep.energon import read_split_yaml
 from diffprep.errors import ConfigError
 from diffprep.pipeline import run
+from test_ingest import write_arrow, write_manifest
 
 FIXTURES = Path(__file__).resolve().parent / "primus_configs"
 
@@ -213,8 +224,126 @@ def test_a_primus_config_for_cuda_is_refused_on_a_machine_without_one(tiny_model
     assert str(caught.value) == "model.device is 'cuda' but CUDA is not available here; use cpu or auto"
 
 
+MLCOMMONS = "https://training.mlcommons-storage.org"
+# MLCommons' datasets as the config names them, and the stand-ins served here: Arrow files of n rows each.
+MLPERF_DATASETS = {"cc12m": ("flux-1-cc12m-preprocessed", [3, 2]), "coco": ("flux-1-coco-preprocessed", [2])}
+
+
+@pytest.fixture
+def mlcommons(tmp_path: Path):
+    """A local MLCommons: ``metadata/<manifest>.uri`` / ``.md5`` naming Arrow files (``__key__`` in cc12m's, not in
+    COCO's) and the empty encodings, served over HTTP; yields the server's URL and the folder."""
+    root = tmp_path / "mlcommons"
+    metadata = root / "metadata"
+    metadata.mkdir(parents=True)
+    handler = functools.partial(_QuietFiles, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    for seed, (dataset, (manifest, rows)) in enumerate(MLPERF_DATASETS.items()):
+        folder = root / dataset
+        folder.mkdir()
+        names = [f"{dataset}-{i:04d}.arrow" for i in range(len(rows))]
+        for i, (name, count) in enumerate(zip(names, rows)):
+            write_arrow(folder / name, count, seed * 10 + i, keys=dataset == "cc12m")
+        write_manifest(folder, manifest, dict.fromkeys(names), base=f"{url}/{dataset}")
+        for suffix in (".uri", ".md5"):
+            (folder / f"{manifest}{suffix}").rename(metadata / f"{manifest}{suffix}")
+    empty = root / "empty"
+    empty.mkdir()
+    for name, shape in ((contract.T5_EMPTY, (1, 6, 8)), (contract.CLIP_EMPTY, (1, 8))):
+        np.save(empty / name, np.zeros(shape, np.float32), allow_pickle=False)
+    write_manifest(empty, "flux-1-empty-encodings", dict.fromkeys([contract.T5_EMPTY, contract.CLIP_EMPTY]),
+                   base=f"{url}/empty")
+    for suffix in (".uri", ".md5"):
+        (empty / f"flux-1-empty-encodings{suffix}").rename(metadata / f"flux-1-empty-encodings{suffix}")
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield url, root
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def _pointed_at(config: Path, url: str, folder: Path) -> Path:
+    """The config as it is, its manifest URLs on ``url`` instead of MLCommons' storage."""
+    text = config.read_text()
+    assert text.count(MLCOMMONS) == 3
+    copy = folder / config.name
+    copy.write_text(text.replace(MLCOMMONS, url))
+    return copy
+
+
+def _tree(out: Path) -> dict[str, str]:
+    """The dataset's files but Energon's index (a new uuid each prepare) and diffprep's state."""
+    index = {contract.INDEX_SQLITE, "index.uuid"}
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*"))
+            if p.is_file() and contract.STATE_DIR not in p.parts and p.name not in index}
+
+
+def test_primus_ingest_config_runs(mlcommons, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Primus's `data diffusion-ingest` makes of mlperf_flux1.yaml: one Energon dataset at
+    ``${PRIMUS_DATA_ROOT}/mlperf_flux1`` (encoding preencoded_numpy) whose train split is CC12M's files and val split
+    COCO's, each file one shard, and the empty encodings in ``empty_encodings/``."""
+    url, root = mlcommons
+    config = _pointed_at(FIXTURES / "mlperf_flux1.yaml", url, tmp_path)
+    monkeypatch.setenv("PRIMUS_DATA_ROOT", str(tmp_path / "data"))
+    assert main(["ingest", "--config", str(config)]) == 0
+    out = tmp_path / "data" / "mlperf_flux1"
+
+    # One unit per file across the datasets, in the config's order: cc12m's two, then coco's one.
+    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
+    assert [u["source_ids"] for u in plan["units"]] == [["cc12m/cc12m-0000.arrow"], ["cc12m/cc12m-0001.arrow"],
+                                                         ["coco/coco-0000.arrow"]]
+    assert read_split_yaml(out) == {"000000.tar": "train", "000001.tar": "train", "000002.tar": "val"}
+    info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text())
+    assert info["shard_counts"] == {"000000.tar": 3, "000001.tar": 2, "000002.tar": 2}
+    assert "encoding: preencoded_numpy" in (out / contract.NV_META / contract.DATASET_YAML).read_text()
+    validation = json.loads((out / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())
+    assert validation["ok"], validation
+    assert {s: v["samples"] for s, v in validation["summary"]["splits"].items()} == {"train": 5, "val": 2}
+    for name in (contract.T5_EMPTY, contract.CLIP_EMPTY):
+        assert (out / contract.EMPTY_ENCODINGS_DIR / name).read_bytes() == (root / "empty" / name).read_bytes()
+
+    # Every row stored as it came, under Primus's member names; json.key is the row's __key__ where it has one.
+    for shard, (dataset, file) in {"000000.tar": ("cc12m", "cc12m-0000"), "000002.tar": ("coco", "coco-0000")}.items():
+        table = pyarrow.ipc.open_stream(str(root / dataset / f"{file}.arrow")).read_all()
+        with tarfile.open(out / shard) as tar:
+            for row in range(table.num_rows):
+                key = f"{shard[:6]}_{row:06d}"
+                for column, field in zip(contract.MLPERF_COLUMNS, contract.INGESTED_FIELDS):
+                    assert tar.extractfile(f"{key}.{field}").read() == table.column(column)[row].as_py()
+                meta = json.loads(tar.extractfile(f"{key}.{contract.INGESTED_META}").read())
+                assert meta == {"key": f"{file}-{row:04d}" if dataset == "cc12m" else key,
+                                "source_id": f"{dataset}/{file}.arrow#{row}"}
+    assert not (out / contract.STATE_DIR / contract.DOWNLOADS_DIR).exists()
+
+    # Run again: complete, nothing changes.
+    before = _tree(out)
+    shards = [f"00000{i}.tar{suffix}" for i in range(3) for suffix in ("", ".idx")]
+    assert sorted(before) == sorted([*shards, *(f"{contract.NV_META}/{n}" for n in (
+        contract.INFO_JSON, contract.DATASET_YAML, contract.SPLIT_YAML)),
+        *(f"{contract.EMPTY_ENCODINGS_DIR}/{n}" for n in (contract.T5_EMPTY, contract.CLIP_EMPTY))])
+    assert main(["ingest", "--config", str(config)]) == 0
+    assert _tree(out) == before
+
+    # --output-dir instead of PRIMUS_DATA_ROOT, and pipeline.max_files as Primus counts it: per dataset.
+    monkeypatch.delenv("PRIMUS_DATA_ROOT")
+    data = yaml.safe_load(config.read_text())
+    data["pipeline"]["max_files"] = 1
+    one = tmp_path / "one_file.yaml"
+    one.write_text(yaml.safe_dump(data))
+    assert main(["ingest", "--config", str(one), "--output-dir", str(tmp_path / "first")]) == 0
+    assert read_split_yaml(tmp_path / "first") == {"000000.tar": "train", "000001.tar": "val"}
+    assert not [path for path in tmp_path.rglob("*") if "${" in path.name]
+
+
 @pytest.mark.parametrize("name", INGEST_CONFIGS)
-def test_primus_ingest_config_is_refused_with_the_command_that_runs_it(name: str) -> None:
+def test_primus_ingest_config_is_refused_by_encode_with_the_command_that_runs_it(name: str) -> None:
     config = FIXTURES / name
     with pytest.raises(ConfigError) as caught:
         load_settings(config)

@@ -13,6 +13,10 @@ is checked against its md5 while it streams, and is renamed only when it
 matches; network errors, HTTP 429/5xx and md5 mismatches are retried with
 exponential backoff, other HTTP errors are not. ``Prefetcher`` keeps at most
 ``depth`` files on disk ahead of the unit that reads them.
+
+Several manifests (Primus's ``datasets:`` list, each with a name) are read as
+one ``ManifestSet``: a file's id is then ``<dataset>/<file>``, so two datasets
+may list the same file name; with one unnamed manifest the id is the file name.
 """
 
 from __future__ import annotations
@@ -62,6 +66,56 @@ class Manifest:
             if entry.name == name:
                 return entry
         raise SourceError(f"{name} is planned but no longer listed in {self.location}")
+
+    def locate(self, name: str) -> tuple[str, str]:
+        """(URL, md5) of the listed file ``name``."""
+        return file_url(self.base_url, name), self.entry(name).md5
+
+
+@dataclass(frozen=True)
+class ManifestSet:
+    """The manifests of one ingest, in order: ``(None, manifest)`` alone (file ids are the file names), or named
+    datasets (file ids ``<dataset>/<file>``)."""
+
+    manifests: tuple[tuple[str | None, Manifest], ...]
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.manifests]
+        if not names or (None in names and len(names) > 1) or len(set(names)) != len(names):
+            raise ValueError(f"a ManifestSet is one unnamed manifest or datasets of distinct names, got {names}")
+        for name in names:
+            if name is not None:
+                safe_file_name(name, "the dataset name")  # a folder of downloads, the prefix of every source id
+
+    def ids(self, dataset: str | None) -> list[str]:
+        """The file ids of ``dataset``'s manifest, in name order."""
+        manifest = dict(self.manifests)[dataset]
+        return [self.file_id(dataset, entry.name) for entry in manifest.entries]
+
+    @staticmethod
+    def file_id(dataset: str | None, name: str) -> str:
+        return name if dataset is None else f"{dataset}/{name}"
+
+    def dataset_of(self, file_id: str) -> str | None:
+        if self.manifests[0][0] is None:
+            return None
+        dataset, _, _ = file_id.partition("/")
+        return dataset
+
+    def locate(self, file_id: str) -> tuple[str, str]:
+        """(URL, md5) of a file by its id."""
+        dataset = self.dataset_of(file_id)
+        manifests = dict(self.manifests)
+        if dataset not in manifests:
+            raise SourceError(f"{file_id} is planned but no dataset of this ingest is named {dataset!r}")
+        name = file_id if dataset is None else file_id.removeprefix(f"{dataset}/")
+        return manifests[dataset].locate(name)
+
+    def describe(self) -> dict:
+        if self.manifests[0][0] is None:
+            return self.manifests[0][1].describe()
+        return {"type": "mlperf", "datasets": [{"name": name, **manifest.describe()}
+                                               for name, manifest in self.manifests]}
 
 
 def safe_file_name(name: str, where: str = "the manifest") -> str:
@@ -212,13 +266,19 @@ def file_md5(path: Path) -> str:
     return digest.hexdigest()
 
 
+def local_path(folder: Path, file_id: str) -> Path:
+    """Where the file ``file_id`` (``<file>`` or ``<dataset>/<file>``, each part one plain name) is downloaded."""
+    return Path(folder).joinpath(*(safe_file_name(part) for part in file_id.split("/")))
+
+
 class Prefetcher:
     """The files of ``names`` downloaded in order into ``folder`` on ``workers`` threads, at most ``depth`` on disk
     (or downloading) ahead of the reader: ``get(name)`` waits for one, ``release(name)`` removes it and makes room.
-    ``close()`` stops the downloads that have not started; a ``.part`` file is never left behind."""
+    ``close()`` stops the downloads that have not started; a ``.part`` file is never left behind. ``manifest``
+    (a ``Manifest`` or a ``ManifestSet``) locates each name: ``locate(name) -> (url, md5)``."""
 
-    def __init__(self, manifest: Manifest, names: Sequence[str], folder: Path, *, depth: int = 4, workers: int = 2,
-                 retries: int = 5, backoff_s: float = 1.0, timeout_s: float = 300.0) -> None:
+    def __init__(self, manifest: Manifest | ManifestSet, names: Sequence[str], folder: Path, *, depth: int = 4,
+                 workers: int = 2, retries: int = 5, backoff_s: float = 1.0, timeout_s: float = 300.0) -> None:
         self.manifest, self.folder = manifest, Path(folder)
         self.options = {"retries": retries, "backoff_s": backoff_s, "timeout_s": timeout_s}
         self._slots = threading.Semaphore(max(1, depth))
@@ -231,7 +291,7 @@ class Prefetcher:
         self._feeder.start()
 
     def path(self, name: str) -> Path:
-        return self.folder / safe_file_name(name)
+        return local_path(self.folder, name)
 
     def _feed(self) -> None:
         for name in self._names:
@@ -241,9 +301,8 @@ class Prefetcher:
             if self._closed.is_set():
                 return
             try:
-                entry = self.manifest.entry(name)
-                future = self._pool.submit(download, file_url(self.manifest.base_url, name), self.path(name),
-                                           entry.md5, **self.options)
+                url, md5 = self.manifest.locate(name)
+                future = self._pool.submit(download, url, self.path(name), md5, **self.options)
             except Exception as error:  # noqa: BLE001 - a name the manifest lost, a pool shut down: get() raises it
                 future = Future()
                 future.set_exception(error)
@@ -285,13 +344,18 @@ class Prefetcher:
 
 
 def clear_partial_downloads(folder: Path, keep: Sequence[str] = ()) -> list[str]:
-    """Remove what killed runs left in the download folder: every ``.part`` file, and files not in ``keep``."""
+    """Remove what killed runs left in the download folder: every ``.part`` file, and files whose id (their path
+    under ``folder``: ``<file>`` or ``<dataset>/<file>``) is not in ``keep``; then the dataset folders left empty."""
     removed = []
     if folder.is_dir():
-        for path in sorted(folder.iterdir()):
-            if path.is_file() and (path.name.endswith(contract.DOWNLOAD_PART_SUFFIX) or path.name not in keep):
+        for path in sorted(folder.rglob("*")):
+            relative = path.relative_to(folder).as_posix()
+            if path.is_file() and (path.name.endswith(contract.DOWNLOAD_PART_SUFFIX) or relative not in keep):
                 path.unlink()
-                removed.append(path.name)
+                removed.append(relative)
+        for path in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
+            if not any(path.iterdir()):
+                path.rmdir()
     return removed
 
 
@@ -314,6 +378,6 @@ def arrow_rows(path: Path) -> Iterator[dict[str, bytes | str | None]]:
         raise SourceError(f"{path.name} is not an Arrow IPC stream file: {error}") from None
 
 
-__all__ = ["Manifest", "ManifestEntry", "Md5Mismatch", "Prefetcher", "arrow_rows", "clear_partial_downloads",
-           "download", "file_md5", "file_url", "manifest_locations", "parse_md5_lines", "read_manifest",
-           "safe_file_name"]
+__all__ = ["Manifest", "ManifestEntry", "ManifestSet", "Md5Mismatch", "Prefetcher", "arrow_rows",
+           "clear_partial_downloads", "download", "file_md5", "file_url", "local_path", "manifest_locations",
+           "parse_md5_lines", "read_manifest", "safe_file_name"]
