@@ -28,6 +28,16 @@ def cmd_verify_t2i(args: argparse.Namespace) -> int:
     return 0 if reports and all(report.ok for report in reports) else 1
 
 
+def cmd_t2i_blip3o(args: argparse.Namespace) -> int:
+    from diffprep.t2i_mirror import mirror_blip3o, parse_repo_overrides
+
+    results = mirror_blip3o(args.output, args.splits, parse_repo_overrides(args.repo), progress=print)
+    for result in results:
+        print(f"{result.split}: {result.repo} -> {result.folder}: {len(result.downloaded)} downloaded, "
+              f"{len(result.skipped)} already complete")
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     from diffprep import contract
     from diffprep.t2i import DEFAULT_SEED, DEFAULT_SHARD_SIZE
@@ -46,6 +56,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     imagenet.add_argument("--caption-template", default=None, help="e.g. 'a photo of a {label}' (default: "
                           "the class name)")
     imagenet.set_defaults(func=cmd_t2i_imagenet)
+
+    from diffprep.t2i_mirror import BLIP3O_REPOS
+
+    blip3o = t2i_sub.add_parser("blip3o", help="mirror the BLIP3o-Pretrain hub repos' *.tar into the folders "
+                                "GAE's loader reads (resumable)")
+    blip3o.add_argument("--output", required=True, help="e.g. $GAE_DATA_ROOT/BLIP3o")
+    blip3o.add_argument("--splits", nargs="+", choices=list(BLIP3O_REPOS), default=list(BLIP3O_REPOS))
+    blip3o.add_argument("--repo", nargs="*", default=[], metavar="SPLIT=ORG/REPO",
+                        help="another source repo for a split, e.g. long=Org/Repo")
+    blip3o.set_defaults(func=cmd_t2i_blip3o)
 
     verify = sub.add_parser("verify-t2i", help="what GAE's T2I loader finds under its roots, every shard read "
                             "(exit 1 on anything missing)")
