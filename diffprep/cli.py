@@ -552,6 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
     _s3_arguments(stats)
     stats.set_defaults(func=cmd_latent_stats)
 
+    from diffprep.t2i_cli import add_parsers as add_t2i_parsers
+
+    add_t2i_parsers(sub)
+
     from diffprep.families import FAMILIES
 
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight encoder set (tests, demos)")

@@ -23,7 +23,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from diffprep.config_files import read_config, refuse_unexpanded
 from diffprep.errors import ConfigError
 
-SourceType = Literal["directory", "huggingface", "webdataset", "metadata"]
+SourceType = Literal["directory", "huggingface", "webdataset", "metadata", "imagefolder"]
 Precision = Literal["bf16", "fp16", "fp32"]
 LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
@@ -45,16 +45,19 @@ class _Section(BaseModel):
 # Each source type's location field: the one that names where its samples are.
 SOURCE_LOCATIONS: dict[str, str] = {"directory": "input_dir", "huggingface": "hf_dataset",
                                     "webdataset": "input_path", "metadata": "metadata_file"}
+# Every source type's location field; imagefolder reads input_dir too, so it is never inferred from a location.
+SOURCE_NEEDS: dict[str, str] = {**SOURCE_LOCATIONS, "imagefolder": "input_dir"}
 
 
 class SourceConfig(_Section):
     type: SourceType | None = Field(
-        None, description="Where samples come from: directory | huggingface | webdataset | metadata. Unset: the "
+        None, description="Where samples come from: directory | huggingface | webdataset | metadata | imagefolder "
+        "(class folders, ImageNet's train/ layout: give it explicitly). Unset: the "
         "one whose location is given (--input-dir, --hf-dataset, --input-path, --metadata-file).",
     )
     input_dir: str | None = Field(
         None, description="directory: a folder (or s3://bucket/prefix) with images/ and/or videos/, and captions/, "
-        "paired by file stem."
+        "paired by file stem. imagefolder: a folder of class folders (<class>/<image>, any depth)."
     )
     hf_dataset: str | None = Field(None, description="huggingface: hub name or local path of the dataset.")
     hf_split: str = Field("train", description="huggingface: split to read.")
@@ -87,12 +90,13 @@ class SourceConfig(_Section):
         "reference_video or ref_media_path when the file has one.",
     )
     caption_template: str | None = Field(
-        None, description="huggingface: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
+        None, description="huggingface, imagefolder: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
         "the class name). Unset: the class name alone. Text captions are kept as they are.",
     )
     class_names: str | None = Field(
         None, description="huggingface: a file with one class name per line (label 0 first), for an integer label "
-        "column that is not a datasets ClassLabel (a ClassLabel's own names are used otherwise).",
+        "column that is not a datasets ClassLabel (a ClassLabel's own names are used otherwise). imagefolder: one "
+        "name per class folder in sorted order (unset: ImageNet-1k's names for its 1000 synsets, else the folders').",
     )
     input_path: str | None = Field(
         None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar."
@@ -182,7 +186,7 @@ class OutputConfig(_Section):
         return dict(pairs)
 
     @model_validator(mode="after")
-    def _one_layout(self) -> "OutputConfig":
+    def _one_layout(self) -> OutputConfig:
         if self.key_map and self.layout != "energon":
             raise ValueError(f"layout {self.layout!r} is a preset key map: pass it or key_map, not both")
         return self
@@ -272,7 +276,7 @@ class ImageConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _multiples_of_16(self) -> "ImageConfig":
+    def _multiples_of_16(self) -> ImageConfig:
         if self.image_size % 16:
             raise ValueError(f"image_size must be a multiple of 16, got {self.image_size}")
         if self.max_size % 16:
@@ -381,7 +385,7 @@ class WorkersConfig(_Section):
     shard_index: int | None = Field(None, ge=0, description="This run's index, 0 <= shard_index < num_shards.")
 
     @model_validator(mode="after")
-    def _shards_together(self) -> "WorkersConfig":
+    def _shards_together(self) -> WorkersConfig:
         if (self.num_shards is None) != (self.shard_index is None):
             raise ValueError("num_shards and shard_index go together: pass both or neither")
         if self.num_shards is not None and self.shard_index >= self.num_shards:
@@ -523,8 +527,8 @@ def check_runnable(settings: Settings) -> None:
         given = [f"source.{field}" for field in SOURCE_LOCATIONS.values() if getattr(src, field)]
         which = f"several source locations are set ({', '.join(given)})" if given else "no source location is set"
         raise ConfigError(f"source.type is not set and {which}: pass --source-type "
-                          f"{'|'.join(SOURCE_LOCATIONS)} with its location, or set them in the config")
-    needed = SOURCE_LOCATIONS[src.type]
+                          f"{'|'.join(SOURCE_NEEDS)} with its location, or set them in the config")
+    needed = SOURCE_NEEDS[src.type]
     if not getattr(src, needed):
         flag = "--" + needed.replace("_", "-")
         raise ConfigError(f"source.type is {src.type!r} but source.{needed} is not set (pass {flag})")

@@ -206,3 +206,44 @@ def lock_file_name(shard: int | None = None) -> str:
 
 def is_lock_file(name: str) -> bool:
     return name == LOCK_FILE or re.fullmatch(r"lock-shard-\d+\.json", name) is not None
+
+
+# --- GAE's text-to-image co-training roots (diffprep/t2i.py, t2i_verify.py, t2i_mirror.py) -----------------------
+# A T2I root holds one sub-folder per split; GAE's loader (src/data/blip3o_wds.py) globs each one's ``*.tar``
+# (not recursively) and searches its roots in order, the first with shards winning. An ImageNet shard counts only
+# when ``<shard>.done`` exists beside it. Samples: ``<key>.jpg|png|jpeg|webp`` + ``<key>.txt`` (or ``<key>.json``).
+T2I_SPLIT_FOLDERS: dict[str, str] = {
+    "long": "BLIP3o-Pretrain-Long-Caption",
+    "short": "BLIP3o-Pretrain-Short-Caption",
+    "journeydb": "BLIP3o-Pretrain-JourneyDB",
+    "imagenet": "ImageNet-1K-T2I",
+}
+T2I_DONE_SPLITS = frozenset({"imagenet"})  # the splits whose shards the loader takes only with a .done marker
+T2I_IMAGE_MEMBERS = ("jpg", "png", "jpeg", "webp")  # the image members the loader looks for, in its order
+T2I_CAPTION = "txt"
+T2I_CAPTION_JSON = "json"
+T2I_DONE_SUFFIX = ".done"
+T2I_PLAN_JSON = "t2i_plan.json"  # in the state folder: seed, shard size, every shard's source ids
+_T2I_SHARD_RE = re.compile(r"^imagenet_(\d{5,})\.tar$")
+
+
+def t2i_shard_name(index: int) -> str:
+    """An ImageNet T2I shard's name, as GAE's packer names them: ``imagenet_00042.tar``."""
+    if index < 0:
+        raise ValueError(f"shard index must be >= 0, got {index}")
+    return f"imagenet_{index:05d}{SHARD_SUFFIX}"
+
+
+def t2i_shard_index(name: str) -> int | None:
+    match = _T2I_SHARD_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def t2i_done_name(shard: str) -> str:
+    """The marker GAE's loader requires beside an ImageNet shard: ``imagenet_00042.tar.done``."""
+    return shard + T2I_DONE_SUFFIX
+
+
+def t2i_key(wnid: str, stem: str) -> str:
+    """GAE's ImageNet sample key ``imagenet_<wnid>_<stem>``."""
+    return f"imagenet_{wnid}_{stem}"

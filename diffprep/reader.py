@@ -16,9 +16,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ from diffprep.media.video import ClipSpec, PreparedClip
 from diffprep.plan import Plan, UnitPlan
 from diffprep.shards import Reject
 from diffprep.sources import Source, SourceSample
+from diffprep.sources.labels import LabeledSample
 
 
 @dataclass
@@ -116,6 +118,9 @@ def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
     }
     if spec.buckets:  # aspect-ratio buckets: the bucket is the output size
         meta["bucket"] = size
+    if isinstance(sample, LabeledSample):  # a class-conditional source: the label training code conditions on
+        meta["label"] = sample.label
+        meta["class_name"] = sample.class_name
     return meta
 
 

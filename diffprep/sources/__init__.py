@@ -13,10 +13,11 @@ from diffprep.config import SourceConfig
 from diffprep.errors import SourceError
 from diffprep.sources.base import Source, SourceSample
 from diffprep.sources.directory import DirectorySource
+from diffprep.sources.imagefolder import ImageFolderSource
 from diffprep.sources.metadata import MetadataSource
 from diffprep.sources.webdataset import WebDatasetSource
 
-SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata")
+SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefolder")
 
 
 def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
@@ -28,6 +29,10 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
         if not cfg.input_dir:
             raise SourceError("source.input_dir is not set: give the folder holding images/ and captions/")
         return DirectorySource(cfg.input_dir, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
+    if cfg.type == "imagefolder":
+        if not cfg.input_dir:
+            raise SourceError("source.input_dir is not set: give the folder of class folders (ImageNet's train/)")
+        return ImageFolderSource(cfg.input_dir, class_names=cfg.class_names, caption_template=cfg.caption_template)
     if cfg.type == "huggingface":
         # Imported here: datasets takes a second to import and only this source needs it.
         from diffprep.sources.huggingface import HuggingFaceSource
@@ -57,6 +62,7 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
 __all__ = [
     "SOURCE_TYPES",
     "DirectorySource",
+    "ImageFolderSource",
     "MetadataSource",
     "Source",
     "SourceSample",

@@ -57,6 +57,7 @@ from diffprep.sources.base import (
     reject,
     rejected,
 )
+from diffprep.sources.labels import LabelCaptions, checked_template
 
 IMAGE_COLUMNS = ("image", "img", "jpg", "jpeg", "png", "webp")
 VIDEO_COLUMNS = ("video", "mp4", "webm", "clip")
@@ -105,14 +106,8 @@ class HuggingFaceSource:
         self._media_column, self._media_path = _resolve_key(media_key, columns, f"{self._media_name}_key")
         self._caption_column, self._caption_path = _resolve_key(self.caption_key, columns, "caption_key")
         self.class_names = self._class_names(cfg, features)
-        self.caption_template = cfg.caption_template or "{label}"
-        try:
-            usable = "{label}" in self.caption_template and self.caption_template.format(label="x")
-        except (KeyError, IndexError, ValueError):
-            usable = False
-        if not usable:
-            raise SourceError(f"source.caption_template {cfg.caption_template!r} must hold {{label}} (the class name) "
-                              "and no other {...} field, e.g. 'a photo of a {label}'")
+        self.caption_template = checked_template(cfg.caption_template)
+        self._labels = LabelCaptions(self.class_names, self.caption_template, what=repr(self.caption_key))
 
         feature = features.get(self._media_column) if features is not None else None
         if isinstance(feature, datasets.Image):
@@ -296,13 +291,7 @@ class HuggingFaceSource:
         return sample_of(caption)
 
     def _label_caption(self, label: int, where: str) -> str:
-        if self.class_names is None:
-            raise reject("invalid_caption", f"{where}: {self.caption_key!r} holds the class label {label} and no "
-                         "class names are known: pass --class-names FILE (one name per line, label 0 first)")
-        if not 0 <= label < len(self.class_names):
-            raise reject("invalid_caption", f"{where}: class label {label} is not one of the {len(self.class_names)} "
-                         f"class names (0..{len(self.class_names) - 1})")
-        return self.caption_template.format(label=self.class_names[label]).strip()
+        return self._labels.caption(label, where)
 
     def _media_bytes(self, value: Any, where: str) -> bytes:
         """The image's or clip's file bytes from a row's value: bytes, a {bytes, path} dict, or a local path."""
