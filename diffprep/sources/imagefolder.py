@@ -35,11 +35,11 @@ from diffprep.sources.base import (
     read_class_names,
     reject,
     unescape_id,
+    unsupported,
 )
 from diffprep.sources.labels import LabelCaptions, LabeledSample, checked_template, imagenet_names_for
 
 OUTSIDE_CLASS_FOLDER = "outside_class_folder"
-UNSUPPORTED_FORMAT = "unsupported_format"  # the name sources/base.py gets on branch h-sources: reconcile there
 NAMES_FROM_FILE, NAMES_FROM_IMAGENET, NAMES_FROM_FOLDERS = "class_names_file", "imagenet-1k", "folders"
 
 
@@ -135,9 +135,8 @@ class ImageFolderSource:
         class_name = self._captions.name(label, where)
         caption = self._captions.caption(label, where)
         if not is_image_name(source_id):
-            return LabeledSample(source_id, None, caption, reject(
-                UNSUPPORTED_FORMAT, f"{where}: not an image file name (.jpg .jpeg .png .webp, any letter case)"),
-                label=label, class_name=class_name)
+            return LabeledSample(source_id, None, caption, unsupported(where, source_id),
+                                 label=label, class_name=class_name)
         try:
             with open(path, "rb") as handle:
                 data = handle.read()
