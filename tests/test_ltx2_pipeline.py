@@ -528,9 +528,22 @@ def test_t2a_needs_an_audio_file_and_durations(tiny_ltx2, tmp_path):
     with pytest.raises(ConfigError, match="--audio-durations is for an audio-only"):
         get_encoding("ltx2_audio").plan_settings(settings, None)
     both = write_dataset(data, {"a.mp4": {}}, name="both.json", audio=["a.wav"])
-    with pytest.raises(ConfigError, match="has an 'audio' column beside its clips"):
-        get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2), None)
-    get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2, video={"skip_audio": True}), None)
+    # An audio column beside the clips is their sound (test_ltx2_inputs.py); --skip-audio reads none.
+    byte, _ = get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2), None)
+    assert byte["video"]["inputs"] == ["audio"]
+    byte, _ = get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2,
+                                                              video={"skip_audio": True}), None)
+    assert "inputs" not in byte["video"]
+    masked = write_dataset(data, {"a.mp4": {}}, name="masked.json", audio_mask=["m.wav"])
+    with pytest.raises(ConfigError, match="has a 'audio_mask' column, which goes with the clips' audio"):
+        get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", masked, tiny_ltx2,
+                                                        video={"skip_audio": True}), None)
+    listing = write_audio_dataset(data, {"a.wav": {"seconds": 2.0, **WAV}}, name="a2a.json")
+    rows = json.loads(listing.read_text())
+    listing.write_text(json.dumps([dict(r, reference_audio="a.wav") for r in rows]))
+    with pytest.raises(ConfigError, match="an audio-only run does not read reference audio or masks yet"):
+        get_encoding("ltx2_audio").plan_settings(settings_for(tmp_path / "o", listing, tiny_ltx2,
+                                                              video={"audio_durations": "2.0"}), None)
     for video, message in (({"audio_durations": "2.0;x"}, "'x' is not a number"),
                            ({"audio_durations": "0"}, "must be a number of seconds > 0"),
                            ({"audio_durations": "2;2.0"}, "repeats a duration"),

@@ -85,7 +85,11 @@ class Ltx2Audio(Ltx2):
         if source.reference_key:
             raise ConfigError("an audio-only (T2A) run has no clips to take IC-LoRA references for: remove "
                               f"--reference-column {source.reference_key}")
-        if source.type != "metadata" or not getattr(open_source(source), "audio_only", False):
+        opened = open_source(source) if source.type == "metadata" else None
+        if getattr(opened, "extra_columns", []):
+            raise ConfigError(f"{source.metadata_file} has a {opened.extra_columns[0]!r} column: an audio-only run "
+                              "does not read reference audio or masks yet (clips do); list the files without it")
+        if not getattr(opened, "audio_only", False):
             raise ConfigError("--audio-durations is for an audio-only (T2A) run: a metadata file with an `audio` "
                               "column (or --audio-column) and no video, media_path or image column; for clips, "
                               "leave it out (their sound is trimmed to the frames kept)")

@@ -1,0 +1,194 @@
+"""LTX-2's other per-clip inputs (media/clip_inputs.py, encodings/ltx2_masks.py): a clip's sound as a file of its
+own, reference audio, inpainting masks in the latent grid (cropped as their clip), their rejects, and one run in the
+trainer's layout that its reading rules find whole."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import diffprep.flows.encode  # noqa: F401  (Prefect's log handler bound at collection, as in test_ltx2_pipeline)
+
+from diffprep import contract
+from diffprep.demo import write_av_clip
+from diffprep.encodings.ltx2_masks import audio_mask_latent, video_mask_latent
+from diffprep.errors import RejectError
+from diffprep.media.audio import write_test_tone
+from diffprep.media.buckets import Bucket
+from diffprep.media.clip_inputs import audio_mask_envelope, prepare_with_inputs
+from diffprep.media.mp4 import mp4_bytes
+from diffprep.media.video import ClipSpec
+from diffprep.pipeline import run
+from diffprep.sources.metadata import MetadataSource
+from test_ltx2_pipeline import FPS, never_ask, settings_for, trainer_samples
+
+WAV = {"codec": "pcm_s16le", "container_format": "wav"}
+ALL = ("audio", "reference_audio", "video_mask", "audio_mask")
+
+
+def png(width: int, height: int, white: tuple[int, int]) -> bytes:
+    """A black image with the columns ``white[0] <= x < white[1]`` white."""
+    pixels = np.zeros((height, width, 3), np.uint8)
+    pixels[:, white[0]:white[1]] = 255
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_video_mask_latent_is_the_trainers_grid():
+    """Average pool by 32, any masked frame of a group of 8 masks it, the first F' groups, > 0.5."""
+    mask = torch.zeros(17, 64, 64)
+    mask[9, :, :32] = 1.0  # frame 9: group 1 (frames 8..15), left half
+    mask[0, :40, 32:] = 1.0  # frame 0, right half, 40 of 64 rows: pooled 1.0 in the top cell, 0.25 below
+    grid = video_mask_latent(mask, (128, 3, 2, 2))
+    assert grid.shape == (3, 2, 2) and grid.dtype == torch.float32
+    assert grid[0].tolist() == [[0.0, 1.0], [0.0, 0.0]]
+    assert grid[1].tolist() == [[1.0, 0.0], [1.0, 0.0]]
+    assert grid[2].tolist() == [[0.0, 0.0], [0.0, 0.0]]  # frame 16 alone in its (padded) group
+
+
+def test_audio_mask_latent_is_nearest_resampled():
+    assert audio_mask_latent(torch.tensor([0.0, 1.0, 1.0, 0.2]), 8).tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+    envelope = audio_mask_envelope("m.pt", _saved({"mask": torch.tensor([[0, 1], [1, 0]])}), 1.0)
+    assert envelope.tolist() == [0.0, 1.0, 1.0, 0.0]
+    with pytest.raises(RejectError) as error:
+        audio_mask_envelope("m.pt", b"not a tensor", 1.0)
+    assert error.value.reason == "audio_mask_decode_error"
+
+
+def _saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def test_a_mask_is_cropped_as_its_clip_when_the_aspect_ratio_differs(tmp_path):
+    """A 96x64 clip in a 64x64 bucket keeps x in [16, 80): a mask white on [16, 48) is white on the bucket's left
+    half exactly (stretched to the bucket, as the trainer does, it would start at x = 11); a half-size mask image
+    and a mask clip land the same; a mask clip shorter than its clip is named."""
+    clip = tmp_path / "c.mp4"
+    write_av_clip(clip, width=96, height=64, frames=9, fps=FPS)
+    spec = ClipSpec((Bucket(64, 64, 9),), audio=False, inputs=("video_mask",))
+    want = torch.zeros(9, 64, 64)
+    want[:, :, :32] = 1.0
+    white = torch.zeros(9, 3, 64, 96, dtype=torch.uint8)
+    white[:, :, :, 16:48] = 255
+    masks = {"full.png": png(96, 64, (16, 48)), "half.png": png(48, 32, (8, 24)), "m.mp4": mp4_bytes(white, FPS)}
+    for name, data in masks.items():
+        prepared = prepare_with_inputs(spec, clip.read_bytes(), {"video_mask": (name, data)}, video=True)
+        got = (prepared.video_mask > 0.5).float()
+        assert got.shape == (9, 64, 64)
+        assert (got[:, 4:60, 2:30] == 1).all() and (got[:, 4:60, 34:62] == 0).all(), name
+        assert prepared.meta["video_mask"] == name
+    with pytest.raises(RejectError) as error:
+        prepare_with_inputs(spec, clip.read_bytes(), {"video_mask": ("s.mp4", mp4_bytes(white[:5], FPS))}, video=True)
+    assert error.value.reason == "video_mask_too_short"
+    with pytest.raises(RejectError) as error:
+        prepare_with_inputs(spec, clip.read_bytes(), {"video_mask": ("x.png", b"no image")}, video=True)
+    assert error.value.reason == "video_mask_decode_error"
+
+
+def test_sound_file_is_fitted_to_the_frames_and_no_audio_stream_comes_first(tmp_path):
+    """The clip's own sound file, trimmed to F / fps as its track would be; a clip without sound is rejected before
+    its frames are decoded; a sound file that is not audio is named."""
+    clip = tmp_path / "c.mp4"
+    write_av_clip(clip, frames=9, fps=FPS, audio_layout=None)
+    tone = io.BytesIO()
+    write_test_tone(tone, seconds=2.0, sample_rate=16000, **WAV)
+    spec = ClipSpec((Bucket(64, 64, 9),), audio=True, inputs=("audio", "reference_audio"))
+    prepared = prepare_with_inputs(spec, clip.read_bytes(), {"audio": ("s.wav", tone.getvalue()),
+                                                             "reference_audio": ("r.wav", tone.getvalue())}, video=True)
+    assert prepared.audio.waveform.shape == (2, int(9 / FPS * 16000)) == prepared.reference_audio.waveform.shape
+    assert prepared.meta["audio"]["file"] == "s.wav"
+    with pytest.raises(RejectError) as error:
+        ClipSpec((Bucket(64, 64, 9),), audio=True).prepare(clip.read_bytes(), video=True)
+    assert error.value.reason == "no_audio_stream"
+    with pytest.raises(RejectError) as error:
+        prepare_with_inputs(spec, clip.read_bytes(), {"audio": ("s.wav", tone.getvalue()),
+                                                      "reference_audio": ("r.wav", b"noise")}, video=True)
+    assert error.value.reason == "reference_audio_audio_decode_error"
+
+
+def test_metadata_extra_columns_and_their_rejects(tmp_path):
+    (tmp_path / "a.mp4").write_bytes(b"clip")
+    (tmp_path / "m.png").write_bytes(b"mask")
+    rows = [{"video": "a.mp4", "caption": "x", "video_mask": "m.png"},
+            {"video": "a.mp4", "caption": "y"},
+            {"video": "a.mp4", "caption": "z", "video_mask": "gone.png"}]
+    listing = tmp_path / "d.json"
+    listing.write_text(json.dumps(rows))
+    source = MetadataSource(str(listing))
+    assert source.extra_columns == ["video_mask"]
+    first, second, third = source.read(list(source.list_ids()))
+    assert first.extras == {"video_mask": ("m.png", b"mask")}
+    assert second.reject.reason == "missing_video_mask" and third.reject.reason == "video_mask_not_found"
+
+
+def write_level_wav(path: Path, levels: list[float], rate: int = 16000) -> None:
+    import wave
+
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(np.asarray(np.array(levels) * 32767, dtype="<i2").tobytes())
+
+
+def write_inputs_dataset(root: Path) -> Path:
+    """Two 96x64 clips without sound of their own, each with a sound file, a reference sound, a mask image or
+    clip and an audio mask (.wav envelope, .pt tensor); a third row whose mask is missing."""
+    rows = []
+    for index, name in enumerate(("a", "b", "c")):
+        write_av_clip(root / f"{name}.mp4", width=96, height=64, frames=9, fps=FPS, audio_layout=None, seed=index)
+        write_test_tone(root / f"{name}.wav", seconds=1.0, sample_rate=16000, frequency=220.0 * (index + 1), **WAV)
+        write_test_tone(root / f"{name}_ref.wav", seconds=0.2, sample_rate=16000, **WAV)
+        rows.append({"video": f"{name}.mp4", "caption": f"a cat {index}", "audio": f"{name}.wav",
+                     "reference_audio": f"{name}_ref.wav", "video_mask": f"{name}_mask.png",
+                     "audio_mask": f"{name}_mask.wav" if index == 0 else f"{name}_mask.pt"})
+    (root / "a_mask.png").write_bytes(png(96, 64, (16, 48)))
+    (root / "b_mask.png").write_bytes(png(96, 64, (48, 80)))
+    write_level_wav(root / "a_mask.wav", [0.9] * 8000 + [0.0] * 8000)  # loud, then silent: the first half masked
+    (root / "b_mask.pt").write_bytes(_saved(torch.tensor([0.0, 1.0])))
+    listing = root / "dataset.json"
+    listing.write_text(json.dumps(rows), encoding="utf-8")
+    return listing
+
+
+def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_path):
+    """AV2AV + inpainting in one run: every folder the modes name holds one record per sample under the same name,
+    the masks in the latents' grid and on their clips, the reference sound as long as the target's; the row whose
+    mask is missing is named."""
+    data = tmp_path / "dataset"
+    data.mkdir()
+    listing = write_inputs_dataset(data)
+    settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.34},
+                            video={"resolution_buckets": "64x64x9"})
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejects_by_reason == {"video_mask_not_found": 1}
+    root = data / contract.PRECOMPUTED_DIR
+    folders = ("latents", "conditions", "audio_latents", "reference_audio_latents", "video_masks", "audio_masks")
+    assert sorted(p.name for p in root.iterdir()) == sorted((".diffprep",) + folders)
+    samples = trainer_samples(root, folders)
+    assert sorted(samples) == ["a.pt", "b.pt"]
+    for name, sample in samples.items():
+        audio, reference = sample["audio_latents"], sample["reference_audio_latents"]
+        assert reference["latents"].shape == audio["latents"].shape and reference["duration"] == audio["duration"]
+        assert audio["duration"] == pytest.approx(9 / FPS, 1e-3)
+        video_mask = sample["video_masks"]["mask"]
+        assert set(sample["video_masks"]) == {"mask"} and video_mask.dtype == torch.float32
+        assert video_mask.shape == sample["latents"]["latents"].shape[1:] == (2, 2, 2)
+        left = [[1.0, 0.0], [1.0, 0.0]] if name == "a.pt" else [[0.0, 1.0], [0.0, 1.0]]
+        assert video_mask.tolist() == [left, left]
+        audio_mask = sample["audio_masks"]["mask"]
+        assert audio_mask.shape == (audio["num_time_steps"],) and audio_mask.dtype == torch.float32
+        steps = audio["num_time_steps"]
+        # a: 9/24 s of a 1 s wav mask, all in its loud half; b: a 2-value tensor stretched over the steps.
+        assert audio_mask.tolist() == ([1.0] * steps if name == "a.pt" else
+                                       [0.0] * ((steps + 1) // 2) + [1.0] * (steps // 2))
+    assert result.validation["ok"] and result.validation["summary"]["folders"] == {f: 2 for f in folders}
