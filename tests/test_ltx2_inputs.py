@@ -192,3 +192,28 @@ def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_
         assert audio_mask.tolist() == ([1.0] * steps if name == "a.pt" else
                                        [0.0] * ((steps + 1) // 2) + [1.0] * (steps // 2))
     assert result.validation["ok"] and result.validation["summary"]["folders"] == {f: 2 for f in folders}
+
+
+def test_reference_audio_and_masks_in_energon_shards(tiny_ltx2, tmp_path):
+    """The same inputs in the Energon layout: their fields in every sample, read back through the cooker."""
+    from flow_runs import shard_samples
+
+    data = tmp_path / "dataset"
+    data.mkdir()
+    listing = write_inputs_dataset(data)
+    rows = json.loads(listing.read_text())[:2]
+    listing.write_text(json.dumps(rows))
+    result = run(settings_for(tmp_path / "out", listing, tiny_ltx2), "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.validation["ok"]
+    from diffprep.shards import load_tensor
+
+    samples = shard_samples(tmp_path / "out")
+    assert len(samples) == 2
+    for key, sample in samples.items():
+        tensor = {name: load_tensor(sample[name], key=key, field=name) for name in (
+            contract.LATENTS, contract.AUDIO_LATENTS, contract.REFERENCE_AUDIO_LATENTS, contract.VIDEO_MASK,
+            contract.AUDIO_MASK)}
+        assert tensor[contract.REFERENCE_AUDIO_LATENTS].shape == tensor[contract.AUDIO_LATENTS].shape
+        assert tensor[contract.VIDEO_MASK].shape == tensor[contract.LATENTS].shape[1:]
+        assert tensor[contract.AUDIO_MASK].shape == tensor[contract.AUDIO_LATENTS].shape[1:2]
+        assert set(tensor[contract.VIDEO_MASK].unique().tolist()) <= {0.0, 1.0}
