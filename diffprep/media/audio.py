@@ -82,15 +82,22 @@ def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None =
         # Planar float32 at the stream's own rate and layout: one row per channel.
         resampler = av.AudioResampler(format="fltp")
         chunks: list[np.ndarray] = []
+        sample_rate = stream.codec_context.sample_rate or stream.rate
+        # Only the audio that is kept is decoded: up to the duration's samples (the rest would be trimmed).
+        wanted = int(duration * sample_rate) if duration is not None and sample_rate else None
+        have = 0
         try:
             for frame in container.decode(stream):
                 for converted in resampler.resample(frame):
                     chunks.append(converted.to_ndarray())
-            for converted in resampler.resample(None):
-                chunks.append(converted.to_ndarray())
+                    have += chunks[-1].shape[-1]
+                if wanted is not None and have >= wanted:
+                    break
+            else:
+                for converted in resampler.resample(None):
+                    chunks.append(converted.to_ndarray())
         except (av.error.FFmpegError, ValueError) as error:
             raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: audio stream does not decode: {error}") from None
-        sample_rate = stream.codec_context.sample_rate or stream.rate
     if not chunks or sum(chunk.shape[-1] for chunk in chunks) == 0:
         raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream decoded to no samples")
     if not sample_rate:
