@@ -53,6 +53,20 @@ def test_video_mask_latent_is_the_trainers_grid():
     assert grid[2].tolist() == [[0.0, 0.0], [0.0, 0.0]]  # frame 16 alone in its (padded) group
 
 
+def test_soft_masks_are_counted():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from diffprep.encodings.ltx2_masks import masks_of
+
+    hard, soft = torch.zeros(9, 64, 64), torch.full((9, 64, 64), 0.5)
+    hard[:, :, :32] = 1.0
+    notes: Counter = Counter()
+    found = masks_of(SimpleNamespace(video_masks=[hard, soft], audio_masks=None), torch.zeros(2, 128, 2, 2, 2),
+                     None, notes)
+    assert notes["mask_not_binary"] == 1 and found[contract.VIDEO_MASK].shape == (2, 2, 2, 2)
+
+
 def test_audio_mask_latent_is_nearest_resampled():
     assert audio_mask_latent(torch.tensor([0.0, 1.0, 1.0, 0.2]), 8).tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
     envelope = audio_mask_envelope("m.pt", _saved({"mask": torch.tensor([[0, 1], [1, 0]])}), 1.0)
@@ -171,6 +185,7 @@ def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_
                             video={"resolution_buckets": "64x64x9"})
     result = run(settings, "preencoded", ask=never_ask)
     assert result.samples == 2 and result.rejects_by_reason == {"video_mask_not_found": 1}
+    assert not (result.notes or {}).get("mask_not_binary")
     root = data / contract.PRECOMPUTED_DIR
     folders = ("latents", "conditions", "audio_latents", "reference_audio_latents", "video_masks", "audio_masks")
     assert sorted(p.name for p in root.iterdir()) == sorted((".diffprep",) + folders)

@@ -393,7 +393,7 @@ def encode_batch(loaded: Any, batch: Batch, trigger: str | None, notes: Counter
     if batch.reference_audio is not None:
         tensors[contract.REFERENCE_AUDIO_LATENTS] = torch.stack([loaded.encode_audio(t).latents
                                                                 for t in batch.reference_audio])
-    tensors.update(masks_of(batch, tensors.get(contract.LATENTS), tensors.get(contract.AUDIO_LATENTS)))
+    tensors.update(masks_of(batch, tensors.get(contract.LATENTS), tensors.get(contract.AUDIO_LATENTS), notes))
     text = loaded.encode_text(captions)
     tensors[contract.PROMPT_EMBEDS] = torch.stack([t.video_prompt_embeds for t in text]).to(torch.bfloat16)
     tensors[contract.PROMPT_ATTENTION_MASK] = torch.stack([t.prompt_attention_mask for t in text])

@@ -9,6 +9,8 @@ to the audio latents' length, then ``> 0.5``. The factors are read off the shape
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from diffprep import contract
@@ -36,8 +38,23 @@ def audio_mask_latent(mask: torch.Tensor, steps: int) -> torch.Tensor:
     return (resampled.reshape(steps) > THRESHOLD).float()
 
 
-def masks_of(batch, latents: torch.Tensor | None, audio_latents: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """A batch's masks stacked per field (none when its spec reads none)."""
+SOFT = (0.25, 0.75)  # a prepared mask value strictly between these is neither clearly masked nor clear
+SOFT_SHARE = 0.01  # a mask with more of its values soft than this is counted (the note mask_not_binary)
+
+
+def is_soft(mask: torch.Tensor) -> bool:
+    """Whether a prepared mask (values in [0, 1]) is far from binary: more than 1% of its values in (0.25, 0.75)
+    (a greyscale or blurred mask, which the 0.5 threshold decides for you)."""
+    soft = (mask > SOFT[0]) & (mask < SOFT[1])
+    return bool(soft.float().mean() > SOFT_SHARE)
+
+
+def masks_of(batch, latents: torch.Tensor | None, audio_latents: torch.Tensor | None,
+             notes: Counter | None = None) -> dict[str, torch.Tensor]:
+    """A batch's masks stacked per field (none when its spec reads none); ``notes`` counts the soft ones."""
+    if notes is not None:
+        for masks in (batch.video_masks, batch.audio_masks):
+            notes["mask_not_binary"] += sum(is_soft(m) for m in masks or ())
     found: dict[str, torch.Tensor] = {}
     if batch.video_masks is not None:
         found[contract.VIDEO_MASK] = torch.stack([video_mask_latent(m, latents.shape[1:]) for m in batch.video_masks])
