@@ -53,6 +53,16 @@ def test_video_mask_latent_is_the_trainers_grid():
     assert grid[2].tolist() == [[0.0, 0.0], [0.0, 0.0]]  # frame 16 alone in its (padded) group
 
 
+def test_mask_overlay_tints_the_masked_cells():
+    from diffprep.encodings.ltx2_masks import overlay
+
+    frames = torch.zeros(9, 3, 64, 64, dtype=torch.uint8)
+    mask = torch.zeros(2, 2, 2)
+    mask[1, 0, 0] = 1.0  # frames 8.., top-left cell
+    tinted = overlay(frames, mask)
+    assert tinted[8, 0, :32, :32].eq(128).all() and tinted[8, 0, 32:].eq(0).all() and tinted[:8].eq(0).all()
+
+
 def test_soft_masks_are_counted():
     from collections import Counter
     from types import SimpleNamespace
@@ -207,6 +217,14 @@ def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_
         assert audio_mask.tolist() == ([1.0] * steps if name == "a.pt" else
                                        [0.0] * ((steps + 1) // 2) + [1.0] * (steps // 2))
     assert result.validation["ok"] and result.validation["summary"]["folders"] == {f: 2 for f in folders}
+
+    from diffprep.decode import decode_dataset
+
+    decoded = tmp_path / "decoded"
+    report = decode_dataset(root, 2, to_dir=decoded, device="cpu")
+    assert all(p.audio_mel_l1 is not None for p in report.previews)  # against the sound file, as encoded
+    for preview in report.previews:
+        assert (decoded / f"{preview.key}.mask.png").is_file() and (decoded / f"{preview.key}.reference.wav").is_file()
 
 
 def test_reference_audio_and_masks_in_energon_shards(tiny_ltx2, tmp_path):

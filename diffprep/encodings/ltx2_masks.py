@@ -38,6 +38,21 @@ def audio_mask_latent(mask: torch.Tensor, steps: int) -> torch.Tensor:
     return (resampled.reshape(steps) > THRESHOLD).float()
 
 
+def overlay(frames: torch.Tensor, mask: torch.Tensor, *, tint: tuple[int, int, int] = (255, 0, 0)) -> torch.Tensor:
+    """Decoded frames uint8 ``[F, 3, H, W]`` with their latent-grid ``mask`` ``[F', H', W']`` tinted on at half
+    strength (``diffprep decode``): each cell spread over its pixels, latent frame ``f // t`` over frame ``f``, as
+    the mask was made from the frames."""
+    frames_count, _, height, width = frames.shape
+    latent_frames = mask.shape[0]
+    time = (frames_count - 1) // (latent_frames - 1) if latent_frames > 1 else max(frames_count, 1)
+    groups = torch.clamp(torch.arange(frames_count) // time, max=latent_frames - 1)
+    spread = torch.nn.functional.interpolate(mask.float()[groups].unsqueeze(1), size=(height, width),
+                                             mode="nearest")  # [F, 1, H, W]
+    colour = torch.tensor(tint, dtype=torch.float32).view(1, 3, 1, 1)
+    mixed = frames.float() * (1 - 0.5 * spread) + colour * 0.5 * spread
+    return mixed.round().clamp(0, 255).to(torch.uint8)
+
+
 SOFT = (0.25, 0.75)  # a prepared mask value strictly between these is neither clearly masked nor clear
 SOFT_SHARE = 0.01  # a mask with more of its values soft than this is counted (the note mask_not_binary)
 

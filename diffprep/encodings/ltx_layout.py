@@ -418,10 +418,13 @@ def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, d
             video = load_record(root / contract.LATENTS_DIR / name)
             fields[contract.LATENTS] = torch_bytes(video["latents"])
             meta |= {"fps": video["fps"], "bucket": [int(v) for v in bucket.split("x")] if bucket else None}
-        audio_path = root / contract.AUDIO_LATENTS_DIR / name
-        if audio_path.is_file():
-            audio = load_record(audio_path)
-            fields[contract.AUDIO_LATENTS] = torch_bytes(audio["latents"])
+        for kind, field, key in ((contract.AUDIO_LATENTS_DIR, contract.AUDIO_LATENTS, "latents"),
+                                 (contract.REFERENCE_AUDIO_LATENTS_DIR, contract.REFERENCE_AUDIO_LATENTS, "latents"),
+                                 (contract.VIDEO_MASKS_DIR, contract.VIDEO_MASK, "mask"),
+                                 (contract.AUDIO_MASKS_DIR, contract.AUDIO_MASK, "mask")):
+            path = root / kind / name
+            if path.is_file():
+                fields[field] = torch_bytes(load_record(path)[key])
         fields[contract.META] = json_bytes(meta)
         samples.append((manifest.keys[index], f"{kinds[0]}/{name}", fields))
     return samples
