@@ -226,6 +226,14 @@ def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_
     for preview in report.previews:
         assert (decoded / f"{preview.key}.mask.png").is_file() and (decoded / f"{preview.key}.reference.wav").is_file()
 
+    # verify-existing covers the new folders: the same run again is complete; a mask record changed behind
+    # diffprep's back damages its unit, which the next run encodes again.
+    assert run(settings, "preencoded", ask=never_ask).action == "complete"
+    first = root / "video_masks" / "a.pt"
+    torch.save({"mask": torch.full((2, 2, 2), 0.5)}, first)
+    assert run(settings, "preencoded", ask=never_ask).action == "resume"
+    assert torch.load(first, weights_only=True)["mask"].tolist() == samples["a.pt"]["video_masks"]["mask"].tolist()
+
 
 def test_reference_audio_and_masks_in_energon_shards(tiny_ltx2, tmp_path):
     """The same inputs in the Energon layout: their fields in every sample, read back through the cooker."""
@@ -250,3 +258,30 @@ def test_reference_audio_and_masks_in_energon_shards(tiny_ltx2, tmp_path):
         assert tensor[contract.VIDEO_MASK].shape == tensor[contract.LATENTS].shape[1:]
         assert tensor[contract.AUDIO_MASK].shape == tensor[contract.AUDIO_LATENTS].shape[1:2]
         assert set(tensor[contract.VIDEO_MASK].unique().tolist()) <= {0.0, 1.0}
+
+
+def test_folders_ownership_and_record_checks_cover_the_new_folders():
+    """folders() (the audit, verify-existing, ownership) names a folder per input read; the trainer's folders are
+    recognized as read by it; a mask record with soft values or another shape is a finding."""
+    from types import SimpleNamespace
+
+    from diffprep.encodings import ltx_layout
+    from diffprep.encodings.ltx2_masks import mask_problems
+
+    plan = SimpleNamespace(settings={"video": {"audio": True, "inputs": ["audio", "reference_audio", "video_mask",
+                                                                          "audio_mask"]}})
+    assert ltx_layout.folders(plan) == ["latents", "conditions", "audio_latents", "reference_audio_latents",
+                                        "video_masks", "audio_masks"]
+    assert all(ltx_layout.read_by_trainer(f"{kind}/a.pt") for kind in ltx_layout.folders(plan))
+    expected = SimpleNamespace(expected={"video_mask": [None, None, None], "audio_mask": [None],
+                                         "dtypes": {"video_mask": "float32", "audio_mask": "float32"}})
+    assert ltx_layout.record_problem("video_masks", {"mask": torch.ones(2, 2, 2)}, expected) is None
+    assert "other than 0 and 1" in ltx_layout.record_problem("video_masks", {"mask": torch.full((2, 2, 2), 0.5)},
+                                                             expected)
+    assert "expected keys" in ltx_layout.record_problem("audio_masks", {"latents": torch.ones(3)}, expected)
+    assert ltx_layout.record_problem("audio_masks", {"mask": torch.ones(3, dtype=torch.float64)}, expected)
+    latents, audio = torch.zeros(128, 2, 2, 2), torch.zeros(8, 9, 16)
+    assert mask_problems(latents, audio, torch.ones(2, 2, 2), torch.ones(9)) == []
+    assert mask_problems(latents, audio, torch.ones(3, 2, 2), torch.ones(8)) == [
+        "video_mask has shape [3, 2, 2], its latents' grid is [2, 2, 2]",
+        "audio_mask has shape [8], its latents' grid is [9]"]
