@@ -38,6 +38,7 @@ from diffprep.families.base import DTYPES, resolve_device
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.encodings import clips
 from diffprep.encodings.base import with_caption_settings
+from diffprep.encodings.ltx2_inputs import INPUT_FIELDS, expected_shapes, read_columns
 from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 from diffprep.layouts import LayoutPreset
@@ -66,9 +67,6 @@ STORED_DTYPES = {
     contract.VIDEO_MASK: torch.float32,
     contract.AUDIO_MASK: torch.float32,
 }
-# The clip's other inputs (media/clip_inputs.py roles) -> the field each one adds.
-INPUT_FIELDS = {"reference_audio": contract.REFERENCE_AUDIO_LATENTS, "video_mask": contract.VIDEO_MASK,
-                "audio_mask": contract.AUDIO_MASK}
 
 
 def ltx2_fields(video: Mapping[str, Any]) -> list[str]:
@@ -109,7 +107,7 @@ class Ltx2(Wan):
         if audio and video.frame_sampling != "head":
             raise ConfigError("LTX-2 with audio takes the first F frames and the audio under them (the trainer's "
                               "rule): use --frame-sampling head, or --skip-audio")
-        inputs = _read_columns(settings)
+        inputs = read_columns(settings)
         identity = describe_ltx2(parts.checkpoint, parts.gemma, dtype=DTYPES[model.precision], audio=audio,
                                  text_encoder_8bit=model.load_text_encoder_in_8bit)
         space, time_factor = identity["video"]["scale_space"], identity["video"]["scale_time"]
@@ -158,12 +156,7 @@ class Ltx2(Wan):
             expected["audio_latents"] = [8, None, 16]
         if separate_audio_text:
             expected["audio_prompt_embeds"] = [width["video"], width["audio_dim"]]
-        if "reference_audio" in inputs:
-            expected["reference_audio_latents"] = [8, None, 16]
-        if "video_mask" in inputs:
-            expected["video_mask"] = [None, None, None]
-        if "audio_mask" in inputs:
-            expected["audio_mask"] = [None]
+        expected.update(expected_shapes(inputs))
         if scale is not None:
             [bucket] = buckets
             expected["reference_latents"] = latent_shape(Bucket(bucket.width // scale, bucket.height // scale,
@@ -434,35 +427,6 @@ def _text_width(gemma, checkpoint) -> dict[str, int]:
             if name in handle.keys():
                 widths[f"{kind}_dim"] = handle.get_slice(name).get_shape()[0]
     return widths
-
-
-def _read_columns(settings: Settings) -> list[str]:
-    """The clip's other inputs this run reads (``media/clip_inputs.py`` roles: the metadata file's ``audio``,
-    ``reference_audio``, ``video_mask``, ``audio_mask`` columns); a column it would not read (the trainer's
-    reference column without --reference-column; sound columns with --skip-audio) refused, never dropped."""
-    source = settings.source
-    if source.type != "metadata" or not source.metadata_file:
-        return []
-    from diffprep.media.clip_inputs import AUDIO_MASK, REFERENCE_AUDIO, ROLES, SOUND
-    from diffprep.sources import open_source
-
-    opened = open_source(source)
-    if getattr(opened, "audio_only", False):
-        raise ConfigError(f"{source.metadata_file} names audio files (column {opened.media_key!r}) and no clips: an "
-                          "audio-only (T2A) run needs --audio-durations, e.g. \"2.0;4.0\" (seconds)")
-    read = [role for role in ROLES if role in getattr(opened, "extra_columns", [])]
-    sound = [role for role in read if role in (REFERENCE_AUDIO, AUDIO_MASK)]
-    if sound and settings.video.skip_audio:
-        raise ConfigError(f"{source.metadata_file} has a {sound[0]!r} column, which goes with the clips' audio "
-                          "latents: remove --skip-audio, or list the clips in a file without that column")
-    if settings.video.skip_audio and SOUND in read:
-        read.remove(SOUND)  # --skip-audio: no sound, from the clip or from a file of its own
-    columns = [] if source.reference_key else getattr(opened, "reference_columns", [])
-    if columns:
-        raise ConfigError(f"{source.metadata_file} has the IC-LoRA reference column {columns[0]!r}: pass "
-                          f"--reference-column {columns[0]} to encode the reference clips (reference_latents), or "
-                          "list the clips in a file without it for a plain text-to-video run")
-    return read
 
 
 def _check_reference_buckets(buckets: list[Bucket], scale: int, space: int) -> None:
