@@ -65,7 +65,8 @@ def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Pre
     if isinstance(spec, AudioSpec):
         if sample.audio is None:
             raise RejectError("missing_audio", "an audio-only run needs an audio file for every sample", phase="read")
-        return spec.prepare(sample.audio, bucket=float(bucket.removesuffix("s")) if bucket else None)
+        return prepare_with_inputs(spec, sample.audio, sample.extras,
+                                   bucket=float(bucket.removesuffix("s")) if bucket else None)
     if isinstance(spec, ClipSpec):
         return prepare_with_inputs(spec, sample.media, sample.extras, video=sample.video is not None,
                                    bucket=parse_bucket(bucket) if bucket else None, reference=sample.reference)

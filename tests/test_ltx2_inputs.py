@@ -285,3 +285,34 @@ def test_folders_ownership_and_record_checks_cover_the_new_folders():
     assert mask_problems(latents, audio, torch.ones(3, 2, 2), torch.ones(8)) == [
         "video_mask has shape [3, 2, 2], its latents' grid is [2, 2, 2]",
         "audio_mask has shape [8], its latents' grid is [9]"]
+
+
+def test_a2a_reference_audio_and_audio_masks_without_video(tiny_ltx2, tmp_path):
+    """Audio only (A2A IC-LoRA + audio inpainting): no latents/; the reference sound fitted to the target's duration
+    bucket (a short one padded), the audio mask in the audio latents' grid; a missing reference named."""
+    data = tmp_path / "dataset"
+    data.mkdir()
+    rows = []
+    for index, name in enumerate(("a", "b", "c")):
+        write_test_tone(data / f"{name}.wav", seconds=2.2, sample_rate=16000, frequency=220.0 * (index + 1), **WAV)
+        write_test_tone(data / f"{name}_ref.wav", seconds=1.0 if index else 3.0, sample_rate=16000, **WAV)
+        rows.append({"audio": f"{name}.wav", "caption": f"a dog {index}",
+                     "reference_audio": f"{name}_ref.wav" if index < 2 else "gone.wav", "audio_mask": "m.pt"})
+    (data / "m.pt").write_bytes(_saved(torch.tensor([1.0, 0.0])))
+    listing = data / "dataset.json"
+    listing.write_text(json.dumps(rows), encoding="utf-8")
+    settings = settings_for(data, listing, tiny_ltx2, output={"layout": "ltx", "accept_rejects": 0.34},
+                            video={"audio_durations": "2.0", "resolution_buckets": None})
+    result = run(settings, "preencoded", ask=never_ask)
+    assert result.samples == 2 and result.rejects_by_reason == {"reference_audio_not_found": 1}
+    root = data / contract.PRECOMPUTED_DIR
+    folders = ("conditions", "audio_latents", "reference_audio_latents", "audio_masks")
+    assert sorted(p.name for p in root.iterdir()) == sorted((".diffprep",) + folders)
+    samples = trainer_samples(root, folders)
+    assert sorted(samples) == ["a.pt", "b.pt"]
+    for sample in samples.values():
+        audio, reference = sample["audio_latents"], sample["reference_audio_latents"]
+        assert reference["latents"].shape == audio["latents"].shape and audio["duration"] == pytest.approx(2.0)
+        steps = audio["num_time_steps"]
+        assert sample["audio_masks"]["mask"].tolist() == [1.0] * ((steps + 1) // 2) + [0.0] * (steps // 2)
+    assert result.validation["ok"]

@@ -541,7 +541,11 @@ def test_t2a_needs_an_audio_file_and_durations(tiny_ltx2, tmp_path):
     listing = write_audio_dataset(data, {"a.wav": {"seconds": 2.0, **WAV}}, name="a2a.json")
     rows = json.loads(listing.read_text())
     listing.write_text(json.dumps([dict(r, reference_audio="a.wav") for r in rows]))
-    with pytest.raises(ConfigError, match="an audio-only run does not read reference audio or masks yet"):
+    byte, expected = get_encoding("ltx2_audio").plan_settings(
+        settings_for(tmp_path / "o", listing, tiny_ltx2, video={"audio_durations": "2.0"}), None)
+    assert byte["audio"]["inputs"] == ["reference_audio"] and "reference_audio_latents.pth" in expected["fields"]
+    listing.write_text(json.dumps([dict(r, video_mask="m.png") for r in rows]))
+    with pytest.raises(ConfigError, match="an audio-only run has no frames to mask"):
         get_encoding("ltx2_audio").plan_settings(settings_for(tmp_path / "o", listing, tiny_ltx2,
                                                               video={"audio_durations": "2.0"}), None)
     for video, message in (({"audio_durations": "2.0;x"}, "'x' is not a number"),

@@ -72,8 +72,9 @@ def folders(plan: Plan) -> list[str]:
     """The record folders a plan writes, the trainer's primary one first (what its t2v / v2v strategies read, and
     the flexible strategy's T2A: ``conditions`` and ``audio_latents``)."""
     video = plan.settings.get("video")
-    if video is None:  # audio only
-        return [contract.CONDITIONS_DIR, contract.AUDIO_LATENTS_DIR]
+    if video is None:  # audio only: T2A, A2A IC-LoRA, audio inpainting
+        inputs = (plan.settings.get("audio") or {}).get("inputs", ())
+        return [contract.CONDITIONS_DIR, contract.AUDIO_LATENTS_DIR] + [_INPUT_DIRS[r] for r in inputs]
     kinds = [contract.LATENTS_DIR, contract.CONDITIONS_DIR]
     if video.get("audio"):
         kinds.append(contract.AUDIO_LATENTS_DIR)

@@ -260,6 +260,8 @@ class PreparedAudio:
     meta: dict[str, Any]
     pixels: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     reference: None = None
+    reference_audio: ClipAudio | None = None  # A2A IC-LoRA (AudioSpec.inputs, media/clip_inputs.py)
+    audio_mask: torch.Tensor | None = None  # audio inpainting: the mask's 1-D signal (AudioSpec.inputs)
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,7 @@ class AudioSpec:
 
     durations: tuple[float, ...]
     audio: bool = True  # the reader hands each sample's waveform to the encoder
+    inputs: tuple[str, ...] = ()  # its other inputs read (media/clip_inputs.py): reference_audio, audio_mask
 
     def bucket_of(self, data: bytes) -> float:
         """The longest duration bucket not longer than the file's decoded audio (the trainer's rule)."""

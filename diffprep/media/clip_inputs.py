@@ -3,8 +3,8 @@
 - ``audio``: the clip's sound as a file of its own, read instead of the clip's track, under the same rule
   (trimmed or zero-padded to ``F / fps`` seconds); a file without sound is ``no_audio_stream``, one that does not
   decode ``audio_decode_error`` (the audio gate counts both), the detail naming the file.
-- ``reference_audio`` (A2A / AV2AV IC-LoRA): decoded as the clip's sound, the same duration; its rejects are
-  ``reference_audio_<reason>``.
+- ``reference_audio`` (A2A / AV2AV IC-LoRA): decoded as the clip's sound, the same duration (audio only: the
+  target's duration bucket, zero-padded where shorter); its rejects are ``reference_audio_<reason>``.
 - ``video_mask``: a mask clip (the clip's own frames taken from it: the same source frame indices) or a still
   image (every frame), resized and cropped exactly as the clip was (its crop box scaled to the mask's size): a
   float ``[F, H, W]`` in [0, 1], the mean of its channels. The trainer stretches the mask to the bucket instead, so
@@ -41,17 +41,23 @@ def prepare_with_inputs(spec: Any, data: bytes, extras: Mapping[str, tuple[str, 
     """``spec.prepare(data, **how)`` (a ``ClipSpec``), with the inputs of ``spec.inputs`` prepared from ``extras``
     (role -> (path as written, bytes))."""
     clip = spec.prepare(data, **how)
-    return prepare_inputs(clip, extras, spec.inputs, max_pixels=spec.max_pixels) if spec.inputs else clip
+    if not spec.inputs:
+        return clip
+    return prepare_inputs(clip, extras, spec.inputs, max_pixels=getattr(spec, "max_pixels", 0))
 
 
 def prepare_inputs(clip: Any, extras: Mapping[str, tuple[str, bytes]], roles: tuple[str, ...], *,
                    max_pixels: int) -> Any:
-    """``clip`` (a ``PreparedClip``) with the inputs of ``roles`` prepared from ``extras`` (role -> (path, bytes))."""
+    """``clip`` (a ``PreparedClip``, or an audio-only sample's ``PreparedAudio``: its duration bucket is the seconds
+    kept) with the inputs of ``roles`` prepared from ``extras`` (role -> (path, bytes))."""
     missing = [role for role in roles if role not in extras]
     if missing:
         raise RejectError(f"missing_{missing[0]}", f"this run reads a {missing[0]} for every clip (the metadata "
                           f"file's {missing[0]!r} column)")
-    seconds = clip.bucket.frames / clip.meta["fps"] if clip.meta.get("fps") else None
+    if hasattr(clip, "seconds"):  # audio only
+        seconds = clip.seconds
+    else:
+        seconds = clip.bucket.frames / clip.meta["fps"] if clip.meta.get("fps") else None
     changes: dict[str, Any] = {}
     meta = dict(clip.meta)
     if SOUND in roles or REFERENCE_AUDIO in roles or AUDIO_MASK in roles:

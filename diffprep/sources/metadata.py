@@ -250,7 +250,7 @@ class MetadataSource:
         else:  # an empty list: no rows, nothing to check
             self.caption_key, self.media_key = caption_key or CAPTION_COLUMN, video_key or image_key or MEDIA_COLUMNS[0]
         # The trainer's other roles beside the media column (a clip's own sound file, reference audio, masks).
-        # (An audio-only file's are listed for its encoding to refuse: it reads none of them yet.)
+        # (An audio-only file's too: its reference sound and audio mask; its encoding refuses a video mask.)
         self.extra_columns = [c for c in EXTRA_COLUMNS if c in columns and c not in (self.media_key, self.caption_key)]
         if reference_key and reference_key not in columns:
             raise SourceError(f"{where}: source.reference_key {reference_key!r} is not a column; the columns are "
@@ -268,7 +268,7 @@ class MetadataSource:
         for number, (line, record) in enumerate(records, start=1):
             row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT),
                        record.get(self.reference_key, _ABSENT) if self.reference_key else None,
-                       tuple(record.get(c, _ABSENT) for c in ([] if self.audio_only else self.extra_columns)))
+                       tuple(record.get(c, _ABSENT) for c in self.extra_columns))
             source_id = self._id_of(row)
             self._by_id[source_id] = len(self._rows)
             self._rows.append(row)
@@ -350,7 +350,7 @@ class MetadataSource:
                 return SourceSample(source_id, None, None, exc)
 
         extras = {}
-        for role, value in zip([] if self.audio_only else self.extra_columns, row.extras):
+        for role, value in zip(self.extra_columns, row.extras):
             if value is _ABSENT or not isinstance(value, str) or not value.strip():
                 return rejected(source_id, f"missing_{role}", f"{where}: no path in column {role!r}")
             try:
@@ -360,7 +360,7 @@ class MetadataSource:
 
         def sample(caption: str | None, error: RejectError | None = None) -> SourceSample:
             if self.audio_only:
-                return SourceSample(source_id, None, caption, error, audio=data)
+                return SourceSample(source_id, None, caption, error, audio=data, extras=extras)
             if is_video:
                 return SourceSample(source_id, None, caption, error, video=data, reference=reference, extras=extras)
             return SourceSample(source_id, data, caption, error, reference=reference, extras=extras)
