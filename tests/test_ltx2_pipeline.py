@@ -228,7 +228,9 @@ def assert_a1(sample: dict[str, dict], *, frames: int, size: int, fps: float, se
 
 
 def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_ltx2, tmp_path, capsys):
-    """The issue's command, on the tiny set: a dataset.json beside real clips with AAC audio."""
+    """The issue's command, on the tiny set: a dataset.json beside real clips with AAC audio. These folders
+    (latents/, conditions/, audio_latents/) are also all that I2V, video extend, A2V and V2A read (README's mode
+    table): their conditioning is chosen at training time."""
     from diffprep.cli import main
 
     data = tmp_path / "dataset"
