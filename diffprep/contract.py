@@ -29,7 +29,13 @@ AUDIO_LATENTS = "audio_latents.pth"
 AUDIO_PROMPT_EMBEDS = "audio_prompt_embeds.pth"
 PROMPT_ATTENTION_MASK = "prompt_attention_mask.pth"
 REFERENCE_LATENTS = "reference_latents.pth"
-LTX2_TENSOR_FIELDS = (AUDIO_LATENTS, AUDIO_PROMPT_EMBEDS, PROMPT_ATTENTION_MASK, REFERENCE_LATENTS)
+# The other inputs of a clip (metadata columns reference_audio, video_mask, audio_mask): the reference sound's
+# audio latents [8, T, 16] float32, inpainting masks in the latent grid, float 0/1: video [F', H', W'], audio [T'].
+REFERENCE_AUDIO_LATENTS = "reference_audio_latents.pth"
+VIDEO_MASK = "video_mask.pth"
+AUDIO_MASK = "audio_mask.pth"
+LTX2_TENSOR_FIELDS = (AUDIO_LATENTS, AUDIO_PROMPT_EMBEDS, PROMPT_ATTENTION_MASK, REFERENCE_LATENTS,
+                      REFERENCE_AUDIO_LATENTS, VIDEO_MASK, AUDIO_MASK)
 # latent_mode "posterior" adds the VAE's raw posterior (no shift, no scale; logvar clamped to [-30, 20]).
 MEAN = "mean.pth"
 LOGVAR = "logvar.pth"
@@ -104,12 +110,17 @@ LATENTS_DIR = "latents"
 CONDITIONS_DIR = "conditions"
 AUDIO_LATENTS_DIR = "audio_latents"
 REFERENCE_LATENTS_DIR = "reference_latents"
-PRECOMPUTED_DIRS = (LATENTS_DIR, CONDITIONS_DIR, AUDIO_LATENTS_DIR, REFERENCE_LATENTS_DIR)
+REFERENCE_AUDIO_LATENTS_DIR = "reference_audio_latents"
+VIDEO_MASKS_DIR = "video_masks"
+AUDIO_MASKS_DIR = "audio_masks"
+PRECOMPUTED_DIRS = (LATENTS_DIR, CONDITIONS_DIR, AUDIO_LATENTS_DIR, REFERENCE_LATENTS_DIR, REFERENCE_AUDIO_LATENTS_DIR,
+                    VIDEO_MASKS_DIR, AUDIO_MASKS_DIR)
 PRECOMPUTED_SUFFIX = ".pt"
 # The keys of each record (A1).
 VIDEO_RECORD_KEYS = ("latents", "num_frames", "height", "width", "fps")
 AUDIO_RECORD_KEYS = ("latents", "num_time_steps", "frequency_bins", "duration")
 CONDITIONS_RECORD_KEYS = ("video_prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask")
+MASK_RECORD_KEYS = ("mask",)
 
 # Energon's metadata folder and the files in it.
 NV_META = ".nv-meta"

@@ -285,6 +285,11 @@ class Ltx2Sample(Sample):
     meta: dict
     #: ``WxHxF``; audio only: the duration bucket (``2s``).
     bucket: str
+    #: A2A / AV2AV IC-LoRA: the reference sound's audio latents [8, T, 16] float32 (reference_audio_latents/).
+    reference_audio_latents: torch.Tensor | None = None
+    #: Inpainting: float 0/1 masks in the latent grid, video [F', H', W'] (video_masks/), audio [T'] (audio_masks/).
+    video_mask: torch.Tensor | None = None
+    audio_mask: torch.Tensor | None = None
 
 
 def _cook_ltx2(sample: dict, *, video: bool) -> Ltx2Sample:
@@ -310,6 +315,9 @@ def _cook_ltx2(sample: dict, *, video: bool) -> Ltx2Sample:
         caption=_text(sample, contract.CAPTION),
         meta=meta,
         bucket=("x".join(str(v) for v in meta.get("bucket") or ["?"]) if video else str(meta.get("bucket", "?"))),
+        reference_audio_latents=tensor(contract.REFERENCE_AUDIO_LATENTS, required=False),
+        video_mask=tensor(contract.VIDEO_MASK, required=False),
+        audio_mask=tensor(contract.AUDIO_MASK, required=False),
     )
 
 

@@ -41,11 +41,12 @@ from diffprep.images import ImageSpec, prepare_image
 from diffprep.layouts import Layout
 from diffprep.media.audio import AudioSpec, ClipAudio, wav_bytes
 from diffprep.media.buckets import Bucket
+from diffprep.media.clip_inputs import prepare_with_inputs
 from diffprep.media.mp4 import mp4_bytes
 from diffprep.media.video import ClipSpec
 from diffprep.pictures import CONTACT_SHEET, Preview, frame_strip, png_bytes, write_contact_sheet
 from diffprep.plan import Plan, read_plan
-from diffprep.shards import atomic_write_bytes, read_manifests
+from diffprep.shards import atomic_write_bytes, load_tensor, read_manifests
 from diffprep.sources import SOURCE_TYPES, open_source
 
 
@@ -234,7 +235,8 @@ def _prepare(read: Any, spec: ImageSpec | ClipSpec | AudioSpec, meta: dict
         return SourceMedia(None, prepared.audio), None, None
     if isinstance(spec, ClipSpec):
         bucket = Bucket(*meta["bucket"]) if meta.get("bucket") else None
-        clip = spec.prepare(read.media, video=read.video is not None, bucket=bucket, reference=read.reference)
+        clip = prepare_with_inputs(spec, read.media, read.extras, video=read.video is not None, bucket=bucket,
+                                   reference=read.reference)  # the sound from its own file where it has one
         return SourceMedia(clip.pixels, clip.audio), clip.meta["original_size"], clip.meta["crop_box"]
     if read.image is None:
         raise RejectError("missing_image", "the source gave no image")
@@ -315,6 +317,15 @@ def decode_dataset(
             if preview.key in clips:  # with its decoded sound where the dataset has audio
                 frames, fps = clips[preview.key]
                 atomic_write_bytes(folder / f"{preview.key}.mp4", mp4_bytes(frames, fps, audio=audio))
+                if contract.VIDEO_MASK in sample.fields:  # inpainting: the mask tinted on the decoded frames
+                    from diffprep.encodings.ltx2_masks import overlay
+
+                    mask = load_tensor(sample.fields[contract.VIDEO_MASK], key=sample.key, field=contract.VIDEO_MASK)
+                    atomic_write_bytes(folder / f"{preview.key}.mask.png", png_bytes(frame_strip(overlay(frames,
+                                                                                                         mask))))
+            if sound is not None and contract.REFERENCE_AUDIO_LATENTS in sample.fields:  # beside the target's sound
+                atomic_write_bytes(folder / f"{preview.key}.reference.wav",
+                                   wav_bytes(sound.decode(sample, contract.REFERENCE_AUDIO_LATENTS)))
             elif audio is not None:
                 atomic_write_bytes(folder / f"{preview.key}.wav", wav_bytes(audio))
             if preview.source is not None:

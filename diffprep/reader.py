@@ -28,6 +28,7 @@ from diffprep.errors import DiffprepError, RejectError
 from diffprep.failpoints import failpoint
 from diffprep.images import ImageSpec, PreparedImage, prepare_image
 from diffprep.media.audio import AudioSpec, PreparedAudio
+from diffprep.media.clip_inputs import prepare_with_inputs
 from diffprep.media.buckets import parse_bucket
 from diffprep.media.video import ClipSpec, PreparedClip
 from diffprep.plan import Plan, UnitPlan
@@ -45,6 +46,10 @@ class Batch:
     metas: list[dict]
     audio: list[Any] | None = None  # each clip's ClipAudio, when the ClipSpec reads audio (LTX-2)
     references: torch.Tensor | None = None  # IC-LoRA reference clips, uint8 [B, F, 3, H', W'] (LTX-2)
+    # LTX-2's other inputs per clip (ClipSpec.inputs): reference sound (ClipAudio), masks (media/clip_inputs.py).
+    reference_audio: list[Any] | None = None
+    video_masks: list[torch.Tensor] | None = None
+    audio_masks: list[torch.Tensor] | None = None
 
 
 Spec = ImageSpec | ClipSpec | AudioSpec
@@ -62,10 +67,11 @@ def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Pre
     if isinstance(spec, AudioSpec):
         if sample.audio is None:
             raise RejectError("missing_audio", "an audio-only run needs an audio file for every sample", phase="read")
-        return spec.prepare(sample.audio, bucket=float(bucket.removesuffix("s")) if bucket else None)
+        return prepare_with_inputs(spec, sample.audio, sample.extras,
+                                   bucket=float(bucket.removesuffix("s")) if bucket else None)
     if isinstance(spec, ClipSpec):
-        return spec.prepare(sample.media, video=sample.video is not None,
-                            bucket=parse_bucket(bucket) if bucket else None, reference=sample.reference)
+        return prepare_with_inputs(spec, sample.media, sample.extras, video=sample.video is not None,
+                                   bucket=parse_bucket(bucket) if bucket else None, reference=sample.reference)
     if sample.image is None:
         raise RejectError("unexpected_video", "a clip in an image run: encode it with a video model family (or "
                           "store clips with `diffprep raw --resolution-buckets`)", phase="read")
@@ -146,6 +152,8 @@ def iter_batches(
             audio=[img.audio for _, _, img in items] if getattr(spec, "audio", False) else None,
             references=(torch.stack([img.reference.pixels for _, _, img in items])
                         if getattr(spec, "reference_scale", None) else None),
+            **{name: [getattr(img, attr) for _, _, img in items] for name, attr, role in _INPUTS
+               if role in getattr(spec, "inputs", ())},
         )
         items.clear()
         return batch
@@ -160,6 +168,10 @@ def iter_batches(
         items.append((index, sample, result))
     if items:
         yield flush()
+
+
+_INPUTS = (("reference_audio", "reference_audio", "reference_audio"), ("video_masks", "video_mask", "video_mask"),
+           ("audio_masks", "audio_mask", "audio_mask"))  # Batch field, PreparedClip field, ClipSpec.inputs role
 
 
 def _reference_shape(prepared: Prepared) -> tuple[int, ...] | None:

@@ -124,3 +124,25 @@ def test_mp4_with_sound_is_byte_stable_and_wav_is_lossless():
     wav = clip_audio.load_clip_audio(io.BytesIO(clip_audio.wav_bytes(sound)))
     assert wav.waveform.shape == sound.waveform.shape
     assert (wav.waveform - sound.waveform).abs().max() <= 1 / 32767
+
+
+def test_only_the_kept_audio_is_decoded(tmp_path, monkeypatch):
+    """With a duration, decoding stops once the kept samples are there: the same waveform as the whole track
+    trimmed, from a fraction of its frames."""
+    import av
+
+    path = tmp_path / "long.m4a"
+    clip_audio.write_test_tone(path, seconds=6.0, sample_rate=16000)
+    whole = clip_audio.load_clip_audio(path)
+    decoded = []
+    original = av.container.InputContainer.decode
+
+    def counting(self, *args, **kwargs):
+        for frame in original(self, *args, **kwargs):
+            decoded.append(frame.samples)
+            yield frame
+
+    monkeypatch.setattr(av.container.InputContainer, "decode", counting)
+    kept = clip_audio.load_clip_audio(path, duration=0.5)
+    assert torch.equal(kept.waveform, whole.waveform[:, :8000])
+    assert 8000 <= sum(decoded) < 16000  # well under the file's 96 000 samples

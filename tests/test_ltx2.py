@@ -258,6 +258,15 @@ def test_video_input_is_checked(encoders):
         encoders.encode_video(_pixels().float())
 
 
+def test_decoders_are_built_on_first_use(checkpoint):
+    """Encoding processes never ask for the decoders and the vocoder: they are built when first used."""
+    loaded = ltx2.Ltx2Encoders.load(checkpoint, dtype=torch.float32, text=False, decoders=True)
+    assert loaded.decoders_built() == []
+    assert loaded.audio_decoder is not None and loaded.decoders_built() == ["audio_decoder"]
+    assert loaded.video_decoder is not None and loaded.vocoder is not None
+    assert ltx2.Ltx2Encoders.load(checkpoint, dtype=torch.float32, text=False).video_decoder is None
+
+
 def test_video_decodes_back_to_frames(encoders):
     latents = encoders.encode_video(_pixels())
     frames = encoders.decode_video(latents[0])

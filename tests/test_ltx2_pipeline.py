@@ -228,7 +228,9 @@ def assert_a1(sample: dict[str, dict], *, frames: int, size: int, fps: float, se
 
 
 def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_ltx2, tmp_path, capsys):
-    """The issue's command, on the tiny set: a dataset.json beside real clips with AAC audio."""
+    """The issue's command, on the tiny set: a dataset.json beside real clips with AAC audio. These folders
+    (latents/, conditions/, audio_latents/) are also all that I2V, video extend, A2V and V2A read (README's mode
+    table): their conditioning is chosen at training time."""
     from diffprep.cli import main
 
     data = tmp_path / "dataset"
@@ -528,9 +530,26 @@ def test_t2a_needs_an_audio_file_and_durations(tiny_ltx2, tmp_path):
     with pytest.raises(ConfigError, match="--audio-durations is for an audio-only"):
         get_encoding("ltx2_audio").plan_settings(settings, None)
     both = write_dataset(data, {"a.mp4": {}}, name="both.json", audio=["a.wav"])
-    with pytest.raises(ConfigError, match="has an 'audio' column beside its clips"):
-        get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2), None)
-    get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2, video={"skip_audio": True}), None)
+    # An audio column beside the clips is their sound (test_ltx2_inputs.py); --skip-audio reads none.
+    byte, _ = get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2), None)
+    assert byte["video"]["inputs"] == ["audio"]
+    byte, _ = get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", both, tiny_ltx2,
+                                                              video={"skip_audio": True}), None)
+    assert "inputs" not in byte["video"]
+    masked = write_dataset(data, {"a.mp4": {}}, name="masked.json", audio_mask=["m.wav"])
+    with pytest.raises(ConfigError, match="has a 'audio_mask' column, which goes with the clips' audio"):
+        get_encoding("ltx2").plan_settings(settings_for(tmp_path / "o", masked, tiny_ltx2,
+                                                        video={"skip_audio": True}), None)
+    listing = write_audio_dataset(data, {"a.wav": {"seconds": 2.0, **WAV}}, name="a2a.json")
+    rows = json.loads(listing.read_text())
+    listing.write_text(json.dumps([dict(r, reference_audio="a.wav") for r in rows]))
+    byte, expected = get_encoding("ltx2_audio").plan_settings(
+        settings_for(tmp_path / "o", listing, tiny_ltx2, video={"audio_durations": "2.0"}), None)
+    assert byte["audio"]["inputs"] == ["reference_audio"] and "reference_audio_latents.pth" in expected["fields"]
+    listing.write_text(json.dumps([dict(r, video_mask="m.png") for r in rows]))
+    with pytest.raises(ConfigError, match="an audio-only run has no frames to mask"):
+        get_encoding("ltx2_audio").plan_settings(settings_for(tmp_path / "o", listing, tiny_ltx2,
+                                                              video={"audio_durations": "2.0"}), None)
     for video, message in (({"audio_durations": "2.0;x"}, "'x' is not a number"),
                            ({"audio_durations": "0"}, "must be a number of seconds > 0"),
                            ({"audio_durations": "2;2.0"}, "repeats a duration"),

@@ -63,7 +63,8 @@ def planned_spec(plan_settings: dict[str, Any]) -> ClipSpec:
     video = plan_settings["video"]
     return ClipSpec(tuple(parse_bucket(b) for b in video["buckets"]), target_fps=video["target_fps"],
                     frame_sampling=video["frame_sampling"], max_pixels=video["max_pixels"],
-                    audio=video.get("audio", False), reference_scale=video.get("reference_scale"))
+                    audio=video.get("audio", False), reference_scale=video.get("reference_scale"),
+                    inputs=tuple(video.get("inputs", ())))
 
 
 def probe_clip_buckets(settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]

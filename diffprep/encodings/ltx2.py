@@ -38,6 +38,7 @@ from diffprep.families.base import DTYPES, resolve_device
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.encodings import clips
 from diffprep.encodings.base import with_caption_settings
+from diffprep.encodings.ltx2_inputs import INPUT_FIELDS, expected_shapes, read_columns
 from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 from diffprep.layouts import LayoutPreset
@@ -62,6 +63,9 @@ STORED_DTYPES = {
     contract.PROMPT_EMBEDS: torch.bfloat16,
     contract.AUDIO_PROMPT_EMBEDS: torch.bfloat16,
     contract.PROMPT_ATTENTION_MASK: torch.int64,
+    contract.REFERENCE_AUDIO_LATENTS: torch.float32,
+    contract.VIDEO_MASK: torch.float32,
+    contract.AUDIO_MASK: torch.float32,
 }
 
 
@@ -75,6 +79,7 @@ def ltx2_fields(video: Mapping[str, Any]) -> list[str]:
         fields.append(contract.AUDIO_PROMPT_EMBEDS)
     if video.get("reference_scale"):
         fields.append(contract.REFERENCE_LATENTS)
+    fields += [INPUT_FIELDS[role] for role in video.get("inputs", ()) if role in INPUT_FIELDS]
     return sorted(fields)
 
 
@@ -102,7 +107,7 @@ class Ltx2(Wan):
         if audio and video.frame_sampling != "head":
             raise ConfigError("LTX-2 with audio takes the first F frames and the audio under them (the trainer's "
                               "rule): use --frame-sampling head, or --skip-audio")
-        _refuse_unread_columns(settings)
+        inputs = read_columns(settings)
         identity = describe_ltx2(parts.checkpoint, parts.gemma, dtype=DTYPES[model.precision], audio=audio,
                                  text_encoder_8bit=model.load_text_encoder_in_8bit)
         space, time_factor = identity["video"]["scale_space"], identity["video"]["scale_time"]
@@ -121,6 +126,7 @@ class Ltx2(Wan):
             "audio": audio,
             "reference_scale": scale,
             "separate_audio_text": separate_audio_text,
+            **({"inputs": inputs} if inputs else {}),
         }
         byte = {
             "contract": contract.CONTRACT_VERSION,
@@ -150,6 +156,7 @@ class Ltx2(Wan):
             expected["audio_latents"] = [8, None, 16]
         if separate_audio_text:
             expected["audio_prompt_embeds"] = [width["video"], width["audio_dim"]]
+        expected.update(expected_shapes(inputs))
         if scale is not None:
             [bucket] = buckets
             expected["reference_latents"] = latent_shape(Bucket(bucket.width // scale, bucket.height // scale,
@@ -364,6 +371,7 @@ def encode_batch(loaded: Any, batch: Batch, trigger: str | None, notes: Counter
                  ) -> tuple[list[dict | Reject], dict[str, torch.Tensor]]:
     """A batch's samples' fields (or rejects), and the batch's tensors stacked per field (for the sanity check).
     Without a video encoder (audio only) there are no video latents and no fps."""
+    from diffprep.encodings.ltx2_masks import masks_of
     from diffprep.families.ltx2_precomputed import apply_lora_trigger
 
     captions = [apply_lora_trigger(caption, trigger) for caption in batch.captions]
@@ -375,6 +383,10 @@ def encode_batch(loaded: Any, batch: Batch, trigger: str | None, notes: Counter
     audio = [loaded.encode_audio(track) for track in batch.audio] if batch.audio is not None else None
     if audio is not None:
         tensors[contract.AUDIO_LATENTS] = torch.stack([a.latents for a in audio])
+    if batch.reference_audio is not None:
+        tensors[contract.REFERENCE_AUDIO_LATENTS] = torch.stack([loaded.encode_audio(t).latents
+                                                                for t in batch.reference_audio])
+    tensors.update(masks_of(batch, tensors.get(contract.LATENTS), tensors.get(contract.AUDIO_LATENTS), notes))
     text = loaded.encode_text(captions)
     tensors[contract.PROMPT_EMBEDS] = torch.stack([t.video_prompt_embeds for t in text]).to(torch.bfloat16)
     tensors[contract.PROMPT_ATTENTION_MASK] = torch.stack([t.prompt_attention_mask for t in text])
@@ -417,30 +429,6 @@ def _text_width(gemma, checkpoint) -> dict[str, int]:
     return widths
 
 
-def _refuse_unread_columns(settings: Settings) -> None:
-    """A metadata file with a column this run would not read (the trainer's reference column without
-    --reference-column, an audio column): say so, never drop it."""
-    source = settings.source
-    if source.type != "metadata" or not source.metadata_file:
-        return
-    from diffprep.sources import open_source
-
-    opened = open_source(source)
-    if getattr(opened, "audio_only", False):
-        raise ConfigError(f"{source.metadata_file} names audio files (column {opened.media_key!r}) and no clips: an "
-                          "audio-only (T2A) run needs --audio-durations, e.g. \"2.0;4.0\" (seconds)")
-    if getattr(opened, "audio_columns", []) and not settings.video.skip_audio:
-        raise ConfigError(f"{source.metadata_file} has an {opened.audio_columns[0]!r} column beside its clips: the "
-                          "LTX-2 trainer encodes those files as the clips' sound, diffprep takes each clip's own "
-                          "audio track and does not read that column yet; drop the column (each clip's own sound), "
-                          "or add --skip-audio (no sound)")
-    columns = [] if source.reference_key else getattr(opened, "reference_columns", [])
-    if columns:
-        raise ConfigError(f"{source.metadata_file} has the IC-LoRA reference column {columns[0]!r}: pass "
-                          f"--reference-column {columns[0]} to encode the reference clips (reference_latents), or "
-                          "list the clips in a file without it for a plain text-to-video run")
-
-
 def _check_reference_buckets(buckets: list[Bucket], scale: int, space: int) -> None:
     if len(buckets) != 1:
         raise ConfigError(f"IC-LoRA reference clips need a single resolution bucket (the trainer infers the "
@@ -469,7 +457,8 @@ class Ltx2Inspector(PreencodedInspector):
             self.expected = {"latents": [sample.latents.shape[0], None, None, None],
                              "source": f"first sample {sample.__key__}", "dtypes": {}}
         dtypes = self.expected.get("dtypes") or {}
-        for stem in ("audio_latents", "audio_prompt_embeds", "prompt_attention_mask", "reference_latents"):
+        for stem in ("audio_latents", "audio_prompt_embeds", "prompt_attention_mask", "reference_latents",
+                     "reference_audio_latents", "video_mask", "audio_mask"):
             tensor = getattr(sample, stem, None)
             if tensor is None:
                 continue
@@ -480,6 +469,11 @@ class Ltx2Inspector(PreencodedInspector):
                 self.shapes.add(f"{sample.__key__} {stem} has dtype {tensor.dtype}, expected {dtypes[stem]}")
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 self.finite.add(f"{sample.__key__} {stem} has NaN/Inf values")
+        from diffprep.encodings.ltx2_masks import mask_problems
+
+        for problem in mask_problems(sample.latents, sample.audio_latents, getattr(sample, "video_mask", None),
+                                     getattr(sample, "audio_mask", None)):
+            self.shapes.add(f"{sample.__key__} {problem}")
         saved = self.expected.get("dtype")
         self.expected["dtype"] = dtypes.get("latents")  # latents and prompt_embeds: bf16, checked by the base
         try:

@@ -29,6 +29,7 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.encodings import clips
 from diffprep.encodings.base import probe_in_parallel, with_caption_settings
+from diffprep.encodings.ltx2_inputs import INPUT_FIELDS, expected_shapes
 from diffprep.encodings.ltx2 import (
     STORED_DTYPES,
     Ltx2,
@@ -85,7 +86,12 @@ class Ltx2Audio(Ltx2):
         if source.reference_key:
             raise ConfigError("an audio-only (T2A) run has no clips to take IC-LoRA references for: remove "
                               f"--reference-column {source.reference_key}")
-        if source.type != "metadata" or not getattr(open_source(source), "audio_only", False):
+        opened = open_source(source) if source.type == "metadata" else None
+        inputs = [role for role in ("reference_audio", "audio_mask") if role in getattr(opened, "extra_columns", [])]
+        if "video_mask" in getattr(opened, "extra_columns", []):
+            raise ConfigError(f"{source.metadata_file} has a 'video_mask' column: an audio-only run has no frames "
+                              "to mask; list the files without it")
+        if not getattr(opened, "audio_only", False):
             raise ConfigError("--audio-durations is for an audio-only (T2A) run: a metadata file with an `audio` "
                               "column (or --audio-column) and no video, media_path or image column; for clips, "
                               "leave it out (their sound is trimmed to the frames kept)")
@@ -93,7 +99,8 @@ class Ltx2Audio(Ltx2):
         identity = describe_ltx2(parts.checkpoint, parts.gemma, dtype=DTYPES[model.precision], video=False,
                                  audio=True, text_encoder_8bit=model.load_text_encoder_in_8bit)
         separate = identity["text"]["feature_extractor"] == "FeatureExtractorV2"
-        audio = {"durations": [duration_name(d) for d in durations], "separate_audio_text": separate}
+        audio = {"durations": [duration_name(d) for d in durations], "separate_audio_text": separate,
+                 **({"inputs": inputs} if inputs else {})}
         byte = {
             "contract": contract.CONTRACT_VERSION,
             "encoding": self.name,
@@ -108,16 +115,18 @@ class Ltx2Audio(Ltx2):
             "audio_latents": [8, None, 16],
             "prompt_embeds": [width["video"], width["video_dim"]],
             "prompt_attention_mask": [width["video"]],
-            "fields": audio_fields(separate),
+            "fields": sorted(audio_fields(separate) + [INPUT_FIELDS[role] for role in inputs]),
             "dtypes": {contract.field_stem(f): dtype_name(d) for f, d in STORED_DTYPES.items()
                        if f not in (contract.LATENTS, contract.REFERENCE_LATENTS)},
         }
         if separate:
             expected["audio_prompt_embeds"] = [width["video"], width["audio_dim"]]
+        expected.update(expected_shapes(inputs))
         return byte, expected
 
     def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> AudioSpec:
-        return AudioSpec(tuple(_seconds(d) for d in plan.settings["audio"]["durations"]))
+        audio = plan.settings["audio"]
+        return AudioSpec(tuple(_seconds(d) for d in audio["durations"]), inputs=tuple(audio.get("inputs", ())))
 
     def probe_buckets(self, settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]
                       ) -> dict[str, str | None]:
@@ -221,7 +230,12 @@ class Ltx2AudioInspector(Ltx2Inspector):
         if self.expected is None:
             self.expected = {"audio_latents": [8, None, 16], "source": f"first sample {sample.__key__}", "dtypes": {}}
         dtypes = self.expected.get("dtypes") or {}
-        for stem in ("audio_latents", "prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"):
+        from diffprep.encodings.ltx2_masks import mask_problems
+
+        for problem in mask_problems(None, sample.audio_latents, None, getattr(sample, "audio_mask", None)):
+            self.shapes.add(f"{sample.__key__} {problem}")
+        for stem in ("audio_latents", "prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask",
+                     "reference_audio_latents", "audio_mask"):
             tensor = getattr(sample, stem, None)
             if tensor is None or (stem == "audio_prompt_embeds" and "audio_prompt_embeds" not in self.expected):
                 continue

@@ -33,8 +33,9 @@ class Ltx2Sound:
     def __init__(self, encoders: Any) -> None:
         self.encoders = encoders
 
-    def decode(self, sample: Any) -> ClipAudio:
-        latents = load_tensor(sample.fields[contract.AUDIO_LATENTS], key=sample.key, field=contract.AUDIO_LATENTS)
+    def decode(self, sample: Any, field: str = contract.AUDIO_LATENTS) -> ClipAudio:
+        """The sound of the sample's ``field`` (its audio latents; ``reference_audio_latents.pth``: its reference)."""
+        latents = load_tensor(sample.fields[field], key=sample.key, field=field)
         return self.encoders.decode_audio(latents)
 
     def mel_l1(self, decoded: ClipAudio, source: ClipAudio) -> float:

@@ -72,14 +72,21 @@ def folders(plan: Plan) -> list[str]:
     """The record folders a plan writes, the trainer's primary one first (what its t2v / v2v strategies read, and
     the flexible strategy's T2A: ``conditions`` and ``audio_latents``)."""
     video = plan.settings.get("video")
-    if video is None:  # audio only
-        return [contract.CONDITIONS_DIR, contract.AUDIO_LATENTS_DIR]
+    if video is None:  # audio only: T2A, A2A IC-LoRA, audio inpainting
+        inputs = (plan.settings.get("audio") or {}).get("inputs", ())
+        return [contract.CONDITIONS_DIR, contract.AUDIO_LATENTS_DIR] + [_INPUT_DIRS[r] for r in inputs]
     kinds = [contract.LATENTS_DIR, contract.CONDITIONS_DIR]
     if video.get("audio"):
         kinds.append(contract.AUDIO_LATENTS_DIR)
     if video.get("reference_scale"):
         kinds.append(contract.REFERENCE_LATENTS_DIR)
+    kinds += [_INPUT_DIRS[role] for role in video.get("inputs", ()) if role in _INPUT_DIRS]
     return kinds
+
+
+# The clip's other inputs (media/clip_inputs.py roles) -> their folder.
+_INPUT_DIRS = {"reference_audio": contract.REFERENCE_AUDIO_LATENTS_DIR, "video_mask": contract.VIDEO_MASKS_DIR,
+               "audio_mask": contract.AUDIO_MASKS_DIR}
 
 
 def sample_names(plan: Plan) -> dict[str, PurePosixPath | str]:
@@ -195,6 +202,12 @@ def records(fields: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if contract.REFERENCE_LATENTS in fields:
         result[contract.REFERENCE_LATENTS_DIR] = video_latents_record(fields[contract.REFERENCE_LATENTS],
                                                                       fps=meta["fps"])
+    if contract.REFERENCE_AUDIO_LATENTS in fields:  # encoded as the clip's sound: the same seconds
+        result[contract.REFERENCE_AUDIO_LATENTS_DIR] = audio_latents_record(
+            AudioLatents(fields[contract.REFERENCE_AUDIO_LATENTS], duration=meta["audio_duration"]))
+    for field, kind in ((contract.VIDEO_MASK, contract.VIDEO_MASKS_DIR), (contract.AUDIO_MASK, contract.AUDIO_MASKS_DIR)):
+        if field in fields:
+            result[kind] = {"mask": fields[field].contiguous()}
     return result
 
 
@@ -212,6 +225,9 @@ def record_problem(kind: str, record: Any, plan: Plan) -> str | None:
     keys = {contract.LATENTS_DIR: contract.VIDEO_RECORD_KEYS,
             contract.REFERENCE_LATENTS_DIR: contract.VIDEO_RECORD_KEYS,
             contract.AUDIO_LATENTS_DIR: contract.AUDIO_RECORD_KEYS,
+            contract.REFERENCE_AUDIO_LATENTS_DIR: contract.AUDIO_RECORD_KEYS,
+            contract.VIDEO_MASKS_DIR: contract.MASK_RECORD_KEYS,
+            contract.AUDIO_MASKS_DIR: contract.MASK_RECORD_KEYS,
             contract.CONDITIONS_DIR: contract.CONDITIONS_RECORD_KEYS}[kind]
     if not isinstance(record, dict) or sorted(record) != sorted(keys):
         return (f"holds {sorted(record) if isinstance(record, dict) else type(record).__name__}, "
@@ -219,6 +235,9 @@ def record_problem(kind: str, record: Any, plan: Plan) -> str | None:
     tensors = {contract.LATENTS_DIR: {"latents": "latents"},
                contract.REFERENCE_LATENTS_DIR: {"latents": "reference_latents"},
                contract.AUDIO_LATENTS_DIR: {"latents": "audio_latents"},
+               contract.REFERENCE_AUDIO_LATENTS_DIR: {"latents": "reference_audio_latents"},
+               contract.VIDEO_MASKS_DIR: {"mask": "video_mask"},
+               contract.AUDIO_MASKS_DIR: {"mask": "audio_mask"},
                contract.CONDITIONS_DIR: {"video_prompt_embeds": "prompt_embeds",
                                          "audio_prompt_embeds": "audio_prompt_embeds"
                                          if "audio_prompt_embeds" in expected else "prompt_embeds",
@@ -234,6 +253,8 @@ def record_problem(kind: str, record: Any, plan: Plan) -> str | None:
             return f"{key} has dtype {value.dtype}, the trainer reads {dtypes[stem]}"
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             return f"{key} has NaN or Inf values"
+        if key == "mask" and not bool(((value == 0) | (value == 1)).all()):
+            return "mask holds values other than 0 and 1"
     sizes = [k for k in keys if k != "latents" and k in ("num_frames", "height", "width", "num_time_steps",
                                                             "frequency_bins")]
     if any(type(record[k]) is not int for k in sizes) or any(
@@ -321,18 +342,27 @@ def check_folders(output: Any, plan: Plan, written: int | None) -> list[Check]:
         if found != primary:
             matching.add(f"{kind}/ has {len(found)} files, {kinds[0]}/ {len(primary)}; "
                          f"without a partner: {sorted(found ^ primary)[:5]}")
+    from diffprep.encodings.ltx2_masks import mask_problems
+
     loaded = 0
     for name in sorted(primary):
+        read: dict[str, Any] = {}
         for kind in kinds:
             path = output.local / kind / name
             if not path.is_file():
                 continue
             try:
-                problem = record_problem(kind, load_record(path), plan)
+                read[kind] = record = load_record(path)
+                problem = record_problem(kind, record, plan)
             except Exception as error:  # noqa: BLE001 - a file the trainer could not load is a finding
                 problem = f"torch.load(weights_only=True) refused it ({type(error).__name__}: {error})"
             if problem:
                 records_check.add(f"{kind}/{name}: {problem}")
+        tensor = lambda kind, key: read[kind].get(key) if isinstance(read.get(kind), dict) else None  # noqa: E731
+        for problem in mask_problems(tensor(contract.LATENTS_DIR, "latents"),
+                                     tensor(contract.AUDIO_LATENTS_DIR, "latents"),
+                                     tensor(contract.VIDEO_MASKS_DIR, "mask"), tensor(contract.AUDIO_MASKS_DIR, "mask")):
+            records_check.add(f"{name}: {problem}")
         loaded += 1
     count = Check("samples", bool(primary) and (written is None or len(primary) == written),
                   f"{len(primary)} samples in {kinds[0]}/" + ("" if written is None else f", {written} written"))
@@ -389,10 +419,13 @@ def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, d
             video = load_record(root / contract.LATENTS_DIR / name)
             fields[contract.LATENTS] = torch_bytes(video["latents"])
             meta |= {"fps": video["fps"], "bucket": [int(v) for v in bucket.split("x")] if bucket else None}
-        audio_path = root / contract.AUDIO_LATENTS_DIR / name
-        if audio_path.is_file():
-            audio = load_record(audio_path)
-            fields[contract.AUDIO_LATENTS] = torch_bytes(audio["latents"])
+        for kind, field, key in ((contract.AUDIO_LATENTS_DIR, contract.AUDIO_LATENTS, "latents"),
+                                 (contract.REFERENCE_AUDIO_LATENTS_DIR, contract.REFERENCE_AUDIO_LATENTS, "latents"),
+                                 (contract.VIDEO_MASKS_DIR, contract.VIDEO_MASK, "mask"),
+                                 (contract.AUDIO_MASKS_DIR, contract.AUDIO_MASK, "mask")):
+            path = root / kind / name
+            if path.is_file():
+                fields[field] = torch_bytes(load_record(path)[key])
         fields[contract.META] = json_bytes(meta)
         samples.append((manifest.keys[index], f"{kinds[0]}/{name}", fields))
     return samples

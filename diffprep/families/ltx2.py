@@ -25,7 +25,8 @@ versions pinned here: ``ltx2_gemma`` loads them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -263,6 +264,7 @@ class Ltx2Encoders:
         feature_extractor: torch.nn.Module | None = None,
         text_encoder_path: Path | None = None,
         text_encoder_8bit: bool = False,
+        decoder_factories: Mapping[str, Callable[[], torch.nn.Module]] | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.config = dict(config)
@@ -270,11 +272,14 @@ class Ltx2Encoders:
         self.dtype = dtype
         self.audio_dtype = audio_dtype
         self.video_encoder = video_encoder
-        self.video_decoder = video_decoder
         self.audio_encoder = audio_encoder
         self.audio_processor = audio_processor
-        self.audio_decoder = audio_decoder
-        self.vocoder = vocoder
+        # The decoders and the vocoder: given, or built on first use from their factories (only the sanity check
+        # and decoding use them, so an encoding process that never asks never holds them).
+        self._decoders: dict[str, Any] = {"video_decoder": video_decoder, "audio_decoder": audio_decoder,
+                                          "vocoder": vocoder}
+        self._factories = dict(decoder_factories or {})
+        self._decoders_lock = threading.Lock()
         self.text_encoder = text_encoder
         self.feature_extractor = feature_extractor
         self.text_encoder_path = text_encoder_path
@@ -334,11 +339,13 @@ class Ltx2Encoders:
             ).build(device=device, dtype=build_dtype)
             return _ready(module, what, checkpoint)
 
-        video_encoder = video_decoder = audio_encoder = audio_processor = audio_decoder = vocoder = None
+        video_encoder = audio_encoder = audio_processor = None
+        factories: dict[str, Callable[[], torch.nn.Module]] = {}
         if video:
             video_encoder = build(VideoEncoderConfigurator, VAE_ENCODER_COMFY_KEYS_FILTER, "video VAE encoder", dtype)
         if video and decoders:
-            video_decoder = build(VideoDecoderConfigurator, VAE_DECODER_COMFY_KEYS_FILTER, "video VAE decoder", dtype)
+            factories["video_decoder"] = lambda: build(VideoDecoderConfigurator, VAE_DECODER_COMFY_KEYS_FILTER,
+                                                       "video VAE decoder", dtype)
         if audio:
             audio_encoder = build(
                 AudioEncoderConfigurator, AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER, "audio VAE encoder", audio_dtype
@@ -351,10 +358,9 @@ class Ltx2Encoders:
                 n_fft=audio_encoder.n_fft,
             ).to(device)
         if audio and decoders:
-            audio_decoder = build(
-                AudioDecoderConfigurator, AUDIO_VAE_DECODER_COMFY_KEYS_FILTER, "audio VAE decoder", audio_dtype
-            )
-            vocoder = build(VocoderConfigurator, VOCODER_COMFY_KEYS_FILTER, "vocoder", audio_dtype)
+            factories["audio_decoder"] = lambda: build(AudioDecoderConfigurator, AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
+                                                       "audio VAE decoder", audio_dtype)
+            factories["vocoder"] = lambda: build(VocoderConfigurator, VOCODER_COMFY_KEYS_FILTER, "vocoder", audio_dtype)
 
         text_encoder = feature_extractor = None
         gemma_root = None
@@ -380,16 +386,36 @@ class Ltx2Encoders:
             dtype=dtype,
             audio_dtype=audio_dtype,
             video_encoder=video_encoder,
-            video_decoder=video_decoder,
             audio_encoder=audio_encoder,
             audio_processor=audio_processor,
-            audio_decoder=audio_decoder,
-            vocoder=vocoder,
+            decoder_factories=factories,
             text_encoder=text_encoder,
             feature_extractor=feature_extractor,
             text_encoder_path=gemma_root,
             text_encoder_8bit=text_encoder_8bit,
         )
+
+    def _decoder(self, name: str) -> Any:
+        with self._decoders_lock:
+            if self._decoders[name] is None and name in self._factories:
+                self._decoders[name] = self._factories.pop(name)()
+            return self._decoders[name]
+
+    @property
+    def video_decoder(self) -> VideoDecoder | None:
+        return self._decoder("video_decoder")
+
+    @property
+    def audio_decoder(self) -> AudioDecoder | None:
+        return self._decoder("audio_decoder")
+
+    @property
+    def vocoder(self) -> Vocoder | None:
+        return self._decoder("vocoder")
+
+    def decoders_built(self) -> list[str]:
+        """The decoders built so far (the others are built on first use, or not asked for)."""
+        return [name for name, module in self._decoders.items() if module is not None]
 
     @property
     def separate_audio_text(self) -> bool:

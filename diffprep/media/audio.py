@@ -82,15 +82,22 @@ def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None =
         # Planar float32 at the stream's own rate and layout: one row per channel.
         resampler = av.AudioResampler(format="fltp")
         chunks: list[np.ndarray] = []
+        sample_rate = stream.codec_context.sample_rate or stream.rate
+        # Only the audio that is kept is decoded: up to the duration's samples (the rest would be trimmed).
+        wanted = int(duration * sample_rate) if duration is not None and sample_rate else None
+        have = 0
         try:
             for frame in container.decode(stream):
                 for converted in resampler.resample(frame):
                     chunks.append(converted.to_ndarray())
-            for converted in resampler.resample(None):
-                chunks.append(converted.to_ndarray())
+                    have += chunks[-1].shape[-1]
+                if wanted is not None and have >= wanted:
+                    break
+            else:
+                for converted in resampler.resample(None):
+                    chunks.append(converted.to_ndarray())
         except (av.error.FFmpegError, ValueError) as error:
             raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: audio stream does not decode: {error}") from None
-        sample_rate = stream.codec_context.sample_rate or stream.rate
     if not chunks or sum(chunk.shape[-1] for chunk in chunks) == 0:
         raise RejectError(REJECT_AUDIO_DECODE_ERROR, f"{name}: the audio stream decoded to no samples")
     if not sample_rate:
@@ -253,6 +260,8 @@ class PreparedAudio:
     meta: dict[str, Any]
     pixels: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     reference: None = None
+    reference_audio: ClipAudio | None = None  # A2A IC-LoRA (AudioSpec.inputs, media/clip_inputs.py)
+    audio_mask: torch.Tensor | None = None  # audio inpainting: the mask's 1-D signal (AudioSpec.inputs)
 
 
 @dataclass(frozen=True)
@@ -261,6 +270,7 @@ class AudioSpec:
 
     durations: tuple[float, ...]
     audio: bool = True  # the reader hands each sample's waveform to the encoder
+    inputs: tuple[str, ...] = ()  # its other inputs read (media/clip_inputs.py): reference_audio, audio_mask
 
     def bucket_of(self, data: bytes) -> float:
         """The longest duration bucket not longer than the file's decoded audio (the trainer's rule)."""

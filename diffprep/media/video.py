@@ -49,7 +49,7 @@ import bisect
 import io
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
@@ -132,6 +132,9 @@ class PreparedClip:
     meta: dict[str, Any]
     audio: ClipAudio | None = None  # the clip's audio track fitted to the frames (ClipSpec.audio)
     reference: PreparedClip | None = None  # its IC-LoRA reference clip (ClipSpec.reference_scale)
+    reference_audio: ClipAudio | None = None  # its reference sound (ClipSpec.inputs, media/clip_inputs.py)
+    video_mask: torch.Tensor | None = None  # float [F, H, W] in [0, 1], cropped as the clip (ClipSpec.inputs)
+    audio_mask: torch.Tensor | None = None  # the audio mask's 1-D signal (ClipSpec.inputs)
 
 
 def probe(source: VideoSource) -> ClipInfo:
@@ -165,6 +168,8 @@ def prepare_clip(
         raise ValueError(f"target_fps must be > 0 (or None to keep the source frames), got {target_fps}")
     with _open(source) as container:
         info = _index(container, max_pixels=max_pixels)
+        if audio and not info.has_audio:  # before any frame is decoded
+            raise RejectError("no_audio_stream", "the clip has no audio stream")
         available = _resample(info, target_fps)
         bucket = choose_bucket(info.width, info.height, len(available), buckets)
         chosen = [available[i] for i in sample_indices(len(available), bucket.frames, frame_sampling)]
@@ -247,6 +252,8 @@ class ClipSpec:
     max_pixels: int = DEFAULT_MAX_PIXELS
     audio: bool = False  # decode each clip's audio track too (LTX-2); an image then has none to give
     reference_scale: int | None = None  # IC-LoRA: each clip's reference clip, in its bucket with W and H / this
+    # The clip's other inputs read (media/clip_inputs.py ROLES): its own sound file, reference audio, masks.
+    inputs: tuple[str, ...] = ()
 
     def prepare(self, data: bytes, *, video: bool, bucket: Bucket | None = None,
                 reference: bytes | None = None) -> PreparedClip:
@@ -258,8 +265,9 @@ class ClipSpec:
         """
         buckets = (bucket,) if bucket is not None else self.buckets
         if video:
+            # A sound file of its own ("audio" in inputs) replaces the clip's track: media/clip_inputs.py reads it.
             clip = prepare_clip(data, buckets, target_fps=self.target_fps, frame_sampling=self.frame_sampling,
-                                max_pixels=self.max_pixels, audio=self.audio)
+                                max_pixels=self.max_pixels, audio=self.audio and "audio" not in self.inputs)
             if self.reference_scale is None:
                 return clip
             if reference is None:
@@ -273,8 +281,7 @@ class ClipSpec:
             except RejectError as error:
                 raise RejectError(f"reference_{error.reason}", f"the reference clip: {error.detail}",
                                   error.phase) from None
-            return PreparedClip(clip.pixels, clip.bucket, clip.info, {**clip.meta, "reference": ref.meta},
-                                clip.audio, ref)
+            return replace(clip, meta={**clip.meta, "reference": ref.meta}, reference=ref)
         if self.audio:
             raise RejectError("no_audio_stream", "an image has no audio track; this run encodes audio with every "
                               "sample (--skip-audio leaves it out)")

@@ -17,8 +17,8 @@ import json
 import os
 import posixpath
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from diffprep.errors import RejectError, SourceError
@@ -112,6 +112,9 @@ class SourceSample:
     video: bytes | None = None  # the encoded clip file bytes (mp4/webm/mov/mkv...) of a video sample
     reference: bytes | None = None  # an IC-LoRA reference clip's file bytes (metadata source, LTX-2)
     audio: bytes | None = None  # the audio file's bytes of an audio-only sample (metadata source, LTX-2 T2A)
+    # A clip's other inputs by role (metadata source, LTX-2): "audio" (its sound as a file of its own),
+    # "reference_audio", "video_mask", "audio_mask" -> (the path as written, the file's bytes).
+    extras: Mapping[str, tuple[str, bytes]] = field(default_factory=dict)
 
     @property
     def media(self) -> bytes | None:

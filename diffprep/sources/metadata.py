@@ -36,15 +36,20 @@ An audio-only file (LTX-2 T2A, the trainer's convention) names audio files in
 the column ``source.audio_key`` (``--audio-column``), by default ``audio`` when
 the file has none of the media columns above: every path of that column is an
 audio sample (any file PyAV decodes: wav, flac, mp3, m4a, or a clip whose sound
-is wanted), resolved like a clip's. ``audio_columns`` names an ``audio`` column
-the file has beside its media column, for the LTX-2 encoding to refuse rather
-than leave out.
+is wanted), resolved like a clip's. An ``audio`` column beside a media column
+is the clips' sound (below).
 
 An IC-LoRA reference clip (LTX-2) is read from the column
 ``source.reference_key`` (``--reference-column``; the trainer's are
 ``reference_video`` and ``ref_media_path``) when it is set; its path resolves as
 the media's, and a row without one, or whose file is missing, is a
 ``missing_reference`` / ``reference_not_found`` reject.
+
+Beside a clip column, the trainer's other roles are read by their column names
+when the file has them (``extra_columns``; ``SourceSample.extras``): ``audio``
+(the clip's sound as a file of its own), ``reference_audio``, ``video_mask``,
+``audio_mask``. Each resolves as the media path; a row without one is
+``missing_<role>``, a path to no file ``<role>_not_found``.
 
 A row is a reject, never dropped: no path (``missing_media``), a path that is
 not text (``invalid_media_path``), no file at the path (``media_not_found``),
@@ -97,6 +102,8 @@ MEDIA_COLUMNS = ("video", "media_path", "image")  # the first one the file has, 
 IMAGE_COLUMN = "image"
 AUDIO_COLUMN = "audio"  # the LTX trainer's column of audio files (T2A), taken when no media column is there
 REFERENCE_COLUMNS = ("reference_video", "ref_media_path")  # the LTX trainer's names for an IC-LoRA reference
+# The trainer's other per-clip roles, read by these column names beside a clip column (SourceSample.extras).
+EXTRA_COLUMNS = (AUDIO_COLUMN, "reference_audio", "video_mask", "audio_mask")
 DUPLICATE_MARK = "#"
 _ABSENT = object()
 
@@ -108,6 +115,7 @@ class _Row:
     media: Any  # the media column's value, _ABSENT when the record lacks it
     caption: Any  # the caption column's value, _ABSENT when the record lacks it
     reference: Any = None  # the reference column's value (None: no such column), _ABSENT when the record lacks it
+    extras: tuple = ()  # the values of the extra columns, in extra_columns' order (_ABSENT where missing)
 
 
 def _where_row(file: str, row: _Row) -> str:
@@ -241,8 +249,9 @@ class MetadataSource:
                                          MEDIA_COLUMNS, columns, where, "media path", "--video-column")
         else:  # an empty list: no rows, nothing to check
             self.caption_key, self.media_key = caption_key or CAPTION_COLUMN, video_key or image_key or MEDIA_COLUMNS[0]
-        # An audio column beside the media column (the trainer's separate sound files): LTX-2 refuses it by name.
-        self.audio_columns = [AUDIO_COLUMN] if not self.audio_only and AUDIO_COLUMN in columns else []
+        # The trainer's other roles beside the media column (a clip's own sound file, reference audio, masks).
+        # (An audio-only file's too: its reference sound and audio mask; its encoding refuses a video mask.)
+        self.extra_columns = [c for c in EXTRA_COLUMNS if c in columns and c not in (self.media_key, self.caption_key)]
         if reference_key and reference_key not in columns:
             raise SourceError(f"{where}: source.reference_key {reference_key!r} is not a column; the columns are "
                               f"{columns}")
@@ -258,7 +267,8 @@ class MetadataSource:
         self._ids: list[str] = []
         for number, (line, record) in enumerate(records, start=1):
             row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT),
-                       record.get(self.reference_key, _ABSENT) if self.reference_key else None)
+                       record.get(self.reference_key, _ABSENT) if self.reference_key else None,
+                       tuple(record.get(c, _ABSENT) for c in self.extra_columns))
             source_id = self._id_of(row)
             self._by_id[source_id] = len(self._rows)
             self._rows.append(row)
@@ -339,12 +349,21 @@ class MetadataSource:
             except RejectError as exc:
                 return SourceSample(source_id, None, None, exc)
 
+        extras = {}
+        for role, value in zip(self.extra_columns, row.extras):
+            if value is _ABSENT or not isinstance(value, str) or not value.strip():
+                return rejected(source_id, f"missing_{role}", f"{where}: no path in column {role!r}")
+            try:
+                extras[role] = (value.strip(), self._read_media(value.strip(), where, missing=f"{role}_not_found"))
+            except RejectError as exc:
+                return SourceSample(source_id, None, None, exc)
+
         def sample(caption: str | None, error: RejectError | None = None) -> SourceSample:
             if self.audio_only:
-                return SourceSample(source_id, None, caption, error, audio=data)
+                return SourceSample(source_id, None, caption, error, audio=data, extras=extras)
             if is_video:
-                return SourceSample(source_id, None, caption, error, video=data, reference=reference)
-            return SourceSample(source_id, data, caption, error, reference=reference)
+                return SourceSample(source_id, None, caption, error, video=data, reference=reference, extras=extras)
+            return SourceSample(source_id, data, caption, error, reference=reference, extras=extras)
 
         caption_where = f"{where} column {self.caption_key!r}"
         if row.caption is _ABSENT:
