@@ -23,6 +23,8 @@ from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.errors import ConfigError, DiffprepError
 
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
+
 # flag -> (section, key); value types come from the settings models.
 ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--source-type": ("source", "type"),
@@ -211,7 +213,9 @@ def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: boo
     quiet_user_error_tracebacks()
     if raw:
         from diffprep.flows.raw import encode_raw
+        from diffprep.flows.startup import start_embedded_server
 
+        start_embedded_server()
         return encode_raw(RawParameters(config=config, **overrides))
     from diffprep.flows.encode import encode_dataset
     from diffprep.flows.startup import warm_start
@@ -219,6 +223,9 @@ def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: boo
     warming = warm_start(load_settings(config, overrides), "preencoded")  # encoders load while the server starts
     try:
         return encode_dataset(EncodeParameters(config=config, **overrides))
+    except KeyboardInterrupt:
+        warming = None  # a Ctrl-C ends the command now; the loading thread is a daemon
+        raise
     finally:
         if warming is not None:  # a run that ended early: nothing of it keeps loading after the command
             warming.join()
@@ -544,12 +551,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command (``argv`` None: this process's arguments, and a Ctrl-C ends the process at once)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except DiffprepError as exc:
         print(f"diffprep: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # The flow engine has recorded the run as crashed (its server is out of the terminal's reach); every
+        # committed unit is kept and a re-run resumes from them.
+        print("\ndiffprep: interrupted; the units already written are kept: run the same command again to resume",
+              file=sys.stderr)
+        if argv is None:
+            exit_now(INTERRUPTED)
+        return INTERRUPTED
+
+
+def exit_now(code: int) -> None:
+    """End the process after the exit handlers (the embedded server stopped, logs flushed), without the
+    interpreter's teardown of every loaded module: seconds of deallocation after torch, transformers and Prefect
+    (measured 4-8 s on 2 busy cores) that an interrupted user waits through. Every file is committed atomically, so
+    nothing depends on that teardown."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ transformers) and loads the run's encoders into the process's cache (each
 encoding loads once per process, so the sanity check and the units find them
 there), while this thread starts the embedded Prefect server when no
 ``PREFECT_API_URL`` is set (the server the flow's first API call would start;
-it is a singleton, so the flow then uses it). Measured in
+it is a singleton, so the flow then uses it; ``embedded_server.py`` starts it
+in a session of its own, so that a Ctrl-C does not kill it). Measured in
 ``benchmarks/README.md`` (issue #17, start-up).
 
 Nothing is loaded ahead when the settings need the Prefect API to be known (a
@@ -40,11 +41,17 @@ def warm_start(settings: Settings, kind: str) -> threading.Thread | None:
     if not settings.auth.hf_credentials_block:
         thread = threading.Thread(target=_load_encoders, args=(settings, kind), name="diffprep-warm", daemon=True)
         thread.start()
-    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        from prefect.server.api.server import SubprocessASGIServer
-
-        SubprocessASGIServer().start()
+    start_embedded_server()
     return thread
+
+
+def start_embedded_server() -> None:
+    """Without ``PREFECT_API_URL``: start the embedded server now, in a session of its own (a Ctrl-C reaches this
+    process only, which then records the run as crashed on a server still up; ``embedded_server.py``)."""
+    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        from diffprep.flows.embedded_server import start_detached_server
+
+        start_detached_server()
 
 
 def _load_encoders(settings: Settings, kind: str) -> None:
@@ -88,4 +95,4 @@ def quiet_user_error_tracebacks() -> None:
             handler.setFormatter(_UserErrorsWithoutTraceback(handler.formatter))
 
 
-__all__ = ["quiet_user_error_tracebacks", "warm_start"]
+__all__ = ["quiet_user_error_tracebacks", "start_embedded_server", "warm_start"]
