@@ -171,6 +171,7 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
     prefect_defaults()
     from diffprep import launch
     from diffprep.config import check_runnable, load_settings
+    from diffprep.preflight import preflight
 
     shard = launch.array_shard()
     if shard is not None and not overrides.get("workers", {}).get("num_shards"):
@@ -178,7 +179,8 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
                                                                                     shard))}
     ranks = launch.detect_ranks()
     settings = load_settings(config, overrides)
-    check_runnable(settings)  # fail on bad settings before Prefect starts
+    check_runnable(settings)  # fail on bad settings before Prefect starts,
+    preflight(settings)  # and on what the settings name that is not there (nothing started, nothing written)
     if ranks.many:
         if settings.workers.num_shards is not None or settings.workers.devices or settings.workers.deployment:
             raise ConfigError(f"{ranks.launcher} starts {ranks.world_size} ranks, which share the units themselves: "

@@ -22,6 +22,7 @@ from diffprep.audit import AuditReport
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
 from diffprep.pictures import markdown_image
 from diffprep.output import Output, ref_of
+from diffprep.preflight import preflight
 from diffprep.pipeline import Events, Steps, run, settings_output
 from diffprep.plan import Plan
 from diffprep.sanity import sanity_markdown
@@ -46,6 +47,7 @@ def resolve_settings(parameters: EncodeParameters) -> Settings:
         overrides["model"] = spec | overrides.get("model", {})
     settings = load_settings(parameters.config, overrides)
     check_runnable(settings)
+    preflight(settings)  # before anything is written
     return settings
 
 
