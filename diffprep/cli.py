@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -150,6 +151,24 @@ def overrides_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return overrides
 
 
+def quiet_libraries() -> None:
+    """No loading bars and no warning a user cannot act on, in a terminal as in a run's log (the user's
+    environment wins: ``HF_HUB_DISABLE_PROGRESS_BARS=0`` brings the bars back)."""
+    # huggingface_hub and transformers read it when first imported ("Writing model shards", "Loading weights").
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # requests imports urllib3's SOCKS support to see whether PySocks is there; urllib3 warns when it is not,
+    # though no SOCKS proxy is used (and one that is fails with requests' own error naming the fix).
+    warnings.filterwarnings("ignore", message="SOCKS support in urllib3 requires")
+
+
+def quiet_diffusers() -> None:
+    """diffusers' own switch for its bars ("Loading checkpoint shards"): it does not read the environment."""
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes", "on"):
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+
+
 def prefect_defaults() -> None:
     """Offline, quiet, patient defaults for the embedded Prefect server (the user's environment wins)."""
     os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -169,6 +188,7 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
     """Run encode-dataset, or encode-raw with ``raw``; as one of the ranks of a torchrun or srun launch, this
     rank's part (rank 0 runs the flow, the others encode their units: ``diffprep.launch``)."""
     prefect_defaults()
+    quiet_diffusers()  # the encoders load in this process
     from diffprep import launch
     from diffprep.config import check_runnable, load_settings
     from diffprep.preflight import preflight
@@ -554,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command (``argv`` None: this process's arguments, and a Ctrl-C ends the process at once)."""
+    quiet_libraries()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

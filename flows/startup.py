@@ -67,23 +67,34 @@ def _load_encoders(settings: Settings, kind: str) -> None:
 
 
 class _UserErrorsWithoutTraceback(logging.Formatter):
-    """The terminal's Prefect log lines, less the traceback of a ``DiffprepError``: its message already says
-    what to do, and the command ends by printing it. Other exceptions keep theirs, and so does the run's log
-    on the server."""
+    """The terminal's Prefect log lines, less the traceback of a ``DiffprepError`` and less its message after
+    the first line: the command ends by printing it in full (a question refused without a terminal was printed
+    three times: the flow's exception line, its final state, the error). Other exceptions keep theirs, and so
+    does the run's log on the server."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
         super().__init__()
         self.inner = inner or logging.Formatter()
+        self.errors: list[str] = []  # the DiffprepError messages seen, which the command prints at its end
 
     def format(self, record: logging.LogRecord) -> str:
         if not (record.exc_info and isinstance(record.exc_info[1], DiffprepError)):
-            return self.inner.format(record)
+            return self._shortened(self.inner.format(record))
+        self.errors.append(str(record.exc_info[1]))
         kept = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None
         try:
-            return self.inner.format(record)
+            return self._shortened(self.inner.format(record))
         finally:
             record.exc_info, record.exc_text = kept
+
+    def _shortened(self, text: str) -> str:
+        for error in self.errors:
+            first, _, rest = error.partition("\n")
+            at = text.find(first)
+            if rest and at >= 0:
+                return text[:at + len(first)] + " ... (in full below)"
+        return text
 
 
 def quiet_user_error_tracebacks() -> None:
