@@ -19,6 +19,14 @@ class AuthError(DiffprepError):
     """An encoder download was refused for lack of credentials."""
 
 
+class OfflineError(DiffprepError):
+    """An encoder is not in the Hugging Face cache and the hub cannot be reached (offline, or HF_HUB_OFFLINE)."""
+
+    def __init__(self, message: str, *, encoder: str, repo_id: str, revision: str | None) -> None:
+        super().__init__(message)
+        self.encoder, self.repo_id, self.revision = encoder, repo_id, revision
+
+
 class ExistingOutputError(DiffprepError):
     """The output holds data this run would change, and no approval was given."""
 

@@ -10,7 +10,11 @@ Authentication: a token file (``--hf-token-file``, readable by its owner
 only), else ``HF_TOKEN``, else the login cached by ``hf auth login``. A refused
 download becomes an :class:`~diffprep.errors.AuthError` that names the encoder,
 the repo and those three ways; the token itself never appears in a message.
-Network errors are left as they are, for the caller to retry.
+A model that is not in the cache while the hub cannot be reached (offline, or
+``HF_HUB_OFFLINE`` set) becomes an :class:`~diffprep.errors.OfflineError`
+naming the encoder and the three ways out: a local copy (``--model-path``),
+``hf download`` of exactly the folders needed, or going online. Other network
+errors are left as they are, for the caller to retry.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import huggingface_hub
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from diffprep.config import ModelConfig
-from diffprep.errors import AuthError, ConfigError
+from diffprep.errors import AuthError, ConfigError, OfflineError
 
 HF_TOKEN_ENV = "HF_TOKEN"
 
@@ -173,9 +177,14 @@ def resolve_parts(model: ModelConfig, parts: Sequence[Part], layout: str, *, tok
         source = override or model.model_path
         # model.revision is the revision of model_path; an override is used at its default branch.
         revision = None if override else model.revision
-        local_dir, subfolder = resolve_component(
-            source, part.subfolder, revision=revision, token=token, encoder=part.encoder
-        )
+        try:
+            local_dir, subfolder = resolve_component(
+                source, part.subfolder, revision=revision, token=token, encoder=part.encoder
+            )
+        except OfflineError as exc:  # name every folder this model needs from that repo, not this one's alone
+            from_repo = [p.subfolder for p in parts if (getattr(model, p.override) or model.model_path) == source]
+            raise OfflineError(offline_message(part.encoder, source, revision, from_repo), encoder=part.encoder,
+                               repo_id=source, revision=revision) from exc.__cause__
         folder = local_dir / subfolder if subfolder else local_dir
         if not any((folder / marker).is_file() for marker in part.markers):
             field = part.override if override else "model_path"
@@ -250,10 +259,39 @@ def _download(
         ) from None
     except (HfHubHTTPError, huggingface_hub.errors.LocalEntryNotFoundError) as exc:
         refusal = _refusal(exc)
-        if refusal is None:
-            raise
-        raise AuthError(_auth_message(encoder, repo_id, refusal, token)) from exc
+        if refusal is not None:
+            raise AuthError(_auth_message(encoder, repo_id, refusal, token)) from exc
+        if isinstance(exc, huggingface_hub.errors.LocalEntryNotFoundError):
+            # snapshot_download's way of saying: not in the cache, and the hub was not asked or did not answer.
+            folders = [pattern.removesuffix("/*") for pattern in allow_patterns if pattern.endswith("/*")]
+            raise OfflineError(offline_message(encoder, repo_id, revision, folders), encoder=encoder,
+                               repo_id=repo_id, revision=revision) from exc
+        raise
     return Path(folder)
+
+
+def offline_message(encoder: str, repo_id: str, revision: str | None, folders: Sequence[str]) -> str:
+    """What to do when ``repo_id`` (its ``folders``) is not cached and the hub cannot be reached."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set, so the hub is not asked"
+        online = "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) on a machine that reaches huggingface.co"
+    else:
+        why = "the hub could not be reached from this machine"
+        online = "run again where huggingface.co can be reached (check the network or proxy settings)"
+    includes = " ".join(shlex.quote(f"{folder}/*") for folder in folders)
+    command = f"hf download {shlex.quote(repo_id)}" + (f" --revision {shlex.quote(revision)}" if revision else "")
+    command += f" --include {includes} model_index.json" if folders else ""
+    return (
+        f"{encoder}: {repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}. "
+        "Fix it in one of three ways:\n"
+        f"  1. --model-path DIR (model.model_path; per encoder --vae-path / --t5-path / --clip-path): a local copy "
+        "of the model's folders\n"
+        f"  2. download it into the cache once: `{command}` (huggingface-cli download in older huggingface_hub; "
+        "the same HF_HOME as this run)\n"
+        f"  3. go online: {online}"
+    )
 
 
 def _refusal(exc: BaseException) -> str | None:

@@ -47,6 +47,7 @@ from diffprep.ownership import ownership
 from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
 from diffprep.sources import open_source
+from diffprep.unit_progress import UnitProgress
 from diffprep.units import UnitResult, encode_unit
 from diffprep.validation import ValidationReport, validate_dataset
 from diffprep.workers import parse_devices, units_for_shard
@@ -174,7 +175,8 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
 
     def attempt(batch_size: int) -> UnitResult:
         result = encode_unit(output, plan, unit, fields, source, spec, batch_size=batch_size,
-                             decode_workers=settings.image.decode_workers, writer=writer)
+                             decode_workers=settings.image.decode_workers, writer=writer,
+                             progress=UnitProgress())  # a line every few seconds inside the unit
         _WORKING_BATCH[loaded] = batch_size
         return result
 

@@ -22,6 +22,7 @@ from diffprep.audit import AuditReport
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
 from diffprep.pictures import markdown_image
 from diffprep.output import Output, ref_of
+from diffprep.preflight import preflight
 from diffprep.pipeline import Events, Steps, run, settings_output
 from diffprep.plan import Plan
 from diffprep.sanity import sanity_markdown
@@ -46,6 +47,7 @@ def resolve_settings(parameters: EncodeParameters) -> Settings:
         overrides["model"] = spec | overrides.get("model", {})
     settings = load_settings(parameters.config, overrides)
     check_runnable(settings)
+    preflight(settings)  # before anything is written
     return settings
 
 
@@ -89,9 +91,26 @@ def run_flow(settings: Settings, encoding: str) -> dict:
         # pausing it (tasks.approvals.ask).
         return ask(question, preset, timeout=timeout, release=release)
 
-    result = run(settings, encoding, output=output_of(settings_output(settings)), ask=ask_in_ui,
-                 steps=TASK_STEPS, events=ArtifactEvents(), run_id=str(flow_run.get_id() or ""))
+    try:
+        result = run(settings, encoding, output=output_of(settings_output(settings)), ask=ask_in_ui,
+                     steps=TASK_STEPS, events=ArtifactEvents(), run_id=str(flow_run.get_id() or ""))
+    except Exception as error:
+        if interrupted(error):  # a Ctrl-C that Prefect's task engine turned into another error: still a Ctrl-C
+            raise KeyboardInterrupt from error
+        raise
     return result.to_json()
+
+
+def interrupted(error: BaseException) -> bool:
+    """Whether ``error`` was raised while handling a KeyboardInterrupt (a Ctrl-C that lands while a task run is
+    being created makes Prefect 3.9's crash handler raise ``ValueError: Task run is not set``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class ArtifactEvents(Events):

@@ -13,6 +13,7 @@ from prefect import flow
 
 from diffprep import contract
 from diffprep.config import RawParameters, check_runnable, load_settings
+from diffprep.preflight import preflight
 from diffprep.flows.encode import run_flow
 
 
@@ -30,4 +31,5 @@ def encode_raw(parameters: RawParameters | None = None) -> dict:
     parameters = parameters or RawParameters()
     settings = load_settings(parameters.config, parameters.overrides())
     check_runnable(settings)
+    preflight(settings)  # before anything is written
     return run_flow(settings, contract.ENCODING_RAW)

@@ -11,7 +11,9 @@
   reports the others' units as they finish; a failed rank stops them all.
 
 Progress (units done, samples/s per worker and overall, ETA) is reported from
-the flow, as units finish: a progress artifact and one log line per unit.
+the flow, as units finish: a progress artifact and one log line per unit. Inside
+a unit, its worker logs a line every few seconds (samples/s, the unit's ETA); the
+in-process runner's units also move the artifact then (``diffprep.unit_progress``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from diffprep.errors import DiffprepError
 from diffprep.output import Output, ref_of
 from diffprep.pipeline import Progress
 from diffprep.plan import Plan
+from diffprep.unit_progress import UnitStatus, listening
 from diffprep.workers import claim_device, claim_dir, parse_devices, split_chunks
 from diffprep.tasks.encode import encode_unit_task
 
@@ -45,12 +48,34 @@ class ArtifactProgress(Progress):
         get_run_logger().info(message, *args)
 
     def update(self) -> None:
-        update_progress_artifact(artifact_id=self.artifact, progress=100.0 * self.done / max(1, self.total))
+        update_progress_artifact(artifact_id=self.artifact, progress=self.percent())
+
+    def percent(self, within: UnitStatus | None = None) -> float:
+        """Units done, plus the share of the unit under way."""
+        part = within.done / max(1, within.total) if within is not None else 0.0
+        return 100.0 * min(self.total, self.done + part) / max(1, self.total)
+
+    def within_unit(self, status: UnitStatus) -> None:
+        """The unit under way, every few seconds (``diffprep.unit_progress``): the artifact moves between units,
+        with the unit's rate and ETA in its description."""
+        update_progress_artifact(
+            artifact_id=self.artifact, progress=self.percent(status),
+            description=f"units encoded of {self.total}: {self.done} done; unit {status.unit:06d} at "
+                        f"{status.done}/{status.total} samples, {status.samples_per_second:.1f} samples/s, "
+                        f"ETA {status.eta_seconds:.0f} s for this unit")
 
 
 def in_process(settings: Settings, output: Output, plan: Plan, units: list[int], progress: Progress) -> None:
+    # The units run one after another in the flow's own thread: the artifact is updated from the flow, never by two
+    # writers at once. (The other runners' workers log their lines; the artifact moves as their units finish.)
+    within = progress.within_unit if isinstance(progress, ArtifactProgress) else None
     for unit in units:
-        progress.unit_done(encode_unit_task(settings, ref_of(output), unit))
+        if within is None:
+            progress.unit_done(encode_unit_task(settings, ref_of(output), unit))
+            continue
+        with listening(within):
+            result = encode_unit_task(settings, ref_of(output), unit)
+        progress.unit_done(result)
 
 
 def process_pool(settings: Settings, output: Output, plan: Plan, units: list[int], progress: Progress) -> None:

@@ -6,7 +6,8 @@ transformers) and loads the run's encoders into the process's cache (each
 encoding loads once per process, so the sanity check and the units find them
 there), while this thread starts the embedded Prefect server when no
 ``PREFECT_API_URL`` is set (the server the flow's first API call would start;
-it is a singleton, so the flow then uses it). Measured in
+it is a singleton, so the flow then uses it; ``embedded_server.py`` starts it
+in a session of its own, so that a Ctrl-C does not kill it). Measured in
 ``benchmarks/README.md`` (issue #17, start-up).
 
 Nothing is loaded ahead when the settings need the Prefect API to be known (a
@@ -40,11 +41,17 @@ def warm_start(settings: Settings, kind: str) -> threading.Thread | None:
     if not settings.auth.hf_credentials_block:
         thread = threading.Thread(target=_load_encoders, args=(settings, kind), name="diffprep-warm", daemon=True)
         thread.start()
-    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        from prefect.server.api.server import SubprocessASGIServer
-
-        SubprocessASGIServer().start()
+    start_embedded_server()
     return thread
+
+
+def start_embedded_server() -> None:
+    """Without ``PREFECT_API_URL``: start the embedded server now, in a session of its own (a Ctrl-C reaches this
+    process only, which then records the run as crashed on a server still up; ``embedded_server.py``)."""
+    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        from diffprep.flows.embedded_server import start_detached_server
+
+        start_detached_server()
 
 
 def _load_encoders(settings: Settings, kind: str) -> None:
@@ -60,23 +67,34 @@ def _load_encoders(settings: Settings, kind: str) -> None:
 
 
 class _UserErrorsWithoutTraceback(logging.Formatter):
-    """The terminal's Prefect log lines, less the traceback of a ``DiffprepError``: its message already says
-    what to do, and the command ends by printing it. Other exceptions keep theirs, and so does the run's log
-    on the server."""
+    """The terminal's Prefect log lines, less the traceback of a ``DiffprepError`` and less its message after
+    the first line: the command ends by printing it in full (a question refused without a terminal was printed
+    three times: the flow's exception line, its final state, the error). Other exceptions keep theirs, and so
+    does the run's log on the server."""
 
     def __init__(self, inner: logging.Formatter | None) -> None:
         super().__init__()
         self.inner = inner or logging.Formatter()
+        self.errors: list[str] = []  # the DiffprepError messages seen, which the command prints at its end
 
     def format(self, record: logging.LogRecord) -> str:
         if not (record.exc_info and isinstance(record.exc_info[1], DiffprepError)):
-            return self.inner.format(record)
+            return self._shortened(self.inner.format(record))
+        self.errors.append(str(record.exc_info[1]))
         kept = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None
         try:
-            return self.inner.format(record)
+            return self._shortened(self.inner.format(record))
         finally:
             record.exc_info, record.exc_text = kept
+
+    def _shortened(self, text: str) -> str:
+        for error in self.errors:
+            first, _, rest = error.partition("\n")
+            at = text.find(first)
+            if rest and at >= 0:
+                return text[:at + len(first)] + " ... (in full below)"
+        return text
 
 
 def quiet_user_error_tracebacks() -> None:
@@ -88,4 +106,4 @@ def quiet_user_error_tracebacks() -> None:
             handler.setFormatter(_UserErrorsWithoutTraceback(handler.formatter))
 
 
-__all__ = ["quiet_user_error_tracebacks", "warm_start"]
+__all__ = ["quiet_user_error_tracebacks", "start_embedded_server", "warm_start"]

@@ -215,3 +215,21 @@ def test_a_user_error_in_a_run_prints_its_message_without_a_traceback(prefect_se
     assert "Encountered exception during execution: SourceError" in run.stderr  # Prefect's own line stays
     assert "Traceback" not in run.stderr and "raise SourceError" not in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_default_model_offline_and_not_cached_is_one_error_line(prefect_server, demo_inputs, tmp_path):
+    # The default model (FLUX.1-dev on the hub), offline, nothing in the cache: one `diffprep: error:` naming the
+    # encoder and the three ways out, not hundreds of lines of LocalEntryNotFoundError tracebacks.
+    from prefect.settings import PREFECT_API_URL
+
+    _root, data, _model = demo_inputs
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "empty-hf-home"), "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "diffprep", "encode", "--input-dir", str(data), "--output-dir",
+                          str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert "diffprep: error: VAE: black-forest-labs/FLUX.1-dev is not in the Hugging Face cache" in run.stderr
+    assert "HF_HUB_OFFLINE is set" in run.stderr and "hf download" in run.stderr and "--model-path" in run.stderr
+    assert "Traceback" not in run.stderr and "LocalEntryNotFoundError" not in run.stderr, run.stderr
+    assert len((run.stdout + run.stderr).splitlines()) < 40, run.stdout + run.stderr
+    assert not (tmp_path / "out").exists()

@@ -23,7 +23,7 @@ from huggingface_hub.utils import filter_repo_objects, hf_raise_for_status
 from diffprep.config import ModelConfig
 from diffprep.families.flux import resolve_encoders
 from diffprep.hub import resolve_component, resolve_token
-from diffprep.errors import AuthError, ConfigError
+from diffprep.errors import AuthError, ConfigError, OfflineError
 from diffprep.families.flux_tiny import write_tiny_model
 
 REPO = "black-forest-labs/FLUX.1-dev"
@@ -270,3 +270,21 @@ def test_network_errors_propagate_unchanged(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", _raising(server_down))
     with pytest.raises(type(server_down)):
         resolve_component(REPO, "vae", encoder="VAE")
+
+
+def test_offline_and_not_cached_names_the_encoder_and_the_three_fixes(monkeypatch, tmp_path):
+    # huggingface_hub's own snapshot_download on an empty cache with HF_HUB_OFFLINE set (as this module runs).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert huggingface_hub.constants.HF_HUB_OFFLINE
+    with pytest.raises(OfflineError) as info:
+        resolve_encoders(ModelConfig(model_path=REPO))
+    message = str(info.value)
+    assert message.startswith(f"VAE: {REPO} is not in the Hugging Face cache ({tmp_path / 'empty-cache'})")
+    assert "HF_HUB_OFFLINE is set" in message and "three ways" in message
+    assert "--model-path DIR" in message  # 1. a local copy
+    # 2. exactly the folders the Flux encoders need, never the transformer
+    assert f"`hf download {REPO} --include 'vae/*' 'text_encoder/*' 'tokenizer/*' 'text_encoder_2/*' " \
+           "'tokenizer_2/*' model_index.json`" in message
+    assert "transformer" not in message
+    assert "unset HF_HUB_OFFLINE" in message  # 3. go online
+    assert isinstance(info.value.__cause__, LocalEntryNotFoundError)

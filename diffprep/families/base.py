@@ -77,4 +77,21 @@ def truncation(tokenizer, prompts: list[str], max_length: int) -> tuple[list[boo
     return truncated, tokenizer.batch_decode(removed_ids)
 
 
-__all__ = ["DTYPES", "LATENT_MODES", "checked_captions", "key_noise", "noise_seed", "resolve_device", "truncation"]
+# What a truncation warning shows of the text a caption lost: a few captions, the start of each.
+REMOVED_EXCERPT_CHARS = 120
+REMOVED_EXCERPT_CAPTIONS = 3
+
+
+def removed_excerpt(removed_text: Sequence[str]) -> str:
+    """The text truncated captions lose, bounded for one log line: the start of the first few, with the counts
+    of characters and captions left out (a scraped caption can lose thousands of characters)."""
+    shown = []
+    for text in removed_text[:REMOVED_EXCERPT_CAPTIONS]:
+        cut = len(text) - REMOVED_EXCERPT_CHARS
+        shown.append(repr(text[:REMOVED_EXCERPT_CHARS]) + (f"... (+{cut} characters)" if cut > 0 else ""))
+    more = len(removed_text) - len(shown)
+    return "; ".join(shown) + (f"; and {more} more caption(s)" if more > 0 else "")
+
+
+__all__ = ["DTYPES", "REMOVED_EXCERPT_CHARS", "LATENT_MODES", "checked_captions", "key_noise", "noise_seed", "removed_excerpt", "resolve_device",
+           "truncation"]

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffprep.config import LatentMode, ModelConfig
-from diffprep.families.base import DTYPES, LATENT_MODES, checked_captions, key_noise, resolve_device, truncation
+from diffprep.families.base import (DTYPES, LATENT_MODES, checked_captions, key_noise, removed_excerpt, resolve_device,
+                                    truncation)
 from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
 from diffprep.hub import Part, ResolvedPart, resolve_parts
 from diffprep.errors import ConfigError
@@ -314,7 +315,7 @@ def _input_ids(tokenizer: Any, prompts: list[str], max_length: int, level: int,
                           return_length=False, return_overflowing_tokens=False, return_tensors="pt").input_ids
     truncated, removed_text = truncation(tokenizer, prompts, max_length)
     if removed_text:
-        logger.log(level, message, len(removed_text), len(prompts), max_length, removed_text)
+        logger.log(level, message, len(removed_text), len(prompts), max_length, removed_excerpt(removed_text))
     return input_ids, truncated
 
 

@@ -52,7 +52,8 @@ import torch
 
 from diffprep.contract import LATENTS, PROMPT_EMBEDS
 from diffprep.errors import ConfigError
-from diffprep.families.base import DTYPES, LATENT_MODES, checked_captions, key_noise, resolve_device, truncation
+from diffprep.families.base import (DTYPES, LATENT_MODES, checked_captions, key_noise, removed_excerpt, resolve_device,
+                                    truncation)
 from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
 from diffprep.hub import ResolvedPart, resolve_component
 from diffprep.media.buckets import Bucket
@@ -395,7 +396,7 @@ class WanEncoders:
         if removed_text:
             logger.warning(
                 "umT5: %d of %d captions were truncated at %d tokens; removed text: %s",
-                len(removed_text), len(prompts), self.text_max_length, removed_text,
+                len(removed_text), len(prompts), self.text_max_length, removed_excerpt(removed_text),
             )  # fmt: skip
         rows = []
         for start in range(0, len(prompts), TEXT_BATCH):

@@ -1,0 +1,92 @@
+"""The embedded Prefect server of a terminal run, out of the terminal's reach.
+
+Prefect starts its embedded server (``SubprocessASGIServer``) as a plain
+child: same process group, so a Ctrl-C in the terminal reaches the server too.
+It dies at once, and the run can then neither record that it was interrupted
+nor end: the client retries the dead API for minutes (issue 27: about 150 s of
+httpx tracebacks, the run left RUNNING).
+
+``DetachedServer`` is the same server started in a session of its own: only
+diffprep gets the SIGINT, the flow engine marks the run Crashed on a server
+that still answers, and the server is stopped at exit (Prefect's ``atexit``),
+after the last log lines and events have reached it.
+So that it never outlives the command (a closed terminal, a SIGKILL), the
+child asks Linux to send it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``)
+before it runs uvicorn: ``python -m diffprep.flows.embedded_server PID ARGS``
+is ``python -m uvicorn ARGS`` with that set.
+
+``start_detached_server`` registers it as Prefect's default instance
+(``SubprocessASGIServer()`` is a per-port singleton), so every Prefect client
+of the process uses it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import prefect
+from prefect.server.api.server import SubprocessASGIServer
+from prefect.settings import get_current_settings
+
+MODULE = "diffprep.flows.embedded_server"
+PR_SET_PDEATHSIG = 1
+DRAIN_SECONDS = 5
+
+
+class DetachedServer(SubprocessASGIServer):
+    """Prefect's embedded server in a session of its own, ended with its parent."""
+
+    def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+        # Prefect 3.9.1's command and environment, with this module in front of uvicorn and a session of its own.
+        server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        return subprocess.Popen(
+            args=[sys.executable, "-m", MODULE, str(os.getpid()),
+                  "--app-dir", str(prefect.__module_path__.parent),
+                  "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                  "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
+            start_new_session=True,
+        )
+
+
+def start_detached_server() -> SubprocessASGIServer:
+    """Start (once) the embedded server in its own session, as Prefect's default instance; returns it."""
+    current = SubprocessASGIServer._instances.get(None)
+    if current is not None and current.running:
+        return current  # already up (started here before, or by an API call)
+    SubprocessASGIServer._instances.pop(None, None)
+    server = DetachedServer()  # stored under the None key: SubprocessASGIServer() now returns it
+    server.start()  # registers its stop at exit
+    atexit.register(_drain_to_server)  # after it, so it runs before the stop
+    return server
+
+
+def _drain_to_server() -> None:
+    """Send the run's last log lines and events while the server still answers: drained after the stop (Prefect's
+    order at exit), they wait seconds on a closed port (measured 4 s after a Ctrl-C) and are lost."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=DRAIN_SECONDS)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM to this process when ``parent`` exits (Linux); elsewhere only the check below."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request above
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    _die_with_parent(int(sys.argv[1]))
+    sys.argv = ["uvicorn", *sys.argv[2:]]
+    runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
