@@ -26,7 +26,16 @@ FRESH_IMPORTS = {
     "megatron-energon": "import megatron.energon",
     # The part of ltx-core that imports torchaudio (its log-mel step), and what it builds models with.
     "ltx-core": "import ltx_core.model.audio_vae, ltx_core.model.video_vae, ltx_core.loader",
+    # Shot detection (--split-scenes): OpenCV's headless build loads with no GUI library on the machine.
+    "scenedetect-headless": "import cv2, scenedetect.backends.pyav, scenedetect.detectors",
 }
+
+
+def test_no_gui_opencv_is_installed():
+    """scenedetect-headless brings opencv-python-headless; the GUI build (libGL, X11) must not come with anything."""
+    for gui in ("opencv-python", "opencv-contrib-python"):
+        with pytest.raises(PackageNotFoundError):
+            version(gui)
 
 
 def run_fresh(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
