@@ -77,6 +77,11 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--resolution-buckets": ("video", "resolution_buckets"),
     "--target-fps": ("video", "target_fps"),
     "--frame-sampling": ("video", "frame_sampling"),
+    "--split-scenes": ("video", "split_scenes"),
+    "--min-scene-seconds": ("video", "min_scene_seconds"),
+    "--clip-mode": ("video", "clip_mode"),
+    "--clip-stride": ("video", "clip_stride"),
+    "--clips-per-scene": ("video", "clips_per_scene"),
     "--vae-tiling": ("video", "vae_tiling"),
     "--skip-audio": ("video", "skip_audio"),
     "--audio-durations": ("video", "audio_durations"),
@@ -100,12 +105,13 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
 }
+LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--clip-mode", "--clip-stride", "--clips-per-scene")
 # `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored formats; the clip
 # flags (--resolution-buckets: store clips) without the VAE's tiling.
 RAW_FLAGS: dict[str, tuple[str, str]] = {
     **{flag: target for flag, target in ENCODE_FLAGS.items()
        if (target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map"))
-       or flag in ("--resolution-buckets", "--target-fps", "--frame-sampling")},
+       or flag in ("--resolution-buckets", "--target-fps", "--frame-sampling", *LONG_VIDEO_FLAGS)},
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
     "--video-crf": ("raw", "video_crf"),

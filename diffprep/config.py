@@ -300,6 +300,21 @@ class VideoConfig(_Section):
     frame_sampling: FrameSampling = Field(
         "head", description="Which F frames of a longer clip: head (the first F) | uniform (spread over the clip)."
     )
+    split_scenes: Literal["content", "adaptive", "threshold", "histogram"] | None = Field(
+        None, description="Long videos: cut each clip at its shot boundaries (PySceneDetect's detector of this name, "
+        "found once in the plan) and take many windows per shot (--clip-mode). Unset: one clip per file.",
+    )
+    min_scene_seconds: float = Field(
+        0.5, ge=0, description="--split-scenes: the detector places no cut sooner than this after the previous one.",
+    )
+    clip_mode: Literal["head", "chain", "slide", "uniform"] = Field(
+        "chain", description="--split-scenes: the windows of each shot: head (the first) | chain (back to back) | "
+        "slide (one every --clip-stride frames) | uniform (--clips-per-scene spread evenly).",
+    )
+    clip_stride: int | None = Field(
+        None, ge=1, description="--clip-mode slide: frames between window starts (unset: the window's length).",
+    )
+    clips_per_scene: int = Field(1, ge=1, description="--clip-mode uniform: windows per shot.")
     skip_audio: bool = Field(
         False, description="LTX-2: video latents and text only, no audio latents (the clips' audio is not read).",
     )

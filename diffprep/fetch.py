@@ -20,6 +20,9 @@ from diffprep.hub import resolve_token
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import SourceError
 from diffprep.output import Output, as_output
+from diffprep.encodings.clips import planned_spec
+from diffprep.long_videos import plan_clips
+from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
 
@@ -45,8 +48,16 @@ def fetch(
     previous = output.state.plan() if output.local.is_dir() else None
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do
-    retry = changed_rejects(output, previous, source) if previous is not None else []
-    ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
+    scenes = SceneSettings.from_json(byte.get("video", {}).get("scenes"))
+    # Long videos: retried rejects are whole sources, re-split as new ones; not yet (clip ids have no stamps).
+    retry = changed_rejects(output, previous, source) if previous is not None and scenes is None else []
+    records: dict = {}
+    if scenes is not None:
+        ids, bucket_of, records = plan_clips(source, list(source.list_ids()), planned_spec(byte),
+                                             previous.scenes if previous is not None else {},
+                                             workers=settings.image.decode_workers)
+    else:
+        ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
     units, missing, missing_count = plan_units(
         ids,
         shard_size=settings.output.shard_size,
@@ -72,6 +83,7 @@ def fetch(
         missing_count=missing_count,
         retried=retried,
         retrying=len(retry),
+        scenes=records,
     )
     return plan, source
 

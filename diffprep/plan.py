@@ -52,6 +52,9 @@ class Plan:
     # rejects in earlier units are superseded (the audit counts the id once, in that unit).
     retried: dict[str, int] = field(default_factory=dict)
     retrying: int = 0  # how many of them this plan added
+    # Long videos (--split-scenes): per source id, its shots, windows and discarded frames (diffprep/long_videos.py),
+    # found once: a re-run or an append reads them here.
+    scenes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def superseded(self, unit: int, source_id: str) -> bool:
         """Whether ``source_id``'s outcome in ``unit`` gave way to a retry in a later unit."""
@@ -72,7 +75,7 @@ class Plan:
         for unit in data["units"]:
             if unit["bucket"] is None:  # image runs: plan.json exactly as before buckets existed
                 del unit["bucket"]
-        for name in ("retried", "retrying"):  # the same for plans that never retried
+        for name in ("retried", "retrying", "scenes"):  # the same for plans that never retried
             if not data[name]:
                 del data[name]
         return data

@@ -27,6 +27,7 @@ from diffprep import contract
 from diffprep.errors import DiffprepError, RejectError
 from diffprep.failpoints import failpoint
 from diffprep.images import ImageSpec, PreparedImage, prepare_image
+from diffprep.long_videos import prepare_clip_window, read_clips
 from diffprep.media.audio import AudioSpec, PreparedAudio
 from diffprep.media.clip_inputs import prepare_with_inputs
 from diffprep.media.buckets import parse_bucket
@@ -69,6 +70,8 @@ def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Pre
             raise RejectError("missing_audio", "an audio-only run needs an audio file for every sample", phase="read")
         return prepare_with_inputs(spec, sample.audio, sample.extras,
                                    bucket=float(bucket.removesuffix("s")) if bucket else None)
+    if isinstance(spec, ClipSpec) and spec.scenes is not None:
+        return prepare_clip_window(spec, sample, bucket)
     if isinstance(spec, ClipSpec):
         return prepare_with_inputs(spec, sample.media, sample.extras, video=sample.video is not None,
                                    bucket=parse_bucket(bucket) if bucket else None, reference=sample.reference)
@@ -95,7 +98,9 @@ def iter_prepared(
                 return index, sample, RejectError(f"{kind}_decode_error", f"{type(exc).__name__}: {exc}")
 
         count = 0
-        for index, sample in enumerate(source.read(unit.source_ids)):
+        scenes = isinstance(spec, ClipSpec) and spec.scenes is not None
+        samples = read_clips(source, unit.source_ids) if scenes else source.read(unit.source_ids)
+        for index, sample in enumerate(samples):
             count += 1
             if sample.source_id != unit.source_ids[index]:
                 raise DiffprepError(

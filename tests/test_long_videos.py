@@ -83,3 +83,123 @@ def test_clip_ids_round_trip():
     assert parse_clip_id("talks/a#3.mp4#2:75-94") == ("talks/a#3.mp4", 2, 75, 94)
     assert parse_clip_id("talks/a.mp4") is None
 
+
+# --- the whole run: raw video (no model), plan -> units -> audit -> finalize -> validate --------------------------
+
+LONG_BUCKETS = "32x24x20;32x24x8"
+
+
+def lying_mkv(cuts: list[int], frames: int, fps: int = 10, factor: int = 3) -> bytes:
+    """A Matroska clip whose segment header states ``factor`` times its real duration (the frames unchanged)."""
+    import struct
+
+    import av
+
+    buffer = __import__("io").BytesIO()
+    with av.open(buffer, "w", format="matroska") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 32, 24, "yuv420p"
+        for frame in cut_frames(cuts, frames):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame.permute(1, 2, 0).numpy(), format="rgb24")))
+        container.mux(stream.encode())
+    data = bytearray(buffer.getvalue())
+    at = data.find(b"\x44\x89")  # the Segment Info's Duration element: an 8-byte float
+    assert at > 0 and data[at + 2] == 0x88
+    (duration,) = struct.unpack(">d", data[at + 3:at + 11])
+    data[at + 3:at + 11] = struct.pack(">d", duration * factor)
+    return bytes(data)
+
+
+@pytest.fixture(scope="module")
+def long_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("long-videos") / "data"
+    (root / "videos").mkdir(parents=True)
+    (root / "captions").mkdir()
+    (root / "videos" / "talk.mp4").write_bytes(cut_clip([30, 75], 100))
+    (root / "videos" / "game.mkv").write_bytes(lying_mkv([12], 40))
+    (root / "captions" / "talk.txt").write_text("a talk in three shots\n", encoding="utf-8")
+    (root / "captions" / "game.txt").write_text("a game capture\n", encoding="utf-8")
+    return root
+
+
+def _long_settings(data, out, **video):
+    from diffprep.config import load_settings
+
+    return load_settings(overrides={
+        "source": {"type": "directory", "input_dir": str(data)},
+        "output": {"output_dir": str(out), "shard_size": 3, "accept_rejects": 0.0},
+        "image": {"decode_workers": 1},
+        "video": {"resolution_buckets": LONG_BUCKETS, "target_fps": 10, "split_scenes": "content",
+                  "min_scene_seconds": 0.5, **video},
+        "finalize": {"train_split": 1.0},
+    })
+
+
+def test_a_lying_container_is_planned_from_its_frames(long_data):
+    import av
+
+    data = (long_data / "videos" / "game.mkv").read_bytes()
+    with av.open(__import__("io").BytesIO(data)) as container:
+        assert container.duration / 1e6 * 10 == 120  # duration x fps says 120 frames
+    from diffprep.encodings.clips import clip_spec
+    from diffprep.long_videos import scene_record
+
+    spec = clip_spec(_long_settings(long_data, long_data).video, LONG_BUCKETS, 2, 1)
+    record = scene_record(data, spec)
+    assert record["decoded_frames"] == 40 and record["timeline_frames"] == 40
+    assert record["shots"] == [[0, 11], [12, 39]]
+    # The 12-frame shot gives one 8-frame window (head of chain), the 28-frame shot one of 20: tails named.
+    assert record["windows"] == [[0, 0, 7, "32x24x8"], [1, 12, 31, "32x24x20"]]
+    assert record["discarded"] == {"chain_tail": 4 + 8}
+
+
+def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeypatch):
+    import hashlib
+    import json
+
+    from diffprep.pipeline import run
+    from diffprep.plan import read_plan
+    from flow_runs import shard_samples
+
+    out = tmp_path / "out"
+    result = run(_long_settings(long_data, out), "raw", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert not result.rejected and result.validation["ok"], result.validation
+    plan = read_plan(out)
+    assert set(plan.scenes) == {"talk.mp4", "game.mkv"}
+    assert plan.scenes["talk.mp4"]["shots"] == [[0, 29], [30, 74], [75, 99]]
+    planned = {sid: unit.bucket for unit in plan.units for sid in unit.source_ids}
+    assert sorted(planned) == sorted(["game.mkv#0:0-7", "game.mkv#1:12-31", "talk.mp4#0:0-19",
+                                      "talk.mp4#1:30-49", "talk.mp4#1:50-69", "talk.mp4#2:75-94"])
+    per_bucket: dict[str, int] = {}
+    for bucket in planned.values():
+        per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
+    assert result.validation["summary"]["samples_per_bucket"] == per_bucket
+
+    stored = shard_samples(out)
+    assert len(stored) == len(planned)
+    for fields in stored.values():
+        meta = json.loads(fields["json"])
+        source, shot = meta["source"], meta["shot"]
+        first, last = plan.scenes[source]["shots"][shot]
+        assert meta["source_id"].startswith(f"{source}#{shot}:")
+        assert all(first <= i <= last for i in meta["frame_indices"]), meta  # inside one shot
+        assert len(meta["frame_indices"]) == int(planned[meta["source_id"]].split("x")[2])
+        assert fields["txt"].decode() == (long_data / "captions" / (source.rsplit(".", 1)[0] + ".txt")).read_text().strip()
+
+    # A re-run reads the shots from plan.json (no detection) and writes nothing new; a fresh output: same bytes.
+    import diffprep.long_videos as long_videos
+
+    def no_detection(*args, **kwargs):
+        raise AssertionError("shots detected again")
+
+    monkeypatch.setattr(long_videos, "detect_shots", no_detection)
+    again = run(_long_settings(long_data, out), "raw", ask=lambda *a, **k: "resume")
+    assert again.validation["ok"] and read_plan(out).scenes == plan.scenes
+    monkeypatch.undo()
+    fresh = tmp_path / "fresh"
+    run(_long_settings(long_data, fresh), "raw", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+
+    def hashes(path):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.glob("*.tar"))}
+
+    assert hashes(fresh) == hashes(out) and hashes(out)

@@ -35,6 +35,7 @@ from diffprep.config import Settings, VideoConfig
 from diffprep.encodings.base import Encoding, probe_in_parallel
 from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
 from diffprep.media.video import ClipSpec
+from diffprep.media.windows import SceneSettings
 from diffprep.output import Output
 from diffprep.pictures import frame_strip
 from diffprep.plan import Plan, UnitPlan, dtype_name
@@ -48,14 +49,21 @@ _CLIP_FRAMES = re.compile(r"a clip of (\d+) frames")
 
 def clip_spec(video: VideoConfig, buckets: str, spatial: int, temporal: int, *, why: str | None = None) -> ClipSpec:
     """The ``ClipSpec`` of a run: ``buckets`` (``WxHxF;...``) checked against the factors (``why``: what sets them)."""
+    scenes = None
+    if video.split_scenes is not None:
+        scenes = SceneSettings(video.split_scenes, video.min_scene_seconds, video.clip_mode, video.clip_stride,
+                               video.clips_per_scene)
     return ClipSpec(tuple(parse_buckets(buckets, spatial, temporal, why=why)), target_fps=video.target_fps,
-                    frame_sampling=video.frame_sampling)
+                    frame_sampling=video.frame_sampling, scenes=scenes)
 
 
 def video_settings(spec: ClipSpec) -> dict[str, Any]:
     """The ``video`` section of a clip plan's byte settings."""
-    return {"buckets": [str(b) for b in spec.buckets], "target_fps": spec.target_fps,
-            "frame_sampling": spec.frame_sampling, "max_pixels": spec.max_pixels}
+    settings = {"buckets": [str(b) for b in spec.buckets], "target_fps": spec.target_fps,
+                "frame_sampling": spec.frame_sampling, "max_pixels": spec.max_pixels}
+    if spec.scenes is not None:  # only then: one-clip-per-file runs keep their fingerprints
+        settings["scenes"] = spec.scenes.to_json()
+    return settings
 
 
 def planned_spec(plan_settings: dict[str, Any]) -> ClipSpec:
@@ -64,7 +72,7 @@ def planned_spec(plan_settings: dict[str, Any]) -> ClipSpec:
     return ClipSpec(tuple(parse_bucket(b) for b in video["buckets"]), target_fps=video["target_fps"],
                     frame_sampling=video["frame_sampling"], max_pixels=video["max_pixels"],
                     audio=video.get("audio", False), reference_scale=video.get("reference_scale"),
-                    inputs=tuple(video.get("inputs", ())))
+                    inputs=tuple(video.get("inputs", ())), scenes=SceneSettings.from_json(video.get("scenes")))
 
 
 def probe_clip_buckets(settings: Settings, source: Source, ids: Sequence[str], plan_settings: dict[str, Any]

@@ -59,9 +59,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffprep.errors import RejectError
+from diffprep.errors import ConfigError, RejectError
 from diffprep.media.audio import ClipAudio, load_clip_audio
 from diffprep.media.buckets import Bucket, choose_bucket, cover_box
+from diffprep.media.windows import SceneSettings
 
 __all__ = [
     "FRAME_SAMPLINGS",
@@ -254,6 +255,12 @@ class ClipSpec:
     reference_scale: int | None = None  # IC-LoRA: each clip's reference clip, in its bucket with W and H / this
     # The clip's other inputs read (media/clip_inputs.py ROLES): its own sound file, reference audio, masks.
     inputs: tuple[str, ...] = ()
+    scenes: SceneSettings | None = None  # long videos: many windows per source, cut at its shots (long_videos.py)
+
+    def __post_init__(self) -> None:
+        if self.scenes is not None and (self.audio or self.reference_scale is not None or self.inputs):
+            raise ConfigError("--split-scenes cuts the frames only, not yet a clip's audio, reference clip or masks: "
+                              "with LTX-2 add --skip-audio and leave out the reference and mask columns")
 
     def prepare(self, data: bytes, *, video: bool, bucket: Bucket | None = None,
                 reference: bytes | None = None) -> PreparedClip:

@@ -1,0 +1,138 @@
+"""Long videos (``--split-scenes``): each source cut at its shots into many clips, planned once, read per window.
+
+Plan phase (:func:`plan_clips`): every source the plan does not know yet is indexed, its shots found
+(:func:`~diffprep.media.scenes.detect_shots`, sources on ``decode_workers`` threads) and its windows chosen
+(:func:`~diffprep.media.windows.source_windows`); plan.json's ``scenes`` records, per source, its size, its
+decoded frame count (and the container's), its shots, its windows and the frames no window takes, by why. A
+re-run or an append reads them back instead of detecting again. The plan's ids are the windows' clip ids
+(``<source>#<shot>:<first>-<last>``), each in the unit of its bucket; a source with no window (every shot
+shorter than every bucket, or unreadable) keeps its own id, and the encode phase names why it gives nothing.
+
+Encode phase (:func:`read_clips`, :func:`prepare_clip_window`): a unit's clip ids are read from the source one
+source file per run of its windows, each window decoded alone (:mod:`diffprep.media.window_decode`). The
+caption of every clip is its source's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from diffprep.errors import RejectError
+from diffprep.media.buckets import Bucket, parse_bucket
+from diffprep.media.scenes import detect_shots
+from diffprep.media.video import ClipSpec, PreparedClip, probe
+from diffprep.media.window_decode import decode_window, timeline
+from diffprep.media.windows import SceneSettings, Window, clip_id, parse_clip_id, shot_spans, source_windows
+from diffprep.sources import Source, SourceSample
+
+log = logging.getLogger(__name__)
+
+CHUNK = 16  # sources read at a time while planning
+
+__all__ = ["plan_clips", "prepare_clip_window", "read_clips", "scene_record", "discarded_frames"]
+
+
+def scene_record(data: bytes, spec: ClipSpec) -> dict[str, Any]:
+    """What plan.json keeps of one source: size, frame counts, shots, windows and discarded frames."""
+    scene = spec.scenes
+    info = probe(data)
+    shots = detect_shots(data, scene.detector, scene.min_scene_seconds, info=info)
+    frames = timeline(info, spec.target_fps)
+    on_timeline = timeline(info, spec.target_fps, shots.decoded_frames)
+    windows, discarded = source_windows(info.width, info.height, shot_spans(shots.shots, on_timeline),
+                                        spec.buckets, scene)
+    if len(frames) > len(on_timeline):
+        discarded["not_decoded"] = len(frames) - len(on_timeline)
+    return {"size": [info.width, info.height], **shots.to_json(), "timeline_frames": len(on_timeline),
+            "windows": [[w.shot, w.first, w.last, str(w.bucket)] for w in windows], "discarded": discarded}
+
+
+def _windows(record: dict[str, Any]) -> list[Window]:
+    return [Window(shot, first, last, parse_bucket(bucket)) for shot, first, last, bucket in record.get("windows", ())]
+
+
+def plan_clips(source: Source, ids: Sequence[str], spec: ClipSpec, known: dict[str, dict[str, Any]], *,
+               workers: int) -> tuple[list[str], Callable[[str], str | None], dict[str, dict[str, Any]]]:
+    """The plan's ids (clip ids, source order), the bucket of each, and the ``scenes`` records of every source
+    in ``ids`` (``known``: the earlier plan's, kept as they are; only other sources are read)."""
+    records = {sid: known[sid] for sid in ids if sid in known}
+    new = [sid for sid in ids if sid not in known]
+    started = time.perf_counter()
+
+    def record_of(sample: SourceSample) -> dict[str, Any]:
+        if sample.reject is not None:
+            return {"reject": {"reason": sample.reject.reason, "detail": sample.reject.detail}}
+        if sample.video is None:
+            return {"image": True}  # an image: a one-frame clip where an F = 1 bucket exists
+        try:
+            return scene_record(sample.video, spec)
+        except RejectError as error:
+            return {"reject": {"reason": error.reason, "detail": error.detail}}
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="diffprep-scenes") as pool:
+        for first in range(0, len(new), CHUNK):
+            chunk = list(new[first:first + CHUNK])
+            records.update(zip(chunk, pool.map(record_of, source.read(chunk))))
+    if new:
+        log.info("found the shots of %d sources in %.1f s", len(new), time.perf_counter() - started)
+    planned: list[str] = []
+    buckets: dict[str, str | None] = {}
+    for sid in ids:
+        windows = _windows(records[sid])
+        if not windows:
+            planned.append(sid)
+            buckets[sid] = None
+        for window in windows:
+            planned.append(clip_id(sid, window))
+            buckets[planned[-1]] = str(window.bucket)
+    return planned, buckets.get, records
+
+
+def discarded_frames(scenes: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Frames no window takes over all sources, by why (``short_shot``, ``chain_tail``, ``not_sampled``...)."""
+    total: dict[str, int] = {}
+    for record in scenes.values():
+        for reason, count in record.get("discarded", {}).items():
+            total[reason] = total.get(reason, 0) + count
+    return total
+
+
+def read_clips(source: Source, ids: Sequence[str]) -> Iterator[SourceSample]:
+    """One sample per clip id of ``ids`` (source order), its ``source_id`` the clip id: each source file read
+    once per run of consecutive windows of it."""
+    sources = [(parsed[0] if (parsed := parse_clip_id(cid)) else cid) for cid in ids]
+    runs = [sid for i, sid in enumerate(sources) if i == 0 or sources[i - 1] != sid]
+    read = iter(source.read(runs))
+    current: SourceSample | None = None
+    for i, (cid, sid) in enumerate(zip(ids, sources)):
+        if i == 0 or sources[i - 1] != sid:
+            current = next(read)
+        yield replace(current, source_id=cid)
+
+
+def prepare_clip_window(spec: ClipSpec, sample: SourceSample, bucket: str | None) -> PreparedClip:
+    """A clip id's window decoded in its unit's ``bucket``; a source id the plan found no window in: its
+    reject."""
+    parsed = parse_clip_id(sample.source_id)
+    if parsed is None:
+        if sample.video is None:
+            return spec.prepare(sample.media, video=False, bucket=parse_bucket(bucket) if bucket else None)
+        probe(sample.video)  # an unreadable file: the decoder's own reject
+        shortest = min(spec.buckets, key=lambda b: b.frames)
+        raise RejectError("too_few_frames", f"every shot of this clip is shorter than every bucket; the shortest is "
+                          f"{shortest} ({shortest.frames} frames); plan.json's scenes list its shots")
+    source_id, shot, first, last = parsed
+    if bucket is None:
+        raise RejectError("window_frames_mismatch", "the plan gives this window no bucket")
+    if sample.video is None:
+        raise RejectError("unexpected_image", "the plan holds windows of a clip, the source gives an image now")
+    target = Bucket(*map(int, bucket.split("x")))
+    pixels, meta = decode_window(sample.video, target, first, last, target_fps=spec.target_fps,
+                                 max_pixels=spec.max_pixels)
+    meta = {"source": source_id, "shot": shot, **meta}
+    return PreparedClip(pixels=pixels, bucket=target, info=None, meta=meta)
