@@ -203,3 +203,43 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.glob("*.tar"))}
 
     assert hashes(fresh) == hashes(out) and hashes(out)
+
+
+def keyframed_clip(frames: int, gop: int, fps: int = 10) -> bytes:
+    """An H.264 mp4 with a key frame every ``gop`` frames (no scene-cut key frames): seeking can skip ahead."""
+    import io
+
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"g": str(gop), "keyint_min": str(gop),
+                                                                    "sc_threshold": "0", "threads": "1"})
+        stream.width, stream.height, stream.pix_fmt = 32, 24, "yuv420p"
+        for frame in cut_frames([], frames):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame.permute(1, 2, 0).numpy(), format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def test_a_window_is_decoded_from_the_key_frame_before_it_not_from_the_start():
+    from diffprep.media.mp4 import mp4_frames
+    from diffprep.media.window_decode import decode_window
+
+    data = keyframed_clip(200, gop=10)
+    everything = mp4_frames(data)
+    work: dict[str, int] = {}
+    pixels, meta = decode_window(data, Bucket(32, 24, 20), 150, 169, target_fps=None, work=work)
+    assert torch.equal(pixels, everything[150:170])  # the same frames as decoding from the start
+    assert meta["frame_indices"] == list(range(150, 170)) and meta["window"] == [150, 169]
+    assert work["decoded"] <= 20 + 10  # the window and at most one group of pictures before it, not 170
+    # At 5 fps the timeline takes every other frame: window 10..19 is source frames 20..38.
+    pixels, meta = decode_window(data, Bucket(32, 24, 10), 10, 19, target_fps=5, work=work)
+    assert meta["frame_indices"] == list(range(20, 40, 2)) and torch.equal(pixels, everything[20:40:2])
+    from diffprep.errors import RejectError
+
+    with pytest.raises(RejectError, match="window_out_of_range|the file changed"):
+        decode_window(data, Bucket(32, 24, 20), 190, 209, target_fps=None)
+    with pytest.raises(RejectError) as error:
+        decode_window(data, Bucket(32, 24, 8), 0, 19, target_fps=None)
+    assert error.value.reason == "window_frames_mismatch"

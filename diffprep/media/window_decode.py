@@ -35,9 +35,12 @@ def timeline(info: video.ClipInfo, target_fps: float | None, decoded_frames: int
 
 
 def decode_window(data: bytes, bucket: Bucket, first: int, last: int, *, target_fps: float | None,
-                  max_pixels: int = video.DEFAULT_MAX_PIXELS) -> tuple[torch.Tensor, dict[str, Any]]:
+                  max_pixels: int = video.DEFAULT_MAX_PIXELS, work: dict[str, int] | None = None
+                  ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Frames ``first..last`` of the timeline of the clip ``data``, covered and centre-cropped to ``bucket``:
-    uint8 ``[F, 3, H, W]`` and the window's meta (source size and fps, frame indices and times, crop box)."""
+    uint8 ``[F, 3, H, W]`` and the window's meta (source size and fps, frame indices and times, crop box).
+
+    ``work`` (a dict, optional) gets ``decoded``: the frames the decoder returned, the window's cost."""
     with video._open(data) as container:
         info = video._index(container, max_pixels=max_pixels)
         frames = video._resample(info, target_fps)
@@ -49,7 +52,9 @@ def decode_window(data: bytes, bucket: Bucket, first: int, last: int, *, target_
             raise RejectError("window_frames_mismatch", f"the window has {len(chosen)} frames, its bucket {bucket} "
                               f"{bucket.frames}")
         box = cover_box(info.width, info.height, bucket)
-        pixels = _decode_from(container, info, chosen, bucket, box)
+        pixels, decoded = _decode_from(container, info, chosen, bucket, box)
+    if work is not None:
+        work["decoded"] = decoded
     fps = target_fps or info.fps or None
     meta = {
         "container": info.container,
@@ -71,7 +76,7 @@ def decode_window(data: bytes, bucket: Bucket, first: int, last: int, *, target_
 
 
 def _decode_from(container: av.container.InputContainer, info: video.ClipInfo, chosen: list[int], bucket: Bucket,
-                 box: tuple[int, int, int, int]) -> torch.Tensor:
+                 box: tuple[int, int, int, int]) -> tuple[torch.Tensor, int]:
     stream = container.streams.video[0]
     time_base = stream.time_base or Fraction(1, 1)
     index_of = {info.start_pts + time / time_base: i for i, time in enumerate(info.frame_times)}
@@ -82,10 +87,12 @@ def _decode_from(container: av.container.InputContainer, info: video.ClipInfo, c
     pixels = torch.empty((len(chosen), 3, bucket.height, bucket.width), dtype=torch.uint8)
     out = pixels.numpy()
     done: set[int] = set()
+    decoded = 0
     try:
         # backward: the key frame at or before the first frame needed (the decoder needs it to reconstruct).
         container.seek(int(info.start_pts + info.frame_times[start] / time_base), stream=stream, backward=True)
         for frame in container.decode(stream):
+            decoded += 1
             position = index_of.get(frame.pts)
             if position is None:
                 raise RejectError("video_decode_error", f"a decoded frame has timestamp {frame.pts}, which the "
@@ -104,4 +111,4 @@ def _decode_from(container: av.container.InputContainer, info: video.ClipInfo, c
         raise RejectError("video_decode_error", f"the window does not decode: {video._message(exc)}") from None
     if set(slots) - done:
         raise RejectError("video_truncated", f"frames {sorted(set(slots) - done)[:5]} of the window do not decode")
-    return pixels
+    return pixels, decoded
