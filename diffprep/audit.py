@@ -19,6 +19,7 @@ from diffprep import contract
 from diffprep.approvals import ABORT, Question
 from diffprep.encodings import get_encoding, ltx_layout
 from diffprep.layouts import Layout
+from diffprep.long_videos import discarded_frames
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan
 
@@ -38,6 +39,9 @@ class AuditReport:
     missing_from_source: int = 0
     superseded: int = 0  # rejects retried in a later unit, counted there instead
     rejects_digest: str = ""  # sha256 of every counted reject's id and reason (an answer holds for these)
+    # Long videos (--split-scenes): frames of the sources no clip takes, by why (short_shot, chain_tail...), from
+    # the plan; no sample is missing for them, but the frames are named.
+    discarded_frames: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -49,7 +53,7 @@ class AuditReport:
 
     def to_json(self) -> dict:
         data = asdict(self) | {"ok": self.ok}
-        for name in ("superseded", "rejects_digest"):  # audit.json as before for runs without them
+        for name in ("superseded", "rejects_digest", "discarded_frames"):  # audit.json as before without them
             if not data[name]:
                 del data[name]
         return data
@@ -66,6 +70,9 @@ class AuditReport:
         if self.notes:
             lines += ["", "| kept, counted | samples |", "|---|---:|"]
             lines += [f"| `{name}` | {n} |" for name, n in sorted(self.notes.items())]
+        if self.discarded_frames:
+            lines += ["", "| source frames in no clip | frames |", "|---|---:|"]
+            lines += [f"| `{reason}` | {n} |" for reason, n in sorted(self.discarded_frames.items())]
         if self.problems:
             lines += ["", "**Problems:**"] + [f"- {p}" for p in self.problems]
         return "\n".join(lines)
@@ -212,6 +219,7 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
         missing_from_source=plan.missing_count,
         superseded=superseded,
         rejects_digest=digest.hexdigest() if rejected else "",
+        discarded_frames=discarded_frames(plan.scenes),
     )
     output.state.write_json(contract.AUDIT_JSON, report.to_json())
     return report

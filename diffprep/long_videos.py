@@ -80,6 +80,12 @@ def plan_clips(source: Source, ids: Sequence[str], spec: ClipSpec, known: dict[s
             records.update(zip(chunk, pool.map(record_of, source.read(chunk))))
     if new:
         log.info("found the shots of %d sources in %.1f s", len(new), time.perf_counter() - started)
+    for sid in new:
+        record = records[sid]
+        if "shots" in record:
+            log.info("%s: %d frames, %d shots, %d clips; frames in no clip: %s", sid, record["timeline_frames"],
+                     len(record["shots"]), len(record["windows"]),
+                     ", ".join(f"{n} {why}" for why, n in sorted(record["discarded"].items())) or "none")
     planned: list[str] = []
     buckets: dict[str, str | None] = {}
     for sid in ids:

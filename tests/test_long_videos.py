@@ -174,6 +174,12 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     for bucket in planned.values():
         per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
     assert result.validation["summary"]["samples_per_bucket"] == per_bucket
+    # Frames no clip takes are counted and named, per source in plan.json and in total in the audit.
+    assert plan.scenes["talk.mp4"]["discarded"] == {"chain_tail": 10 + 5 + 5}
+    from diffprep import contract
+
+    audit = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
+    assert audit["discarded_frames"] == {"chain_tail": 20 + 12} and audit["inputs"] == len(planned)
 
     stored = shard_samples(out)
     assert len(stored) == len(planned)
