@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 16  # sources read at a time while planning
 
-__all__ = ["plan_clips", "prepare_clip_window", "read_clips", "scene_record", "discarded_frames"]
+__all__ = ["changed_sources", "plan_clips", "prepare_clip_window", "read_clips", "scene_record", "discarded_frames"]
 
 
 def scene_record(data: bytes, spec: ClipSpec) -> dict[str, Any]:
@@ -62,6 +62,14 @@ def plan_clips(source: Source, ids: Sequence[str], spec: ClipSpec, known: dict[s
     in ``ids`` (``known``: the earlier plan's, kept as they are; only other sources are read)."""
     records = {sid: known[sid] for sid in ids if sid in known}
     new = [sid for sid in ids if sid not in known]
+    stamps = getattr(source, "stamps", None)  # a stat (or HEAD) per file: what it is now, without reading it
+    changed = changed_sources(records, stamps(list(records)) if stamps and records else {})
+    if changed:
+        log.warning("%d planned sources changed since their shots were found; they keep their planned clips "
+                    "(a clip no longer in the file is the reject window_out_of_range). To split them again, "
+                    "write to a new output (--on-existing new-dir) or overwrite: %s", len(changed),
+                    ", ".join(changed[:10]))
+    now = stamps(new) if stamps and new else {}
     started = time.perf_counter()
 
     def record_of(sample: SourceSample) -> dict[str, Any]:
@@ -78,6 +86,9 @@ def plan_clips(source: Source, ids: Sequence[str], spec: ClipSpec, known: dict[s
         for first in range(0, len(new), CHUNK):
             chunk = list(new[first:first + CHUNK])
             records.update(zip(chunk, pool.map(record_of, source.read(chunk))))
+    for sid in new:
+        if sid in now:
+            records[sid]["stamp"] = now[sid]
     if new:
         log.info("found the shots of %d sources in %.1f s", len(new), time.perf_counter() - started)
     for sid in new:
@@ -97,6 +108,12 @@ def plan_clips(source: Source, ids: Sequence[str], spec: ClipSpec, known: dict[s
             planned.append(clip_id(sid, window))
             buckets[planned[-1]] = str(window.bucket)
     return planned, buckets.get, records
+
+
+def changed_sources(records: dict[str, dict[str, Any]], now: dict[str, str]) -> list[str]:
+    """The planned sources whose files' stamps differ from those recorded when their shots were found."""
+    return [sid for sid, record in records.items()
+            if "stamp" in record and sid in now and now[sid] != record["stamp"]]
 
 
 def discarded_frames(scenes: dict[str, dict[str, Any]]) -> dict[str, int]:

@@ -210,6 +210,39 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
 
     assert hashes(fresh) == hashes(out) and hashes(out)
 
+    # An append: a new source is split, the planned ones keep their shots and units (no detection for them).
+    detected = []
+    real = long_videos.detect_shots
+
+    def counting(data, *args, **kwargs):
+        detected.append(len(data))
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(long_videos, "detect_shots", counting)
+    (long_data / "videos" / "extra.mp4").write_bytes(cut_clip([25], 50))
+    (long_data / "captions" / "extra.txt").write_text("one more\n", encoding="utf-8")
+    try:
+        grown = run(_long_settings(long_data, out), "raw", ask=lambda *a, **k: "resume")
+    finally:
+        (long_data / "videos" / "extra.mp4").unlink()
+        (long_data / "captions" / "extra.txt").unlink()
+    appended = read_plan(out)
+    assert len(detected) == 1 and grown.validation["ok"]
+    assert appended.units[:len(plan.units)] == plan.units
+    assert {k: v for k, v in appended.scenes.items() if k != "extra.mp4"} == plan.scenes
+    assert [sid for u in appended.units[len(plan.units):] for sid in u.source_ids] == [
+        "extra.mp4#0:0-19", "extra.mp4#1:25-44"]
+    assert hashes(out)  # the old shards untouched
+    for name, digest in hashes(fresh).items():
+        assert hashes(out)[name] == digest
+
+
+def test_a_changed_source_is_reported_not_split_again():
+    from diffprep.long_videos import changed_sources
+
+    records = {"a.mp4": {"stamp": "10 100"}, "b.mp4": {"stamp": "20 200"}, "c.mp4": {}}
+    assert changed_sources(records, {"a.mp4": "10 100", "b.mp4": "21 200", "c.mp4": "1"}) == ["b.mp4"]
+
 
 def keyframed_clip(frames: int, gop: int, fps: int = 10) -> bytes:
     """An H.264 mp4 with a key frame every ``gop`` frames (no scene-cut key frames): seeking can skip ahead."""
