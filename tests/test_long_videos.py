@@ -153,6 +153,26 @@ def test_a_lying_container_is_planned_from_its_frames(long_data):
     assert record["discarded"] == {"chain_tail": 4 + 8}
 
 
+@pytest.mark.parametrize(("mode", "extra", "windows"), [
+    ("head", {}, [[0, 0, 19], [1, 30, 49], [2, 75, 94]]),
+    ("slide", {"clip_stride": 10}, [[0, 0, 19], [0, 10, 29], [1, 30, 49], [1, 40, 59], [1, 50, 69],
+                                    [2, 75, 94]]),
+    ("uniform", {"clips_per_scene": 2}, [[0, 0, 19], [0, 10, 29], [1, 30, 49], [1, 55, 74], [2, 75, 94],
+                                         [2, 80, 99]]),
+])
+def test_each_clip_mode_plans_the_windows_it_promises(long_data, mode, extra, windows):
+    from diffprep.encodings.clips import clip_spec
+    from diffprep.long_videos import scene_record
+
+    spec = clip_spec(_long_settings(long_data, long_data, clip_mode=mode, **extra).video, LONG_BUCKETS, 2, 1)
+    record = scene_record((long_data / "videos" / "talk.mp4").read_bytes(), spec)
+    assert [w[:3] for w in record["windows"]] == windows
+    assert {w[3] for w in record["windows"]} == {"32x24x20"}
+    for shot, first, last, _ in record["windows"]:
+        start, end = record["shots"][shot]
+        assert start <= first <= last <= end  # inside one shot (frames = the 10 fps timeline)
+
+
 def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeypatch):
     import hashlib
     import json
@@ -202,8 +222,11 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     again = run(_long_settings(long_data, out), "raw", ask=lambda *a, **k: "resume")
     assert again.validation["ok"] and read_plan(out).scenes == plan.scenes
     monkeypatch.undo()
-    fresh = tmp_path / "fresh"
-    run(_long_settings(long_data, fresh), "raw", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    fresh = tmp_path / "fresh"  # two decode threads (and the shots found again): the same bytes
+    two = _long_settings(long_data, fresh)
+    two.image.decode_workers = 2
+    run(two, "raw", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert read_plan(fresh).scenes == plan.scenes
 
     def hashes(path):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.glob("*.tar"))}
