@@ -222,10 +222,24 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     again = run(_long_settings(long_data, out), "raw", ask=lambda *a, **k: "resume")
     assert again.validation["ok"] and read_plan(out).scenes == plan.scenes
     monkeypatch.undo()
-    fresh = tmp_path / "fresh"  # two decode threads (and the shots found again): the same bytes
-    two = _long_settings(long_data, fresh)
-    two.image.decode_workers = 2
-    run(two, "raw", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    # `diffprep raw` in another process, two decode threads, the shots found again: the same bytes.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.settings import PREFECT_API_URL
+
+    fresh = tmp_path / "fresh"
+    cli = subprocess.run(
+        [sys.executable, "-m", "diffprep.cli", "raw", "--source-type", "directory", "--input-dir", str(long_data),
+         "--output-dir", str(fresh), "--shard-size", "3", "--resolution-buckets", LONG_BUCKETS, "--target-fps", "10",
+         "--split-scenes", "content", "--min-scene-seconds", "0.5", "--clip-mode", "chain",
+         "--decode-workers", "2", "--train-split", "1.0"],
+        env=os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(),
+                          "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stdout[-2000:] + cli.stderr[-2000:]
     assert read_plan(fresh).scenes == plan.scenes
 
     def hashes(path):
