@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 16  # sources read at a time while planning
 
-__all__ = ["changed_sources", "plan_clips", "prepare_clip_window", "read_clips", "scene_record", "discarded_frames"]
+__all__ = ["changed_sources", "plan_clips", "scenes_table", "prepare_clip_window", "read_clips", "scene_record", "discarded_frames"]
 
 
 def scene_record(data: bytes, spec: ClipSpec) -> dict[str, Any]:
@@ -114,6 +114,24 @@ def changed_sources(records: dict[str, dict[str, Any]], now: dict[str, str]) -> 
     """The planned sources whose files' stamps differ from those recorded when their shots were found."""
     return [sid for sid, record in records.items()
             if "stamp" in record and sid in now and now[sid] != record["stamp"]]
+
+
+def scenes_table(scenes: dict[str, dict[str, Any]], limit: int = 500) -> list[dict[str, Any]]:
+    """One row per source (the first ``limit``) for the plan artifact: frames, shots, clips per bucket, frames in
+    no clip by why, or the source's reject."""
+    rows = []
+    for sid, record in list(scenes.items())[:limit]:
+        if "shots" not in record:
+            reject = record.get("reject")
+            rows.append({"source": sid, "frames": None, "shots": None, "clips": {},
+                         "discarded": {}, "note": f"{reject['reason']}: {reject['detail']}" if reject else "image"})
+            continue
+        clips: dict[str, int] = {}
+        for *_, bucket in record["windows"]:
+            clips[bucket] = clips.get(bucket, 0) + 1
+        rows.append({"source": sid, "frames": record["timeline_frames"], "shots": len(record["shots"]),
+                     "clips": clips, "discarded": dict(record["discarded"]), "note": ""})
+    return rows
 
 
 def discarded_frames(scenes: dict[str, dict[str, Any]]) -> dict[str, int]:

@@ -200,6 +200,13 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
 
     audit = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
     assert audit["discarded_frames"] == {"chain_tail": 20 + 12} and audit["inputs"] == len(planned)
+    from diffprep.long_videos import scenes_table
+
+    assert scenes_table(plan.scenes) == [
+        {"source": "game.mkv", "frames": 40, "shots": 2, "clips": {"32x24x8": 1, "32x24x20": 1},
+         "discarded": {"chain_tail": 12}, "note": ""},
+        {"source": "talk.mp4", "frames": 100, "shots": 3, "clips": {"32x24x20": 4}, "discarded": {"chain_tail": 20},
+         "note": ""}]
 
     stored = shard_samples(out)
     assert len(stored) == len(planned)
