@@ -326,3 +326,27 @@ def test_a_window_is_decoded_from_the_key_frame_before_it_not_from_the_start():
     with pytest.raises(RejectError) as error:
         decode_window(data, Bucket(32, 24, 8), 0, 19, target_fps=None)
     assert error.value.reason == "window_frames_mismatch"
+
+
+def test_long_videos_through_the_tiny_wan_encoders(long_data, tiny_wan, tmp_path):
+    """The same windows pre-encoded by Wan's VAE: every clip a sample of its bucket's latent shape."""
+    from diffprep.config import load_settings
+    from diffprep.pipeline import run
+    from diffprep.plan import read_plan
+
+    out = tmp_path / "wan"
+    settings = load_settings(overrides={
+        "source": {"type": "directory", "input_dir": str(long_data)},
+        "output": {"output_dir": str(out), "shard_size": 4, "accept_rejects": 0.0},
+        "model": {"model_path": str(tiny_wan), "precision": "fp32", "device": "cpu", "batch_size": 2,
+                  "t5_max_length": 16, "latent_mode": "mode", "min_psnr": 0.0},
+        "video": {"resolution_buckets": "32x24x17;32x24x5", "target_fps": 10, "split_scenes": "content",
+                  "clip_mode": "head"},
+        "finalize": {"train_split": 1.0},
+    })
+    result = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert not result.rejected and result.validation["ok"], result.validation
+    plan = read_plan(out)
+    ids = sorted(sid for unit in plan.units for sid in unit.source_ids)
+    assert ids == ["game.mkv#0:0-4", "game.mkv#1:12-28", "talk.mp4#0:0-16", "talk.mp4#1:30-46", "talk.mp4#2:75-91"]
+    assert result.validation["summary"]["samples_per_bucket"] == {"32x24x17": 4, "32x24x5": 1}
