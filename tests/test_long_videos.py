@@ -249,10 +249,25 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     assert cli.returncode == 0, cli.stdout[-2000:] + cli.stderr[-2000:]
     assert read_plan(fresh).scenes == plan.scenes
 
+    # SIGKILLed at its fifth sample write (inside the second unit), then resumed: the same shards.
+    from diffprep.cli import main
+    from diffprep.failpoints import ENV as FAILPOINT_ENV
+
+    killed = tmp_path / "killed"
+    args = ["raw", "--source-type", "directory", "--input-dir", str(long_data), "--output-dir", str(killed),
+            "--shard-size", "3", "--resolution-buckets", LONG_BUCKETS, "--target-fps", "10",
+            "--split-scenes", "content", "--train-split", "1.0"]
+    dead = subprocess.run([sys.executable, "-m", "diffprep.cli", *args],
+                          env=os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), FAILPOINT_ENV: "shard-write@5",
+                                            "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                          capture_output=True, text=True, timeout=300)
+    assert dead.returncode != 0 and len(list(killed.glob("*.tar"))) < len(plan.units), dead.stdout[-2000:]
+    assert main([*args, "--on-existing", "resume"]) == 0
+
     def hashes(path):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.glob("*.tar"))}
 
-    assert hashes(fresh) == hashes(out) and hashes(out)
+    assert hashes(fresh) == hashes(out) == hashes(killed) and hashes(out)
 
     # An append: a new source is split, the planned ones keep their shots and units (no detection for them).
     detected = []
