@@ -39,6 +39,7 @@ from diffprep.energon import read_subflavors
 from diffprep.errors import ConfigError, DatasetValidationError, DiffprepError, RejectError, SourceError
 from diffprep.images import ImageSpec, prepare_image
 from diffprep.layouts import Layout
+from diffprep.long_videos import prepare_clip_window, read_clips
 from diffprep.media.audio import AudioSpec, ClipAudio, wav_bytes
 from diffprep.media.buckets import Bucket
 from diffprep.media.clip_inputs import prepare_with_inputs
@@ -199,7 +200,9 @@ def source_media(plan: Plan, samples: Sequence[StoredSample], *, token: str | No
             result[sample.key] = "no source_id in meta.json"
             continue
         try:
-            read = next(iter(source.read([source_id])))
+            # A long video's clip id names its source file and window (diffprep/long_videos.py).
+            scenes = isinstance(spec, ClipSpec) and spec.scenes is not None
+            read = next(iter(read_clips(source, [source_id]) if scenes else source.read([source_id])))
             if read.reject is not None:
                 raise read.reject
             if read.media is None:
@@ -233,6 +236,9 @@ def _prepare(read: Any, spec: ImageSpec | ClipSpec | AudioSpec, meta: dict
         bucket = meta.get("bucket")
         prepared = spec.prepare(read.audio, bucket=float(bucket.removesuffix("s")) if bucket else None)
         return SourceMedia(None, prepared.audio), None, None
+    if isinstance(spec, ClipSpec) and spec.scenes is not None:
+        clip = prepare_clip_window(spec, read, "x".join(map(str, meta["bucket"])) if meta.get("bucket") else None)
+        return SourceMedia(clip.pixels, clip.audio), clip.meta["original_size"], clip.meta["crop_box"]
     if isinstance(spec, ClipSpec):
         bucket = Bucket(*meta["bucket"]) if meta.get("bucket") else None
         clip = prepare_with_inputs(spec, read.media, read.extras, video=read.video is not None, bucket=bucket,

@@ -219,6 +219,12 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
         assert len(meta["frame_indices"]) == int(planned[meta["source_id"]].split("x")[2])
         assert fields["txt"].decode() == (long_data / "captions" / (source.rsplit(".", 1)[0] + ".txt")).read_text().strip()
 
+    # decode: each stored clip beside its window re-read from the source.
+    from diffprep.decode import decode_dataset
+
+    report = decode_dataset(out, 3, to_dir=tmp_path / "previews")
+    assert report.previews and all(p.psnr_db is not None and p.psnr_db > 25 for p in report.previews), report
+
     # A re-run reads the shots from plan.json (no detection) and writes nothing new; a fresh output: same bytes.
     import diffprep.long_videos as long_videos
 
