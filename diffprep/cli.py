@@ -41,6 +41,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--caption-template": ("source", "caption_template"),
     "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),
+    "--cifar-split": ("source", "cifar_split"),
     "--s3-endpoint-url": ("source", "s3_endpoint_url"),
     "--s3-profile": ("source", "s3_profile"),
     "--output-dir": ("output", "output_dir"),
@@ -80,6 +81,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--reference-downscale-factor": ("video", "reference_downscale_factor"),
     "--image-size": ("image", "image_size"),
     "--center-crop": ("image", "center_crop"),
+    "--crop": ("image", "crop"),
     "--variable-size": ("image", "variable_size"),
     "--max-size": ("image", "max_size"),
     "--max-pixels": ("image", "max_pixels"),
@@ -103,6 +105,7 @@ RAW_FLAGS: dict[str, tuple[str, str]] = {
     **{flag: target for flag, target in ENCODE_FLAGS.items()
        if (target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map"))
        or flag in ("--resolution-buckets", "--target-fps", "--frame-sampling")},
+    "--layout": ("output", "layout"),  # raw: energon shards, or edm-zip (diffprep.encodings.edm_zip)
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
     "--video-crf": ("raw", "video_crf"),
