@@ -72,6 +72,7 @@ PROMPT_EMBEDS_EMPTY = "prompt_embeds_empty.npy"  # a Wan run's: the empty captio
 LAYOUT_ENERGON = "energon"
 LAYOUT_FASTGEN = "fastgen"
 LAYOUT_LTX = "ltx"
+LAYOUT_EDM_ZIP = "edm-zip"
 # NVIDIA FastGen's latent loaders: the latents and the text condition (Flux: the tuple (pooled, t5)).
 FASTGEN_LATENT = "latent.pth"
 FASTGEN_TXT_EMB = "txt_emb.pth"
@@ -83,6 +84,29 @@ NEG_PROMPT_EMB = "neg_prompt_emb.npy"
 NEG_POOLED_PROMPT_EMB = "neg_pooled_prompt_emb.npy"
 SHARD_COUNTS_JSON = "shard_counts.json"
 LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON)
+
+# --layout edm-zip: the archive EDM's and EDM2's dataset_tool write and FastGen's ImageFolderDataset reads, at the
+# output's top; assembled at finalize from the committed shards (the units' commit points, kept for resume).
+# Inside it: the data files under EDM_ZIP_FOLDER/EDM_ZIP_IMAGE (or EDM_ZIP_LATENT) with an 8-digit contiguous
+# index, the folder being its first five digits, and EDM_ZIP_LABELS ({"labels": [[name, label], ...]} or null).
+EDM_ZIP = "dataset.zip"
+EDM_ZIP_LABELS = "dataset.json"
+EDM_ZIP_INDEX_DIGITS = 8
+EDM_ZIP_FOLDER_DIGITS = 5
+EDM_ZIP_IMAGE = "img{index}.png"
+EDM_ZIP_LATENT = "img-mean-std-{index}.npy"
+# The crops of the tools FastGen runs (--crop): EDM's center-crop, EDM2's center-crop-dhariwal (ADM's).
+CROP_EDM = "edm"
+CROP_ADM = "adm"
+CROPS = (CROP_EDM, CROP_ADM)
+
+
+def edm_zip_name(index: int, template: str = EDM_ZIP_IMAGE) -> str:
+    """The archive name of the ``index``-th data file: ``NNNNN/imgNNNNNNNN.png`` (folder = the first five digits)."""
+    digits = f"{index:0{EDM_ZIP_INDEX_DIGITS}d}"
+    if len(digits) != EDM_ZIP_INDEX_DIGITS:
+        raise ValueError(f"an edm-zip archive holds at most {10 ** EDM_ZIP_INDEX_DIGITS} files, index {index}")
+    return f"{digits[:EDM_ZIP_FOLDER_DIGITS]}/{template.format(index=digits)}"
 
 # Energon subflavor values.
 ENCODING_PREENCODED = "preencoded"
