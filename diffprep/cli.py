@@ -412,6 +412,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         print(f"tiny LTX-2 set ({args.ltx2_text} text projection) written to {path}: a single-file checkpoint and a "
               "Gemma 3 folder; pass the folder as --model-path (random weights: for tests and demos only)")
         return 0
+    if args.family == "sd-vae":
+        from diffprep.families.sd_vae_tiny import write_tiny_sd_vae
+
+        path = write_tiny_sd_vae(args.path, seed=args.seed)
+        print(f"tiny SD VAE (AutoencoderKL, 4 latent channels) written to {path}: pass it as --model-path "
+              "(random weights: for tests and demos only)")
+        return 0
     if args.family == "wan":
         from diffprep.families.wan_tiny import write_tiny_wan
 

@@ -29,7 +29,7 @@ LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
-FamilyName = Literal["flux", "wan", "ltx2"]
+FamilyName = Literal["flux", "wan", "ltx2", "sd-vae"]
 FrameSampling = Literal["head", "uniform"]
 # How the samples are laid out on disk (diffprep.layouts): energon = shards under diffprep's own field names;
 # fastgen = shards under FastGen's member names; ltx = the LTX-2 trainer's .precomputed/ folders (LTX-2 only).

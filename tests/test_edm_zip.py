@@ -72,6 +72,9 @@ def edm_settings(source: dict, out: Path, **image) -> object:
     })
 
 
+RAW_PNG = {"fields": ["meta.json", "png", "txt"]}
+
+
 def never(*args, **kwargs):
     pytest.fail("asked")
 
@@ -241,8 +244,8 @@ def test_validation_refuses_a_label_width_other_than_the_sources_classes(tmp_pat
     Image.new("RGB", (32, 32)).save(png, format="png", compress_level=0, optimize=False)
     path = tmp_path / contract.EDM_ZIP
     write_archive(path, iter([(contract.edm_zip_name(i), png.getvalue(), i) for i in range(9)]))
-    checks, summary = check_archive(path, SimpleNamespace(source={"classes": 10}), 9)
+    checks, summary = check_archive(path, SimpleNamespace(source={"classes": 10}, expected=RAW_PNG), 9)
     failed = [c for c in checks if not c.ok]
     assert summary["label_dim"] == 9 and [c.name for c in failed] == ["labels"]
     assert "max(label)+1 is 9, the source has 10 classes" in failed[0].detail
-    assert all(c.ok for c in check_archive(path, SimpleNamespace(source={"classes": 9}), 9)[0])
+    assert all(c.ok for c in check_archive(path, SimpleNamespace(source={"classes": 9}, expected=RAW_PNG), 9)[0])

@@ -56,10 +56,11 @@ def is_edm_zip(plan: Plan | None) -> bool:
     return plan is not None and Layout.of_plan(plan.settings).name == contract.LAYOUT_EDM_ZIP
 
 
-def check_settings(settings: Any) -> None:
-    """What an EDM archive is, refused before anything is planned: png, one square power-of-two size."""
+def check_settings(settings: Any, *, image_files: bool = True) -> None:
+    """What an EDM archive is, refused before anything is planned: png (``image_files``), one square power-of-two
+    size."""
     image, raw = settings.image, settings.raw
-    if raw.image_format != "png":
+    if image_files and raw.image_format != "png":
         raise ConfigError(f"--layout edm-zip stores PNG files (EDM's dataset_tool); remove --image-format "
                           f"{raw.image_format}")
     if image.variable_size or image.buckets:
@@ -81,8 +82,17 @@ def planned_files(plan: Plan) -> list[str]:
 # --- assembling ------------------------------------------------------------------------------------------------
 
 
+# The data field of a unit's samples -> the archive's file name template.
+DATA_FIELDS = {"png": contract.EDM_ZIP_IMAGE, contract.SD_VAE_POSTERIOR: contract.EDM_ZIP_LATENT}
+
+
+def data_field(plan: Plan) -> str:
+    return next(f for f in DATA_FIELDS if f in plan.expected.get("fields", ()))
+
+
 def committed_samples(output: Any, plan: Plan) -> Iterator[tuple[str, bytes, dict[str, Any]]]:
-    """(key, png bytes, meta) of every committed sample, in unit order and each manifest's key order."""
+    """(key, data file bytes, meta) of every committed sample, in unit order and each manifest's key order."""
+    wanted = data_field(plan)
     manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
     for manifest in manifests:
         if not manifest.keys:
@@ -96,10 +106,10 @@ def committed_samples(output: Any, plan: Plan) -> Iterator[tuple[str, bytes, dic
                     members.setdefault(key, {})[field] = handle.read()
         for key in manifest.keys:
             fields = members.get(key, {})
-            if "png" not in fields or contract.META not in fields:
+            if wanted not in fields or contract.META not in fields:
                 raise DatasetValidationError(f"{manifest.shard}: sample {key} has {sorted(fields)}, an edm-zip unit "
-                                             f"holds png and {contract.META}; encode the unit again")
-            yield key, fields["png"], json.loads(fields[contract.META])
+                                             f"holds {wanted} and {contract.META}; encode the unit again")
+            yield key, fields[wanted], json.loads(fields[contract.META])
 
 
 def _info(name: str) -> zipfile.ZipInfo:
@@ -145,9 +155,11 @@ def finalize(output: Any, plan: Plan) -> Any:
     target = output.local / contract.EDM_ZIP
     before = target.stat().st_size if target.is_file() else None
 
+    template = DATA_FIELDS[data_field(plan)]
+
     def entries() -> Iterator[tuple[str, bytes, int | None]]:
-        for index, (_, png, meta) in enumerate(committed_samples(output, plan)):
-            yield contract.edm_zip_name(index), png, meta.get("label")
+        for index, (_, data, meta) in enumerate(committed_samples(output, plan)):
+            yield contract.edm_zip_name(index, template), data, meta.get("label")
 
     count, sha256 = write_archive(target, entries())
     changed = before is None or before != target.stat().st_size
@@ -198,12 +210,14 @@ def check_archive(path: Path, plan: Plan, written: int | None) -> tuple[list[Che
         return [Check("loads as FastGen's ImageFolderDataset", False, f"{type(error).__name__}: {error}")], {}
     files, labels = view["files"], view["labels"]
     entries = Findings("entries (names, order, stored)")
-    images = Findings("data files (one square power-of-two RGB shape)")
+    latent = data_field(plan) == contract.SD_VAE_POSTERIOR
+    template = contract.EDM_ZIP_LATENT if latent else contract.EDM_ZIP_IMAGE
+    images = Findings("data files (one shape, square, power of two)")
     label_check = Findings("labels")
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()
         data_infos = [i for i in infos if i.filename != contract.EDM_ZIP_LABELS]
-        expected = [contract.edm_zip_name(i) for i in range(len(data_infos))]
+        expected = [contract.edm_zip_name(i, template) for i in range(len(data_infos))]
         if [i.filename for i in data_infos] != expected:
             entries.add(f"the data files are not {expected[:1]} ... {expected[-1:]} in order: "
                         f"{[i.filename for i in data_infos][:3]}")
@@ -214,12 +228,22 @@ def check_archive(path: Path, plan: Plan, written: int | None) -> tuple[list[Che
                 entries.add(f"{info.filename} is compressed (method {info.compress_type}); EDM's archives are stored")
         shape = view["shape"][1:]
         side = shape[-1]
-        if len(shape) != 3 or shape[0] != 3 or shape[1] != side or side & (side - 1):
-            images.add(f"{files[0]} has shape {shape}, expected [3, S, S] with S a power of two")
+        channels = plan.expected["posterior"][0] if latent else 3
+        if len(shape) != 3 or shape[0] != channels or shape[1] != side or side & (side - 1):
+            images.add(f"{files[0]} has shape {shape}, expected [{channels}, S, S] with S a power of two")
         for name in files:
-            with archive.open(name) as handle, Image.open(handle) as image:
-                if image.format != "PNG" or image.mode != "RGB" or list(image.size) != [side, side]:
-                    images.add(f"{name} is {image.format} {image.mode} {image.size}, expected PNG RGB {side}x{side}")
+            with archive.open(name) as handle:
+                if latent:
+                    array = np.load(handle, allow_pickle=False)
+                    if array.dtype != np.float32 or list(array.shape) != plan.expected["posterior"] \
+                            or not np.isfinite(array).all():
+                        images.add(f"{name} is {array.dtype} {list(array.shape)}, expected finite float32 "
+                                   f"{plan.expected['posterior']}")
+                    continue
+                with Image.open(handle) as image:
+                    if image.format != "PNG" or image.mode != "RGB" or list(image.size) != [side, side]:
+                        images.add(f"{name} is {image.format} {image.mode} {image.size}, expected PNG RGB "
+                                   f"{side}x{side}")
     if labels is not None:
         if (labels < 0).any():
             label_check.add("a label is negative")
@@ -229,8 +253,9 @@ def check_archive(path: Path, plan: Plan, written: int | None) -> tuple[list[Che
                             f"{classes} classes: a subset missing the last classes changes the model's label input")
     count = Check("samples", written is None or len(files) == written,
                   f"{len(files)} data files" + ("" if written is None else f", {written} written"))
-    checks = [count, entries.check(f"{len(files)} names NNNNN/imgNNNNNNNN.png in order + dataset.json, stored"),
-              images.check(f"{len(files)} PNG RGB {shape[-1]}x{shape[-1]}"),
+    checks = [count, entries.check(f"{len(files)} names {contract.edm_zip_name(0, template)}... in order + "
+                                   "dataset.json, stored"),
+              images.check(f"{len(files)} files of shape {shape}"),
               label_check.check("no labels (null)" if labels is None else f"{len(labels)} labels, width "
                                 f"{view['label_dim']}")]
     summary = {"files": len(files), "resolution": shape[-1], "label_dim": view["label_dim"],
