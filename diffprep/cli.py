@@ -42,6 +42,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),
     "--cifar-split": ("source", "cifar_split"),
+    "--num-classes": ("source", "num_classes"),
     "--s3-endpoint-url": ("source", "s3_endpoint_url"),
     "--s3-profile": ("source", "s3_profile"),
     "--output-dir": ("output", "output_dir"),

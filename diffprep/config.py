@@ -104,6 +104,11 @@ class SourceConfig(_Section):
         None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar. "
         "cifar10: the cifar-10-python.tar.gz release file."
     )
+    num_classes: int | None = Field(
+        None, ge=1, description="edm-zip: the label width the trainer must see (FastGen takes max(label)+1): 10 for "
+        "CIFAR-10, 1000 for ImageNet. Validation refuses an archive whose labels give another width. Unset: the "
+        "source's own count where it knows it (class folders, CIFAR-10).",
+    )
     cifar_split: Literal["train", "test"] = Field(
         "train", description="cifar10: train (data_batch_1..5, 50,000 images) or test (test_batch, 10,000)."
     )

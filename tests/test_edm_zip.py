@@ -169,6 +169,11 @@ def test_edm_zip_settings_are_checked(tmp_path: Path) -> None:
     bad.raw.image_format = "jpg"
     with pytest.raises(ConfigError, match="stores PNG"):
         fetch(bad, encoding="raw")
+    plain = fetch(edm_settings(source, tmp_path / "o3"), encoding="raw")[0]
+    counted = fetch(load_settings(overrides={**edm_settings(source, tmp_path / "o3").model_dump(),
+                                             "source": {**source, "num_classes": 1000}}), encoding="raw")[0]
+    assert "num_classes" not in plain.settings and counted.settings["num_classes"] == 1000
+    assert plain.fingerprint != counted.fingerprint
 
 
 @pytest.mark.slow
@@ -249,3 +254,7 @@ def test_validation_refuses_a_label_width_other_than_the_sources_classes(tmp_pat
     assert summary["label_dim"] == 9 and [c.name for c in failed] == ["labels"]
     assert "max(label)+1 is 9, the source has 10 classes" in failed[0].detail
     assert all(c.ok for c in check_archive(path, SimpleNamespace(source={"classes": 9}, expected=RAW_PNG), 9)[0])
+    # --num-classes (recorded in the plan's settings) is the width asked for, whatever the source says.
+    asked = SimpleNamespace(source={"classes": 9}, settings={"num_classes": 1000}, expected=RAW_PNG)
+    failed = [c for c in check_archive(path, asked, 9)[0] if not c.ok]
+    assert [c.name for c in failed] == ["labels"] and "--num-classes is 1000" in failed[0].detail

@@ -74,6 +74,12 @@ def check_settings(settings: Any, *, image_files: bool = True) -> None:
         raise ConfigError("--layout edm-zip names its files itself (NNNNN/imgNNNNNNNN.png): remove --key-map")
 
 
+def class_count(settings: Any) -> dict[str, int]:
+    """What a plan records of ``--num-classes`` (only when set: other plans keep their fingerprint)."""
+    count = settings.source.num_classes
+    return {} if count is None else {"num_classes": count}
+
+
 def planned_files(plan: Plan) -> list[str]:
     """What finalize writes at the output's top (the shards are the manifests')."""
     return [contract.EDM_ZIP]
@@ -247,10 +253,12 @@ def check_archive(path: Path, plan: Plan, written: int | None) -> tuple[list[Che
     if labels is not None:
         if (labels < 0).any():
             label_check.add("a label is negative")
-        classes = plan.source.get("classes")
+        asked = (getattr(plan, "settings", None) or {}).get("num_classes")
+        classes = asked if asked is not None else plan.source.get("classes")
+        where = f"--num-classes is {asked}" if asked is not None else f"the source has {classes} classes"
         if classes is not None and view["label_dim"] != classes:
-            label_check.add(f"the loader's label width max(label)+1 is {view['label_dim']}, the source has "
-                            f"{classes} classes: a subset missing the last classes changes the model's label input")
+            label_check.add(f"the loader's label width max(label)+1 is {view['label_dim']}, {where}: a subset "
+                            "missing the last classes changes the model's label input")
     count = Check("samples", written is None or len(files) == written,
                   f"{len(files)} data files" + ("" if written is None else f", {written} written"))
     checks = [count, entries.check(f"{len(files)} names {contract.edm_zip_name(0, template)}... in order + "

@@ -187,9 +187,10 @@ class Raw(Encoding):
         quality = None if raw.image_format == "png" else raw.image_quality
         identity = {"raw": {"image_format": raw.image_format, "image_quality": quality}}
         if edm:  # only then: other raw plans keep their fingerprint
-            from diffprep.encodings.edm_zip import PNG_COMPRESS_LEVEL
+            from diffprep.encodings.edm_zip import PNG_COMPRESS_LEVEL, class_count
 
             identity["raw"]["png_compress_level"] = PNG_COMPRESS_LEVEL
+            identity |= class_count(settings)
         return self.byte_settings(settings, identity), {"fields": raw_fields(raw.image_format)}
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:

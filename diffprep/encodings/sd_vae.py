@@ -57,7 +57,7 @@ class SdVaeLatents(Encoding):
     layout_presets = {contract.LAYOUT_EDM_ZIP: LayoutPreset(members={})}
 
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        from diffprep.encodings.edm_zip import check_settings
+        from diffprep.encodings.edm_zip import check_settings, class_count
         from diffprep.families.sd_vae import latent_shape
 
         if settings.output.layout != contract.LAYOUT_EDM_ZIP:
@@ -66,6 +66,7 @@ class SdVaeLatents(Encoding):
         model = settings.model
         identity = {"encoders": {"vae": {"path": model.vae_path or model.model_path, "revision": model.revision,
                                          "dtype": "float32"}}}
+        identity |= class_count(settings)
         shape = latent_shape(settings.image.image_size)
         return self.byte_settings(settings, identity), {"fields": [contract.META, contract.SD_VAE_POSTERIOR],
                                                         "posterior": shape, "dtype": "float32"}
