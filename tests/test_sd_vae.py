@@ -93,3 +93,10 @@ def test_imagenet_256_latents_archive_holds_each_images_posterior(tmp_path) -> N
             assert np.array_equal(stored, want[index]) and labels[name] == index // 2
     report = json.loads((out / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())
     assert report["ok"], report
+
+    # Resumed with the unit's manifest gone: verify-existing reads the shard, the unit is redone, the same archive.
+    archive = (out / contract.EDM_ZIP).read_bytes()
+    (out / contract.unit_manifest_path(0)).unlink()
+    settings.output.on_existing = "resume"
+    assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 4
+    assert (out / contract.EDM_ZIP).read_bytes() == archive
