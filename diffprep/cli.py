@@ -43,6 +43,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--caption-template": ("source", "caption_template"),
     "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),
+    "--cifar-split": ("source", "cifar_split"),
+    "--num-classes": ("source", "num_classes"),
     "--s3-endpoint-url": ("source", "s3_endpoint_url"),
     "--s3-profile": ("source", "s3_profile"),
     "--output-dir": ("output", "output_dir"),
@@ -82,6 +84,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--reference-downscale-factor": ("video", "reference_downscale_factor"),
     "--image-size": ("image", "image_size"),
     "--center-crop": ("image", "center_crop"),
+    "--crop": ("image", "crop"),
     "--variable-size": ("image", "variable_size"),
     "--max-size": ("image", "max_size"),
     "--max-pixels": ("image", "max_pixels"),
@@ -105,6 +108,7 @@ RAW_FLAGS: dict[str, tuple[str, str]] = {
     **{flag: target for flag, target in ENCODE_FLAGS.items()
        if (target[0] not in ("model", "video", "workers") and flag not in ("--layout", "--key-map"))
        or flag in ("--resolution-buckets", "--target-fps", "--frame-sampling")},
+    "--layout": ("output", "layout"),  # raw: energon shards, or edm-zip (diffprep.encodings.edm_zip)
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
     "--video-crf": ("raw", "video_crf"),
@@ -339,6 +343,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         path = write_tiny_ltx2(args.path, seed=args.seed, text_projection=args.ltx2_text)
         print(f"tiny LTX-2 set ({args.ltx2_text} text projection) written to {path}: a single-file checkpoint and a "
               "Gemma 3 folder; pass the folder as --model-path (random weights: for tests and demos only)")
+        return 0
+    if args.family == "sd-vae":
+        from diffprep.families.sd_vae_tiny import write_tiny_sd_vae
+
+        path = write_tiny_sd_vae(args.path, seed=args.seed)
+        print(f"tiny SD VAE (AutoencoderKL, 4 latent channels) written to {path}: pass it as --model-path "
+              "(random weights: for tests and demos only)")
         return 0
     if args.family == "wan":
         from diffprep.families.wan_tiny import write_tiny_wan
