@@ -23,17 +23,18 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from diffprep.config_files import read_config, refuse_unexpanded
 from diffprep.errors import ConfigError
 
-SourceType = Literal["directory", "huggingface", "webdataset", "metadata", "imagefolder"]
+SourceType = Literal["directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10"]
 Precision = Literal["bf16", "fp16", "fp32"]
 LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
-FamilyName = Literal["flux", "wan", "ltx2"]
+FamilyName = Literal["flux", "wan", "ltx2", "sd-vae"]
 FrameSampling = Literal["head", "uniform"]
 # How the samples are laid out on disk (diffprep.layouts): energon = shards under diffprep's own field names;
 # fastgen = shards under FastGen's member names; ltx = the LTX-2 trainer's .precomputed/ folders (LTX-2 only).
-Layout = Literal["energon", "fastgen", "ltx"]
+Layout = Literal["energon", "fastgen", "ltx", "edm-zip"]
+Crop = Literal["edm", "adm"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
 
@@ -46,13 +47,14 @@ class _Section(BaseModel):
 SOURCE_LOCATIONS: dict[str, str] = {"directory": "input_dir", "huggingface": "hf_dataset",
                                     "webdataset": "input_path", "metadata": "metadata_file"}
 # Every source type's location field; imagefolder reads input_dir too, so it is never inferred from a location.
-SOURCE_NEEDS: dict[str, str] = {**SOURCE_LOCATIONS, "imagefolder": "input_dir"}
+SOURCE_NEEDS: dict[str, str] = {**SOURCE_LOCATIONS, "imagefolder": "input_dir", "cifar10": "input_path"}
 
 
 class SourceConfig(_Section):
     type: SourceType | None = Field(
         None, description="Where samples come from: directory | huggingface | webdataset | metadata | imagefolder "
-        "(class folders, ImageNet's train/ layout: give it explicitly). Unset: the "
+        "(class folders, ImageNet's train/ layout: give it explicitly) | cifar10 (cifar-10-python.tar.gz at "
+        "--input-path: give it explicitly). Unset: the "
         "one whose location is given (--input-dir, --hf-dataset, --input-path, --metadata-file).",
     )
     input_dir: str | None = Field(
@@ -99,7 +101,16 @@ class SourceConfig(_Section):
         "name per class folder in sorted order (unset: ImageNet-1k's names for its 1000 synsets, else the folders').",
     )
     input_path: str | None = Field(
-        None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar."
+        None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar. "
+        "cifar10: the cifar-10-python.tar.gz release file."
+    )
+    num_classes: int | None = Field(
+        None, ge=1, description="edm-zip: the label width the trainer must see (FastGen takes max(label)+1): 10 for "
+        "CIFAR-10, 1000 for ImageNet. Validation refuses an archive whose labels give another width. Unset: the "
+        "source's own count where it knows it (class folders, CIFAR-10).",
+    )
+    cifar_split: Literal["train", "test"] = Field(
+        "train", description="cifar10: train (data_batch_1..5, 50,000 images) or test (test_batch, 10,000)."
     )
     s3_endpoint_url: str | None = Field(
         None, description="s3:// sources: endpoint of a non-AWS store (MinIO, Ceph, R2), e.g. http://minio:9000. "
@@ -158,7 +169,9 @@ class OutputConfig(_Section):
         "names (latents.pth, prompt_embeds.pth, ...) | fastgen: the same shards under NVIDIA FastGen's latent "
         "loaders' names (latent.pth, txt_emb.pth, plus neg_prompt_emb.npy and shard_counts.json at the top) | ltx: "
         "the LTX-2 trainer's <output_dir>/.precomputed/ folders (latents/, conditions/, audio_latents/, "
-        "reference_latents/), one .pt per sample named after its media path (LTX-2, metadata source).",
+        "reference_latents/), one .pt per sample named after its media path (LTX-2, metadata source) | edm-zip: "
+        "one stored ZIP (dataset.zip) as EDM's dataset_tool writes it and FastGen's ImageFolderDataset reads it "
+        "(raw png: NNNNN/imgNNNNNNNN.png + dataset.json labels), assembled from the committed shards at finalize.",
     )
     key_map: dict[str, str] | None = Field(
         None, description="Other member names for some fields, e.g. 'latents=latent.pth,prompt_embeds=txt_emb.pth' "
@@ -265,6 +278,11 @@ class ImageConfig(_Section):
         None, ge=1, le=8192, description="Reject images whose shorter side (upright) is below this many pixels "
         "(image_too_small). Unset: every size is kept; an upscaled image is counted as the note image_upscaled.",
     )
+    crop: Crop | None = Field(
+        None, description="Fixed size, as the tools FastGen's recipes run: edm (square centre crop, then Lanczos to "
+        "image_size: EDM's center-crop) | adm (box-halve while the short side is >= 2x image_size, bicubic to it, "
+        "centre crop: EDM2's center-crop-dhariwal). Unset: diffprep's own resize-then-crop.",
+    )
     background: tuple[int, int, int] = Field(
         (255, 255, 255), description="RGB colour that transparent pixels are composited on."
     )
@@ -281,6 +299,9 @@ class ImageConfig(_Section):
             raise ValueError(f"image_size must be a multiple of 16, got {self.image_size}")
         if self.max_size % 16:
             raise ValueError(f"max_size must be a multiple of 16, got {self.max_size}")
+        if self.crop and (self.variable_size or self.buckets or not self.center_crop):
+            raise ValueError(f"crop {self.crop!r} makes one square image_size: it takes no variable_size, buckets "
+                             "or center_crop off")
         if self.buckets and self.variable_size:
             raise ValueError("buckets and variable_size are two ways to keep the aspect ratio: choose one")
         return self
@@ -557,6 +578,9 @@ def check_runnable(settings: Settings) -> None:
         if settings.output.output_dir.startswith("s3://"):
             raise ConfigError("--layout ltx writes the trainer's folders on a local file system; write it locally "
                               "and copy the .precomputed folder, or use the default Energon layout for s3://")
+    if settings.output.layout == "edm-zip" and settings.output.output_dir.startswith("s3://"):
+        raise ConfigError("--layout edm-zip writes dataset.zip on a local file system; write it locally and copy "
+                          "the zip, or use the default Energon layout for s3://")
     if settings.output.compress:
         raise ConfigError(
             "output.compress is refused: Energon prepare indexes uncompressed .tar shards only, and the tensors "

@@ -78,6 +78,7 @@ PROMPT_EMBEDS_EMPTY = "prompt_embeds_empty.npy"  # a Wan run's: the empty captio
 LAYOUT_ENERGON = "energon"
 LAYOUT_FASTGEN = "fastgen"
 LAYOUT_LTX = "ltx"
+LAYOUT_EDM_ZIP = "edm-zip"
 # NVIDIA FastGen's latent loaders: the latents and the text condition (Flux: the tuple (pooled, t5)).
 FASTGEN_LATENT = "latent.pth"
 FASTGEN_TXT_EMB = "txt_emb.pth"
@@ -90,6 +91,29 @@ NEG_POOLED_PROMPT_EMB = "neg_pooled_prompt_emb.npy"
 SHARD_COUNTS_JSON = "shard_counts.json"
 LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON)
 
+# --layout edm-zip: the archive EDM's and EDM2's dataset_tool write and FastGen's ImageFolderDataset reads, at the
+# output's top; assembled at finalize from the committed shards (the units' commit points, kept for resume).
+# Inside it: the data files under EDM_ZIP_FOLDER/EDM_ZIP_IMAGE (or EDM_ZIP_LATENT) with an 8-digit contiguous
+# index, the folder being its first five digits, and EDM_ZIP_LABELS ({"labels": [[name, label], ...]} or null).
+EDM_ZIP = "dataset.zip"
+EDM_ZIP_LABELS = "dataset.json"
+EDM_ZIP_INDEX_DIGITS = 8
+EDM_ZIP_FOLDER_DIGITS = 5
+EDM_ZIP_IMAGE = "img{index}.png"
+EDM_ZIP_LATENT = "img-mean-std-{index}.npy"
+# The crops of the tools FastGen runs (--crop): EDM's center-crop, EDM2's center-crop-dhariwal (ADM's).
+CROP_EDM = "edm"
+CROP_ADM = "adm"
+CROPS = (CROP_EDM, CROP_ADM)
+
+
+def edm_zip_name(index: int, template: str = EDM_ZIP_IMAGE) -> str:
+    """The archive name of the ``index``-th data file: ``NNNNN/imgNNNNNNNN.png`` (folder = the first five digits)."""
+    digits = f"{index:0{EDM_ZIP_INDEX_DIGITS}d}"
+    if len(digits) != EDM_ZIP_INDEX_DIGITS:
+        raise ValueError(f"an edm-zip archive holds at most {10 ** EDM_ZIP_INDEX_DIGITS} files, index {index}")
+    return f"{digits[:EDM_ZIP_FOLDER_DIGITS]}/{template.format(index=digits)}"
+
 # Energon subflavor values.
 ENCODING_PREENCODED = "preencoded"
 ENCODING_RAW = "raw"
@@ -98,8 +122,11 @@ ENCODING_LTX2 = "ltx2"  # pre-encoded with an LTX-2 checkpoint (video + audio)
 ENCODING_RAW_VIDEO = "raw_video"  # clips stored as mp4, not encoded
 ENCODING_LTX2_AUDIO = "ltx2_audio"  # LTX-2 audio only (T2A): audio latents and text, no video latents
 ENCODING_PREENCODED_NUMPY = "preencoded_numpy"  # already encoded elsewhere, ingested as stored (MLPerf Flux)
+ENCODING_SD_VAE = "sd_vae"  # the SD VAE's posterior (mean, std) per image, written as an edm-zip archive
 ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO,
-             ENCODING_PREENCODED_NUMPY)
+             ENCODING_PREENCODED_NUMPY, ENCODING_SD_VAE)
+# An sd_vae sample's posterior: float32 [8, H/8, W/8], the mean then the std, as a .npy (the archive's bytes).
+SD_VAE_POSTERIOR = "mean_std.npy"
 
 # The LTX-2 trainer's layout (--layout ltx; reference/consumer-formats.md A1/A2): under <out>/.precomputed/, one
 # torch.save'd dict per sample and folder, named after the sample's media path relative to the metadata file with

@@ -103,6 +103,7 @@ class ImageSpec:
     background: tuple[int, int, int] = (255, 255, 255)
     buckets: tuple[tuple[int, int], ...] = ()
     min_size: int | None = None
+    crop: str | None = None  # edm | adm: the crop of the tool FastGen runs (diffprep.crops); fixed size only
 
     def __post_init__(self) -> None:
         for name in ("image_size", "max_size"):
@@ -131,6 +132,7 @@ class ImageSpec:
             background=tuple(cfg.background),
             buckets=tuple((b.width, b.height) for b in image_buckets(cfg)),
             min_size=cfg.min_size,
+            crop=cfg.crop,
         )
 
 
@@ -199,13 +201,20 @@ def prepare_image(data: bytes, spec: ImageSpec) -> PreparedImage:
         if spec.min_size is not None and min(width, height) < spec.min_size:
             raise RejectError("image_too_small", f"{width}x{height}: the shorter side {min(width, height)} px is "
                               f"below image.min_size {spec.min_size} (--min-image-size)")
-        (out_w, out_h), box = _plan(width, height, spec)
-        if out_w > box[2] - box[0] or out_h > box[3] - box[1]:
-            notes.append(UPSCALED)
-        if (box[2] - box[0], box[3] - box[1]) == (out_w, out_h):
-            out = rgb.crop(box)  # scale 1: an exact crop, no resampling
+        if spec.crop:
+            from diffprep.crops import crop_image
+
+            out, box = crop_image(rgb, spec.crop, spec.image_size)
+            if min(width, height) < spec.image_size:
+                notes.append(UPSCALED)
         else:
-            out = rgb.resize((out_w, out_h), Image.Resampling.LANCZOS, box=box)
+            (out_w, out_h), box = _plan(width, height, spec)
+            if out_w > box[2] - box[0] or out_h > box[3] - box[1]:
+                notes.append(UPSCALED)
+            if (box[2] - box[0], box[3] - box[1]) == (out_w, out_h):
+                out = rgb.crop(box)  # scale 1: an exact crop, no resampling
+            else:
+                out = rgb.resize((out_w, out_h), Image.Resampling.LANCZOS, box=box)
     # [H, W, 3] -> [3, H, W]; ascontiguousarray makes the one (writable) copy torch needs.
     pixels = torch.from_numpy(np.ascontiguousarray(np.asarray(out).transpose(2, 0, 1)))
     return PreparedImage(pixels=pixels, original_size=(width, height), crop_box=box, notes=tuple(notes))

@@ -103,13 +103,15 @@ def data_files(manifests: dict[int, UnitManifest], plan: Plan | None) -> set[str
 
 def planned_files(plan: Plan) -> list[str]:
     """Every data file a run of ``plan`` writes: its shards and their indexes, or its layout's files."""
+    from diffprep.encodings import edm_zip
     from diffprep.encodings.ltx_layout import is_ltx
     from diffprep.encodings.ltx_layout import planned_files as ltx_files
 
     if is_ltx(plan):
         return ltx_files(plan)
     shards = [contract.shard_name(unit.unit) for unit in plan.units]
-    return shards + [contract.index_name(name) for name in shards]
+    archive = edm_zip.planned_files(plan) if edm_zip.is_edm_zip(plan) else []  # dataset.zip, assembled at finalize
+    return shards + [contract.index_name(name) for name in shards] + archive
 
 
 def read_as_data(path: str, plan: Plan) -> bool:

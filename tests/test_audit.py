@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -246,3 +247,33 @@ def test_rejects_named_retried_once_fixed_and_an_answer_kept(tmp_path: Path, dem
     assert fixed.samples == first.samples + 1
     saved = json.loads((tmp_path / "out" / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
     assert saved["inputs"] == saved["written"] + saved["rejected"] == 14 and saved["superseded"] == 1
+
+
+@pytest.mark.slow
+def test_a_metadata_row_fixed_in_the_file_or_on_disk_is_retried(tmp_path: Path, demo_data: Path, tiny_model: Path,
+                                                                settings_for) -> None:
+    """The metadata source stamps a rejected row (its values and its files): a caption added to the metadata file
+    and an image that appeared are retried on the next run, in new units; an unchanged reject is not."""
+    from diffprep.pipeline import run
+
+    images = sorted((demo_data / "images").iterdir())
+    rows = [{"image": f"images/{p.name}", "caption": f"picture {i}"} for i, p in enumerate(images[:4])]
+    del rows[1]["caption"]  # no caption: filled in the file below
+    rows.append({"image": "images/later.png", "caption": "not there yet"})  # appears below
+    rows.append({"image": "images/never.png", "caption": "never there"})  # stays rejected
+    listing = demo_data / "rows.json"
+    listing.write_text(json.dumps(rows))
+    settings = settings_for(tmp_path / "out", demo_data, tiny_model, finalize={"enabled": False},
+                            source={"type": "metadata", "metadata_file": str(listing), "input_dir": None},
+                            output={"accept_rejects": 0.5})
+    first = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked"))
+    assert first.samples == 3 and sum(first.rejects_by_reason.values()) == 3
+
+    again = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked"))
+    assert again.encoded_units == 0 and again.retried is None  # nothing changed: nothing retried
+
+    rows[1]["caption"] = "picture 1, captioned now"
+    listing.write_text(json.dumps(rows))
+    shutil.copy(images[5], demo_data / "images" / "later.png")
+    fixed = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked"))
+    assert fixed.retried == 2 and fixed.samples == 5 and sum(fixed.rejects_by_reason.values()) == 1

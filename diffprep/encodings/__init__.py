@@ -9,12 +9,14 @@ from diffprep.encodings.ltx2_audio import Ltx2Audio
 from diffprep.encodings.preencoded import Preencoded
 from diffprep.encodings.raw import Raw
 from diffprep.encodings.raw_video import RawVideo
+from diffprep.encodings.sd_vae import SdVaeLatents
 from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
 
 # Ltx2 before Wan: encoding_of_sample asks in this order, and an LTX-2 sample also has Wan's latents field.
 ENCODINGS: dict[str, Encoding] = {encoding.name: encoding
-                                  for encoding in (Preencoded(), Raw(), Ltx2Audio(), Ltx2(), Wan(), RawVideo(), Ingested())}
+                                  for encoding in (Preencoded(), Raw(), Ltx2Audio(), Ltx2(), Wan(), RawVideo(), Ingested(),
+                                                  SdVaeLatents())}
 
 
 def encoding_for(settings, kind: str, token: str | None = None) -> str:
@@ -47,5 +49,5 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Ingested", "Ltx2", "Ltx2Audio", "Preencoded", "Raw", "RawVideo", "SampleFields", "Wan",
+__all__ = ["ENCODINGS", "Encoding", "Ingested", "Ltx2", "Ltx2Audio", "Preencoded", "Raw", "RawVideo", "SampleFields", "SdVaeLatents", "Wan",
            "encoding_for", "encoding_of_sample", "get_encoding"]

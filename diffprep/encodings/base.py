@@ -123,6 +123,8 @@ class Encoding(ABC):
             sizing["buckets"] = [bucket_name(b.width, b.height) for b in image_buckets(image)]
         if image.min_size is not None:  # the same: only a plan that rejects small images records it
             sizing["min_size"] = image.min_size
+        if image.crop is not None:  # the same: only a plan cropped as EDM's or ADM's tool does records it
+            sizing["crop"] = image.crop
         byte = {
             "contract": contract.CONTRACT_VERSION,
             "encoding": self.name,

@@ -32,6 +32,7 @@ from diffprep.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.cooker import FluxRawTaskEncoder
 from diffprep.encodings.base import Encoding, SampleFields
+from diffprep.layouts import LayoutPreset
 from diffprep.errors import ConfigError, DatasetValidationError
 from diffprep.images import ImageSpec
 from diffprep.pictures import file_pixels
@@ -44,6 +45,7 @@ from diffprep.sources import Source
 
 # Field name in the shard -> Pillow format.
 IMAGE_FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+PNG_LEVEL = 6  # zlib level of a png run's files; an edm-zip run writes EDM's (0: stored)
 BATCH_SIZE = 16  # samples prepared per batch; only groups the work, any value gives the same bytes
 
 
@@ -54,7 +56,7 @@ def raw_fields(image_format: str) -> list[str]:
     return sorted([image_format, contract.RAW_CAPTION, contract.META])
 
 
-def image_bytes(pixels: torch.Tensor, image_format: str, quality: int) -> bytes:
+def image_bytes(pixels: torch.Tensor, image_format: str, quality: int, png_level: int = PNG_LEVEL) -> bytes:
     """uint8 RGB [3, H, W] -> an image file without metadata; same pixels and options, same bytes."""
     if image_format not in IMAGE_FORMATS:
         raise ConfigError(f"raw.image_format must be one of {list(IMAGE_FORMATS)}, got {image_format!r}")
@@ -68,7 +70,7 @@ def image_bytes(pixels: torch.Tensor, image_format: str, quality: int) -> bytes:
     elif image_format == "webp":
         image.save(buffer, format="WEBP", quality=quality, method=4, lossless=False, exact=False)
     else:
-        image.save(buffer, format="PNG", compress_level=6, optimize=False)
+        image.save(buffer, format="PNG", compress_level=png_level, optimize=False)
     return buffer.getvalue()
 
 
@@ -78,6 +80,7 @@ class RawImageWriter:
 
     image_format: str
     quality: int
+    png_level: int = PNG_LEVEL
 
     def __post_init__(self) -> None:
         raw_fields(self.image_format)  # refuses an unknown format before any sample is read
@@ -86,7 +89,7 @@ class RawImageWriter:
         """``SampleFields`` for ``encode_unit``: one dict of fields per sample of ``batch``."""
         return [
             {
-                self.image_format: image_bytes(batch.pixels[i], self.image_format, self.quality),
+                self.image_format: image_bytes(batch.pixels[i], self.image_format, self.quality, self.png_level),
                 contract.RAW_CAPTION: batch.captions[i],
                 contract.META: batch.metas[i],
             }
@@ -152,22 +155,42 @@ def stored_image(key: str, fields: Mapping[str, bytes]) -> torch.Tensor:
 
 
 def image_writer(settings: Settings) -> RawImageWriter:
-    return RawImageWriter(settings.raw.image_format, settings.raw.image_quality)
+    from diffprep.encodings.edm_zip import PNG_COMPRESS_LEVEL
+
+    edm = settings.output.layout == contract.LAYOUT_EDM_ZIP
+    return RawImageWriter(settings.raw.image_format, settings.raw.image_quality,
+                          PNG_COMPRESS_LEVEL if edm else PNG_LEVEL)
 
 
 class Raw(Encoding):
     """Prepared images stored as image files with their captions; nothing is encoded."""
 
     name = contract.ENCODING_RAW
-    layout_presets = None  # image files keep their names: jpg/png/webp, txt, meta.json
+    # Image files keep their names (jpg/png/webp, txt, meta.json); edm-zip assembles EDM's archive from them.
+    layout_presets = {contract.LAYOUT_EDM_ZIP: LayoutPreset(members={})}
 
     def plan_settings(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         if settings.video.target_fps is not None:
             raise ConfigError("--target-fps applies to clips: give --resolution-buckets \"WxHxF;...\" to store clips")
+        output = settings.output
+        if output.key_map or output.layout not in (contract.LAYOUT_ENERGON, contract.LAYOUT_EDM_ZIP):
+            raise ConfigError(f"the raw encoding keeps its member names "
+                              f"({', '.join(raw_fields(settings.raw.image_format))}): remove --layout {output.layout} / "
+                              f"--key-map (output.layout, output.key_map); its one other layout is edm-zip")
+        edm = settings.output.layout == contract.LAYOUT_EDM_ZIP
+        if edm:
+            from diffprep.encodings.edm_zip import check_settings
+
+            check_settings(settings)
         raw = settings.raw
         # png is lossless: its quality setting changes no byte.
         quality = None if raw.image_format == "png" else raw.image_quality
         identity = {"raw": {"image_format": raw.image_format, "image_quality": quality}}
+        if edm:  # only then: other raw plans keep their fingerprint
+            from diffprep.encodings.edm_zip import PNG_COMPRESS_LEVEL, class_count
+
+            identity["raw"]["png_compress_level"] = PNG_COMPRESS_LEVEL
+            identity |= class_count(settings)
         return self.byte_settings(settings, identity), {"fields": raw_fields(raw.image_format)}
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
@@ -185,6 +208,11 @@ class Raw(Encoding):
 
     def load(self, settings: Settings, token: str | None) -> RawImageWriter:
         return image_writer(settings)
+
+    def own_folders(self, plan: Plan | None) -> Any:
+        from diffprep.encodings import edm_zip
+
+        return edm_zip if edm_zip.is_edm_zip(plan) else None
 
     def sample_fields(self, settings: Settings, loaded: RawImageWriter) -> SampleFields:
         return loaded.sample_fields

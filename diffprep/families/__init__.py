@@ -47,6 +47,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("flux", ("FluxPipeline",), "diffprep.families.flux", "preencoded"),
     Family("wan", ("WanPipeline",), "diffprep.families.wan", "wan"),
     Family("ltx2", (), "diffprep.families.ltx2", "ltx2"),  # a single-file checkpoint (ltx2_checkpoint), no index
+    Family("sd-vae", (), "diffprep.families.sd_vae", "sd_vae"),  # a VAE folder alone: its config.json tells it
 )
 # The sections of an LTX-2 checkpoint's metadata config that make it one (its video and audio VAEs).
 LTX2_CONFIG_SECTIONS = ("vae", "audio_vae")
@@ -141,6 +142,10 @@ def family_of_model(model_path: str, family: str | None = None, *, revision: str
         return detect_family(folder)
     if (folder.is_dir() or folder.is_file()) and ltx2_checkpoint(folder) is not None:
         return get_family("ltx2")
+    from diffprep.families.sd_vae import is_sd_vae_folder
+
+    if is_sd_vae_folder(folder):
+        return get_family("sd-vae")
     if folder.is_dir():
         return get_family("flux")
     try:

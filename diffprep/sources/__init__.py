@@ -17,7 +17,7 @@ from diffprep.sources.imagefolder import ImageFolderSource
 from diffprep.sources.metadata import MetadataSource
 from diffprep.sources.webdataset import WebDatasetSource
 
-SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefolder")
+SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10")
 
 
 def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
@@ -33,6 +33,13 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
         if not cfg.input_dir:
             raise SourceError("source.input_dir is not set: give the folder of class folders (ImageNet's train/)")
         return ImageFolderSource(cfg.input_dir, class_names=cfg.class_names, caption_template=cfg.caption_template)
+    if cfg.type == "cifar10":
+        from diffprep.sources.cifar10 import Cifar10Source
+
+        if not cfg.input_path:
+            raise SourceError("source.input_path is not set: give the cifar-10-python.tar.gz release file")
+        return Cifar10Source(cfg.input_path, split=cfg.cifar_split, class_names=cfg.class_names,
+                             caption_template=cfg.caption_template)
     if cfg.type == "huggingface":
         # Imported here: datasets takes a second to import and only this source needs it.
         from diffprep.sources.huggingface import HuggingFaceSource

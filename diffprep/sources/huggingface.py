@@ -57,7 +57,7 @@ from diffprep.sources.base import (
     reject,
     rejected,
 )
-from diffprep.sources.labels import LabelCaptions, checked_template
+from diffprep.sources.labels import LabelCaptions, LabeledSample, checked_template
 
 IMAGE_COLUMNS = ("image", "img", "jpg", "jpeg", "png", "webp")
 VIDEO_COLUMNS = ("video", "mp4", "webm", "clip")
@@ -284,6 +284,9 @@ class HuggingFaceSource:
                 raise reject("missing_caption", f"{where}: no field {self.caption_key!r}")
             if isinstance(value, int) and not isinstance(value, bool):
                 caption = self._label_caption(value, where)
+                if not self.is_video:  # the label a class-conditional trainer reads (meta.json; edm-zip's labels)
+                    return LabeledSample(source_id, media, caption, label=value,
+                                         class_name=self._labels.name(value, where))
             else:
                 caption = normalize_caption(value, f"{where} {self.caption_key!r}")
         except RejectError as exc:

@@ -67,6 +67,7 @@ use the directory or webdataset source for more.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -80,6 +81,7 @@ from diffprep.sources.base import (
     UNREADABLE_IMAGE_EXTENSIONS,
     SourceSample,
     escape_id,
+    file_stamp,
     is_image_name,
     is_video_name,
     normalize_caption,
@@ -91,6 +93,7 @@ from diffprep.storage import (
     S3Url,
     StorageUnavailableError,
     is_s3_url,
+    object_stamp,
     parse_s3_url,
     read_object,
     s3_client,
@@ -373,23 +376,50 @@ class MetadataSource:
         except RejectError as exc:
             return sample(None, exc)
 
-    def _read_media(self, media: str, where: str, missing: str = "media_not_found") -> bytes:
-        """The bytes of the file a row names, or a reject saying why not."""
+    def stamps(self, ids: Sequence[str]) -> dict[str, str]:
+        """Each row as it is now: its media file's stamp (a stat, or a HEAD in a bucket), a digest of the row's
+        values (a caption fixed in the metadata file changes it) and the stamps of the other files it names."""
+        return {source_id: self._stamp(source_id) for source_id in ids}
+
+    def _stamp(self, source_id: str) -> str:
+        index = self._by_id.get(source_id)
+        if index is None:
+            return "-"
+        row = self._rows[index]
+        values = json.dumps([_plain(v) for v in (row.media, row.caption, row.reference, *row.extras)],
+                            sort_keys=True, default=str)
+        files = [v.strip() for v in (row.reference, *row.extras) if isinstance(v, str) and v.strip()]
+        media = self._file_stamp(row.media) if isinstance(row.media, str) and row.media else "-"
+        digest = hashlib.sha256(values.encode("utf-8")).hexdigest()[:16]
+        return " ".join([media, digest, *(self._file_stamp(f) for f in files)])
+
+    def _file_stamp(self, path: str) -> str:
+        try:
+            location = self._locate(path, "")
+        except RejectError:
+            return "-"
+        return object_stamp(self._s3(), location) if isinstance(location, S3Url) else file_stamp(location)
+
+    def _locate(self, media: str, where: str) -> str | S3Url:
+        """Where the file a row names is: a local path or an object (a path leading out of the bucket: a reject)."""
         if is_s3_url(media):
             try:
-                location: str | S3Url = parse_s3_url(media, "the path")
+                return parse_s3_url(media, "the path")
             except SourceError as exc:
                 raise reject("invalid_media_path", f"{where}: {exc}") from None
-        elif os.path.isabs(media):
-            location = media
-        elif self._s3_folder is not None:
+        if os.path.isabs(media):
+            return media
+        if self._s3_folder is not None:
             key = posixpath.normpath(posixpath.join(self._s3_folder.key, media))
             if key == ".." or key.startswith("../"):
                 raise reject("invalid_media_path",
                              f"{where}: {media!r} leads out of the bucket {self._s3_folder.bucket}")
-            location = S3Url(self._s3_folder.bucket, key)
-        else:
-            location = os.path.join(self._local_folder, media)
+            return S3Url(self._s3_folder.bucket, key)
+        return os.path.join(self._local_folder, media)
+
+    def _read_media(self, media: str, where: str, missing: str = "media_not_found") -> bytes:
+        """The bytes of the file a row names, or a reject saying why not."""
+        location = self._locate(media, where)
         try:
             if isinstance(location, S3Url):
                 return read_object(self._s3(), location)
@@ -400,6 +430,11 @@ class MetadataSource:
             raise reject(missing, f"{where}: {media!r} is not a file ({location})") from None
         except OSError as exc:
             raise reject("source_read_error", f"{where}: {location}: {exc}") from None
+
+
+def _plain(value: Any) -> Any:
+    """A row's value for its digest (an absent column as null)."""
+    return None if value is _ABSENT else value
 
 
 def _read_local(path: str) -> bytes:

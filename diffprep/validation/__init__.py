@@ -80,10 +80,10 @@ def validate_dataset(
     elif not output.local.is_dir():
         return _report(output, [Check("metadata", False, f"{output.local} is not a directory")], {})
 
-    # A trainer's own folders (the LTX layout), read as that trainer reads them. (A plan.json may hold only the
-    # ``expected`` shapes: the layout decides whether it must be a whole plan.)
+    # A trainer's own folders (the LTX layout) or archive (edm-zip), read as that trainer reads them. (A plan.json
+    # may hold only the ``expected`` shapes: the layout decides whether it must be a whole plan.)
     recorded = output.state.read_json(contract.PLAN_JSON) or {}
-    if Layout.of_plan(recorded.get("settings")).name == contract.LAYOUT_LTX:
+    if Layout.of_plan(recorded.get("settings")).name in (contract.LAYOUT_LTX, contract.LAYOUT_EDM_ZIP):
         plan = output.state.plan()
         return get_encoding(plan.encoding).own_folders(plan).validate(output, plan)
     summary: dict[str, Any] = {"max_load": max_load} if max_load is not None else {}

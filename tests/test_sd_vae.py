@@ -1,0 +1,102 @@
+"""The sd-vae family: the tiny set loads through from_pretrained, and the stored posterior is diffusers' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffprep.errors import ConfigError
+from diffprep.families.sd_vae import is_sd_vae_folder, latent_shape, load_sd_vae
+from diffprep.families.sd_vae_tiny import write_tiny_sd_vae
+
+
+def test_posterior_is_diffusers_mean_and_std_from_pixels_in_minus_one_one(tmp_path) -> None:
+    from diffusers import AutoencoderKL
+
+    folder = write_tiny_sd_vae(tmp_path / "vae", seed=3)
+    assert is_sd_vae_folder(folder) and sorted(p.name for p in folder.iterdir()) == [
+        "config.json", "diffusion_pytorch_model.safetensors"]
+    pixels = torch.randint(0, 256, (2, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    stored = load_sd_vae(str(folder)).posterior(pixels)
+    assert stored.dtype == torch.float32 and list(stored.shape[1:]) == latent_shape(32) == [8, 4, 4]
+
+    reference = AutoencoderKL.from_pretrained(folder).eval()
+    with torch.no_grad():
+        dist = reference.encode(pixels.float() / 127.5 - 1.0).latent_dist
+    assert torch.equal(stored[:, :4], dist.mean) and torch.equal(stored[:, 4:], dist.std)  # exact in fp32
+    assert (stored[:, 4:] > 0).all()
+
+
+def test_the_tiny_set_is_written_by_the_cli_and_its_config_tells_the_family(tmp_path) -> None:
+    from diffprep.cli import main
+    from diffprep.families import family_of_model
+
+    assert main(["tiny-model", str(tmp_path / "sd"), "--family", "sd-vae"]) == 0
+    assert family_of_model(str(tmp_path / "sd")).name == "sd-vae"
+    assert family_of_model(str(tmp_path)).name == "flux"  # a folder without the VAE config: as before
+
+
+def test_a_vae_with_other_latent_channels_is_refused(tmp_path) -> None:
+    from diffprep.families.flux_tiny import _vae
+
+    _vae().save_pretrained(tmp_path / "flux-vae")
+    assert not is_sd_vae_folder(tmp_path / "flux-vae")
+    with pytest.raises(ConfigError, match="16 latent channels"):
+        load_sd_vae(str(tmp_path / "flux-vae"))
+
+
+@pytest.mark.slow
+def test_imagenet_256_latents_archive_holds_each_images_posterior(tmp_path) -> None:
+    import json
+    import zipfile
+
+    import numpy as np
+    from PIL import Image
+
+    from diffprep import contract
+    from diffprep.config import load_settings
+    from diffprep.pipeline import run
+
+    folder = write_tiny_sd_vae(tmp_path / "vae")
+    root = tmp_path / "train"
+    for label, name in enumerate(["n0", "n1"]):
+        (root / name).mkdir(parents=True)
+        for i in range(2):
+            pixels = np.random.default_rng(label * 2 + i).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+            Image.fromarray(pixels, "RGB").save(root / name / f"{name}_{i}.png")
+    out = tmp_path / "imagenet-256-sd"
+    settings = load_settings(overrides={
+        "source": {"type": "imagefolder", "input_dir": str(root)},
+        "output": {"output_dir": str(out), "shard_size": 4, "layout": "edm-zip"},
+        "model": {"model_path": str(folder), "device": "cpu"},
+        "image": {"image_size": 32, "decode_workers": 1, "crop": "adm"},
+        "finalize": {"train_split": 1.0},
+    })
+    assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 4
+    vae = load_sd_vae(str(folder))
+    from diffprep.images import ImageSpec, prepare_image
+
+    spec = ImageSpec(image_size=32, crop="adm")
+    with zipfile.ZipFile(out / contract.EDM_ZIP) as zf:
+        names = zf.namelist()
+        assert names == [f"00000/img-mean-std-{i:08d}.npy" for i in range(4)] + ["dataset.json"]
+        assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_STORED}
+        labels = dict(json.loads(zf.read("dataset.json"))["labels"])
+        sources = [root / "n0" / "n0_0.png", root / "n0" / "n0_1.png", root / "n1" / "n1_0.png",
+                   root / "n1" / "n1_1.png"]
+        # One unit, one batch of four (CPU kernels change last bits with the batch shape, not with anything else).
+        want = vae.posterior(torch.stack([prepare_image(p.read_bytes(), spec).pixels for p in sources])).numpy()
+        for index, name in enumerate(names[:-1]):
+            with zf.open(name) as handle:
+                stored = np.load(handle)  # FastGen reads it so; reshape(-1, H, W) keeps [8, 4, 4]
+            assert stored.dtype == np.float32 and stored.shape == (8, 4, 4)
+            assert np.array_equal(stored, want[index]) and labels[name] == index // 2
+    report = json.loads((out / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())
+    assert report["ok"], report
+
+    # Resumed with the unit's manifest gone: verify-existing reads the shard, the unit is redone, the same archive.
+    archive = (out / contract.EDM_ZIP).read_bytes()
+    (out / contract.unit_manifest_path(0)).unlink()
+    settings.output.on_existing = "resume"
+    assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 4
+    assert (out / contract.EDM_ZIP).read_bytes() == archive
