@@ -43,7 +43,7 @@ def test_only_what_manifests_plans_and_names_give_is_ours(make_plan, write_unit,
         ".diffprep/plan.json", ".diffprep/units/000000.json", ".diffprep/units/README", ".diffprep/audit.json",
         ".diffprep/sanity/report.json", ".diffprep/sanity/anything.png", ".diffprep/tmp/000003.tar.h.1.tmp",
         ".diffprep/text_cache/abc/" + "e" * 64 + ".pt", ".diffprep/text_cache/abc/x.pt", ".diffprep/lock.json", ".diffprep/lock-shard-0002.json",
-        ".diffprep/my-notes.txt",
+        ".diffprep/my-notes.txt", ".diffprep/rejects_answer.json", ".diffprep/downloads/data-00001.arrow.part",
         # atomic writes' temporary names, host names with dots included
         ".nv-meta/.dataset.yaml.node-1.cluster.example.42.tmp", ".my.file.host.7.tmp",
         "README.md", "extra/000000.tar",
