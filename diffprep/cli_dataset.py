@@ -81,8 +81,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_latent_stats(args: argparse.Namespace) -> int:
     from diffprep.encodings.ltx_layout import dataset_root
     from diffprep.errors import DatasetValidationError
-    from diffprep.latent_stats import dataset_stats, stats_bytes, summary
+    from diffprep.latent_stats import dataset_stats, summary
     from diffprep.output import OutputRef
+    from diffprep.shards import torch_bytes
 
     output = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
                        profile=args.s3_profile).open()
@@ -93,7 +94,7 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
     stats = dataset_stats(output, plan, full_cov=args.full_cov)
     if not stats:
         raise DatasetValidationError(f"{output.uri} has no committed latents (encoding {plan.encoding!r})")
-    data = stats_bytes(stats)
+    data = torch_bytes(stats)
     if args.output:
         Path(args.output).write_bytes(data)
         where = args.output

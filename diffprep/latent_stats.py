@@ -24,7 +24,6 @@ without re-encoding: ``diffprep latent-stats OUT``.
 
 from __future__ import annotations
 
-import io
 import tarfile
 from collections.abc import Iterator
 from typing import Any
@@ -176,12 +175,6 @@ def _arrange(totals: dict[str, LatentStats], per_bucket: dict[str, dict[str, Lat
     return stats
 
 
-def stats_bytes(stats: dict[str, Any]) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(stats, buffer)
-    return buffer.getvalue()
-
-
 def summary(stats: dict[str, Any]) -> dict[str, Any]:
     """What the validation summary and the command print: the count, samples and (full covariance) condition."""
     if "mean" not in stats:  # audio only: its field's
@@ -192,4 +185,4 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
     return line
 
 
-__all__ = ["LatentStats", "dataset_stats", "stats_bytes", "stored_latents", "summary"]
+__all__ = ["LatentStats", "dataset_stats", "stored_latents", "summary"]

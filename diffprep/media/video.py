@@ -177,24 +177,13 @@ def prepare_clip(
         box = cover_box(info.width, info.height, bucket)
         pixels = _decode_frames(container, info, chosen, bucket, box)
 
-    meta = {
-        "container": info.container,
-        "codec": info.codec,
-        "original_size": [info.width, info.height],
-        "rotation": info.rotation,
+    meta = clip_meta(info, chosen, bucket, box) | {
         "sample_aspect_ratio": info.sample_aspect_ratio,
-        "source_fps": info.fps,
-        "source_frames": info.frames,
         "source_duration": round(info.duration, 6),
-        "variable_frame_rate": info.variable_frame_rate,
         "has_audio": info.has_audio,
         "target_fps": target_fps,
         "frame_sampling": frame_sampling,
         "fps": playback_fps(info.fps, target_fps, len(available), bucket.frames, frame_sampling),
-        "frame_indices": chosen,
-        "frame_times": [round(float(info.frame_times[i]), 6) for i in chosen],
-        "bucket": [bucket.width, bucket.height, bucket.frames],
-        "crop_box": list(box),
     }
     track = None
     if audio:
@@ -206,6 +195,24 @@ def prepare_clip(
         meta["audio"] = {"sample_rate": track.sample_rate, "source_channels": track.source_channels,
                          "duration": track.duration}
     return PreparedClip(pixels=pixels, bucket=bucket, info=info, meta=meta, audio=track)
+
+
+def clip_meta(info: ClipInfo, chosen: list[int], bucket: Bucket, box: tuple[int, int, int, int]) -> dict:
+    """What every prepared clip's meta.json says of its source and of the frames it kept: the container, the frame
+    indices and times, the bucket and the crop box (callers add how the frames were chosen)."""
+    return {
+        "container": info.container,
+        "codec": info.codec,
+        "original_size": [info.width, info.height],
+        "rotation": info.rotation,
+        "source_fps": info.fps,
+        "source_frames": info.frames,
+        "variable_frame_rate": info.variable_frame_rate,
+        "frame_indices": chosen,
+        "frame_times": [round(float(info.frame_times[i]), 6) for i in chosen],
+        "bucket": [bucket.width, bucket.height, bucket.frames],
+        "crop_box": list(box),
+    }
 
 
 def prepare_image_clip(data: bytes, buckets: Sequence[Bucket], *, max_pixels: int = 89_478_485) -> PreparedClip:

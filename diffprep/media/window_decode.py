@@ -56,21 +56,10 @@ def decode_window(data: bytes, bucket: Bucket, first: int, last: int, *, target_
     if work is not None:
         work["decoded"] = decoded
     fps = target_fps or info.fps or None
-    meta = {
-        "container": info.container,
-        "codec": info.codec,
-        "original_size": [info.width, info.height],
-        "rotation": info.rotation,
-        "source_fps": info.fps,
-        "source_frames": info.frames,
-        "variable_frame_rate": info.variable_frame_rate,
+    meta = video.clip_meta(info, chosen, bucket, box) | {
         "target_fps": target_fps,
         "fps": round(fps, 6) if fps else None,
         "window": [first, last],
-        "frame_indices": chosen,
-        "frame_times": [round(float(info.frame_times[i]), 6) for i in chosen],
-        "bucket": [bucket.width, bucket.height, bucket.frames],
-        "crop_box": list(box),
     }
     return pixels, meta
 
