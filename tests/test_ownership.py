@@ -114,14 +114,15 @@ def answers_keep_foreign_files(root: Path, again, planted: dict[str, bytes], oth
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["energon", "fastgen", "raw"])
+@pytest.mark.parametrize("layout", ["energon", "fastgen", "raw", "edm-zip"])
 def test_every_answer_keeps_foreign_files_in_image_layouts(layout, tmp_path, images, tiny_model,
                                                            settings_for) -> None:
     out = tmp_path / "out"
-    encoding = "raw" if layout == "raw" else "preencoded"
+    encoding = "raw" if layout in ("raw", "edm-zip") else "preencoded"
     output = {} if layout == "raw" else {"layout": layout}
     model = {"negative_prompt": "blurry"} if layout == "fastgen" else {}  # its files at the top are diffprep's too
-    assert run(image_settings(settings_for, out, images, tiny_model, output, model=model), encoding,
+    raw = {"image_format": "png"} if layout == "edm-zip" else {}  # EDM's archive holds PNGs
+    assert run(image_settings(settings_for, out, images, tiny_model, output, model=model, raw=raw), encoding,
                ask=never_ask).samples == 4
     planted = plant(out, {".nv-meta/custom/keep.yaml": b"mine: true\n", "notes/000000.tar": b"a shard name, below"})
     if layout == "energon":
@@ -131,7 +132,7 @@ def test_every_answer_keeps_foreign_files_in_image_layouts(layout, tmp_path, ima
 
     def again(on_existing):
         settings = image_settings(settings_for, out, images, tiny_model, {**output, "on_existing": on_existing},
-                                  model=model, image={"image_size": 64})
+                                  model=model, raw=raw, image={"image_size": 64})
         return run(settings, encoding, ask=never_ask)
 
     answers_keep_foreign_files(out, again, planted, tmp_path / "out-v2")
