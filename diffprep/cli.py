@@ -44,6 +44,8 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),
     "--cifar-split": ("source", "cifar_split"),
+    "--scene-format": ("source", "scene_format"),
+    "--pose-key": ("source", "pose_key"),
     "--num-classes": ("source", "num_classes"),
     "--s3-endpoint-url": ("source", "s3_endpoint_url"),
     "--s3-profile": ("source", "s3_profile"),
@@ -107,6 +109,14 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
 }
+SCENE_FLAGS: dict[str, tuple[str, str]] = {
+    "--scene-frames": ("scenes", "frames"),
+    "--chunk-frames": ("scenes", "chunk_frames"),
+    "--scene-resolution": ("scenes", "resolution"),
+    "--depth-resolution": ("scenes", "depth_resolution"),
+    "--scene-fps": ("scenes", "fps"),
+}
+ENCODE_FLAGS.update(SCENE_FLAGS)
 LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--clip-mode", "--clip-stride", "--clips-per-scene")
 # `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored formats; the clip
 # flags (--resolution-buckets: store clips) without the VAE's tiling.

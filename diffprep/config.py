@@ -23,17 +23,18 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from diffprep.config_files import read_config, refuse_unexpanded
 from diffprep.errors import ConfigError
 
-SourceType = Literal["directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10"]
+SourceType = Literal["directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10", "scenes"]
 Precision = Literal["bf16", "fp16", "fp32"]
 LatentMode = Literal["sample", "mode", "posterior"]
 OnExisting = Literal["resume", "overwrite", "abort", "new-dir", "reuse"]
 OnSplitChange = Literal["replace", "keep", "abort"]
 RawImageFormat = Literal["jpg", "png", "webp"]
 FamilyName = Literal["flux", "wan", "ltx2", "sd-vae"]
-FrameSampling = Literal["head", "uniform"]
+FrameSampling = Literal["head", "uniform", "progressive"]
+SceneFormat = Literal["re10k", "dl3dv", "scannetpp", "mvssynth", "nerfstudio", "colmap"]
 # How the samples are laid out on disk (diffprep.layouts): energon = shards under diffprep's own field names;
 # fastgen = shards under FastGen's member names; ltx = the LTX-2 trainer's .precomputed/ folders (LTX-2 only).
-Layout = Literal["energon", "fastgen", "ltx", "edm-zip"]
+Layout = Literal["energon", "fastgen", "ltx", "edm-zip", "gae"]
 Crop = Literal["edm", "adm"]
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.1-dev"
@@ -47,7 +48,8 @@ class _Section(BaseModel):
 SOURCE_LOCATIONS: dict[str, str] = {"directory": "input_dir", "huggingface": "hf_dataset",
                                     "webdataset": "input_path", "metadata": "metadata_file"}
 # Every source type's location field; imagefolder reads input_dir too, so it is never inferred from a location.
-SOURCE_NEEDS: dict[str, str] = {**SOURCE_LOCATIONS, "imagefolder": "input_dir", "cifar10": "input_path"}
+SOURCE_NEEDS: dict[str, str] = {**SOURCE_LOCATIONS, "imagefolder": "input_dir", "cifar10": "input_path",
+                                "scenes": "input_dir"}
 
 
 class SourceConfig(_Section):
@@ -108,6 +110,13 @@ class SourceConfig(_Section):
         None, ge=1, description="edm-zip: the label width the trainer must see (FastGen takes max(label)+1): 10 for "
         "CIFAR-10, 1000 for ImageNet. Validation refuses an archive whose labels give another width. Unset: the "
         "source's own count where it knows it (class folders, CIFAR-10).",
+    )
+    scene_format: SceneFormat | None = Field(
+        None, description="scenes: the layout of the posed scenes under --input-dir: re10k | dl3dv | scannetpp | "
+        "mvssynth | nerfstudio | colmap (the README's \"Scenes and cameras\" names each one's files).",
+    )
+    pose_key: Literal["pose", "aligned_pose"] = Field(
+        "pose", description="scenes, scannetpp: which camera-to-world of pose_intrinsic_imu.json to read.",
     )
     cifar_split: Literal["train", "test"] = Field(
         "train", description="cifar10: train (data_batch_1..5, 50,000 images) or test (test_batch, 10,000)."
@@ -354,6 +363,24 @@ class VideoConfig(_Section):
     )
 
 
+class SceneConfig(_Section):
+    """How a posed scene (``--source-type scenes``) becomes a sample: its frames, chunks and size."""
+
+    frames: int | None = Field(
+        None, ge=1, description="Frames kept per scene (--frame-sampling uniform | progressive | head); a scene with "
+        "fewer is the reject too_few_frames. Unset: every frame.",
+    )
+    chunk_frames: int | None = Field(
+        400, ge=2, description="Scenes longer than this are cut into chunk_NNN samples of this many frames (a tail "
+        "under half of it joins the last chunk), each with its own caption. Unset: never cut.",
+    )
+    resolution: int | None = Field(
+        None, ge=2, description="Centre square crop, then resize to S x S (K follows). Unset: the frames' own size.",
+    )
+    depth_resolution: int = Field(192, ge=1, description="Depth sources: the stored depth maps' side (nearest).")
+    fps: float = Field(15.0, gt=0, description="The frame rate a scene's video.mp4 is stored at.")
+
+
 class RawConfig(_Section):
     image_format: RawImageFormat = Field("jpg", description="Raw pipeline: file format of the stored images.")
     image_quality: int = Field(
@@ -435,6 +462,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "image": ImageConfig,
     "video": VideoConfig,
+    "scenes": SceneConfig,
     "raw": RawConfig,
     "finalize": FinalizeConfig,
     "auth": AuthConfig,
@@ -468,6 +496,7 @@ class Settings(BaseSettings):
     model: ModelConfig = ModelConfig()
     image: ImageConfig = ImageConfig()
     video: VideoConfig = VideoConfig()
+    scenes: SceneConfig = SceneConfig()
     raw: RawConfig = RawConfig()
     finalize: FinalizeConfig = FinalizeConfig()
     auth: AuthConfig = AuthConfig()
@@ -491,6 +520,7 @@ class _RunParameters(BaseModel):
     source: SourceConfig = Field(default_factory=SourceConfig, description="Where samples come from.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Destination, sharding, approvals.")
     image: ImageConfig = Field(default_factory=ImageConfig, description="Image decoding and sizing.")
+    scenes: SceneConfig = Field(default_factory=SceneConfig, description="Posed scenes: frames, chunks, size.")
     finalize: FinalizeConfig = Field(default_factory=FinalizeConfig, description="Energon metadata and splits.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Hugging Face credentials.")
 
