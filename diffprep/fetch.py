@@ -22,6 +22,7 @@ from diffprep.errors import SourceError
 from diffprep.output import Output, as_output
 from diffprep.encodings.clips import planned_spec
 from diffprep.long_videos import plan_clips
+from diffprep.media.scene_frames import SceneSpec
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
@@ -44,7 +45,7 @@ def fetch(
     encoding = encoding_for(settings, encoding, token)
     byte, expected = get_encoding(encoding).planned(settings, token)
     fp = fingerprint(byte)
-    source = open_source(settings.source, token=token)
+    source = open_source(settings.source, token=token, scenes=SceneSpec.from_settings(settings))
     previous = output.state.plan() if output.local.is_dir() else None
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do
