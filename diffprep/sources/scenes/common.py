@@ -152,12 +152,12 @@ def own_caption(folder: Path) -> str | None:
     return decode_caption_bytes(path.read_bytes(), f"{folder.name}/{CAPTION_FILE}")
 
 
-def camera(frame: str, build: Callable[[], np.ndarray]) -> np.ndarray:
-    """A frame's matrix from ``build``; a CameraError or a bad value becomes the frame's named reject."""
+def camera(frame: str, build: Callable[[], np.ndarray], reason: str = "invalid_pose") -> np.ndarray:
+    """A frame's matrix from ``build``; a CameraError becomes the frame's ``reason`` reject."""
     try:
         return build()
     except CameraError as error:
-        raise reject("invalid_pose", f"frame {frame}: {error}") from None
+        raise reject(reason, f"frame {frame}: {error}") from None
 
 
 def make_frame(name: str, image: str, c2w: np.ndarray, K: np.ndarray, original_idx: int,

@@ -114,7 +114,7 @@ def _load_transforms(found: SceneDir, caption: str | None) -> Scene:
     K = cameras.intrinsics(*(number(data.get(key), f"{TRANSFORMS} {key}") for key in ("fl_x", "fl_y", "cx", "cy")))
     if data.get("w") is not None or data.get("h") is not None:
         stated = (number(data.get("w"), f"{TRANSFORMS} w"), number(data.get("h"), f"{TRANSFORMS} h"))
-        K = camera("(all)", lambda: cameras.rescale(K, stated, size))
+        K = camera("(all)", lambda: cameras.rescale(K, stated, size), "invalid_intrinsics")
     frames = []
     for index, stem in enumerate(stems):
         entry = by_stem[stem]
