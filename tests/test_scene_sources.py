@@ -307,3 +307,11 @@ def test_mvssynth_missing_pose_and_colmap_missing_image(tmp_path):
     cm = render(tmp_path / "cm", "colmap", frames=3)
     (tmp_path / "cm" / "scene0" / "images" / "img_001.png").unlink()
     assert rejected(source(tmp_path / "cm", "colmap"), cm.source_id)[0] == "missing_frame"
+
+
+def test_two_frames_of_one_name_are_a_reject_not_one_kept(tmp_path):
+    scene = render(tmp_path, "re10k", frames=3)
+    edit_json(tmp_path / scene.source_id / "transforms.json",
+              lambda d: d["frames"].append({**d["frames"][0], "file_path": "other/" + d["frames"][0]["file_path"]}))
+    reason, detail = rejected(source(tmp_path, "re10k"), scene.source_id)
+    assert reason == "scene_unreadable" and "two frames" in detail

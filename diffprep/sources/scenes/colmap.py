@@ -21,7 +21,7 @@ from pathlib import Path
 from diffprep.media import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene
-from diffprep.sources.scenes.common import (SceneDir, SceneFormat, camera, frame_order, image_size, inside,
+from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, image_size, inside,
                                             make_frame, make_scene, own_caption, read_text, relative_id, require,
                                             walk_scenes)
 
@@ -97,10 +97,10 @@ def load(root: Path, found: SceneDir, pose_key: str) -> Scene:
         raise reject("scene_unreadable", "no cameras.txt + images.txt in sparse/0/, sparse/ or the scene folder")
     known = _cameras(model / "cameras.txt")
     images = _images(model / "images.txt")
-    by_stem = {Path(name).stem: name for name in images}
+    names = by_stem(((name, name) for name in images), "images.txt")
     frames = []
-    for index, stem in enumerate(frame_order(by_stem)):
-        name = by_stem[stem]
+    for index, stem in enumerate(frame_order(names)):
+        name = names[stem]
         pose, camera_id = images[name]
         if camera_id not in known:
             raise reject("missing_pose", f"frame {stem}: images.txt names camera {camera_id}, which cameras.txt "

@@ -17,7 +17,7 @@ from pathlib import Path
 from diffprep.media import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene
-from diffprep.sources.scenes.common import (SceneDir, SceneFormat, camera, frame_order, inside, make_frame,
+from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, inside, make_frame,
                                             make_scene, number, own_caption, read_json, relative_id, walk_scenes)
 
 NAME = "mvssynth"
@@ -43,8 +43,8 @@ def inputs(found: SceneDir) -> list[Path]:
 
 
 def load(root: Path, found: SceneDir, pose_key: str) -> Scene:
-    images = {path.stem: path for path in (found.path / IMAGES).iterdir()
-              if path.suffix.lower() == ".png" and not path.name.startswith(".")}
+    images = by_stem(((path.name, path) for path in sorted((found.path / IMAGES).iterdir())
+                      if path.suffix.lower() == ".png" and not path.name.startswith(".")), IMAGES)
     frames = []
     for index, stem in enumerate(frame_order(images)):
         pose_path = found.path / POSES / f"{stem}.json"

@@ -22,7 +22,7 @@ from typing import Any
 from diffprep.media import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene, SceneFrame
-from diffprep.sources.scenes.common import (SceneDir, SceneFormat, camera, frame_order, image_size, inside,
+from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, image_size, inside,
                                             make_frame, make_scene, number, own_caption, read_json, relative_id,
                                             walk_scenes)
 
@@ -61,19 +61,18 @@ def parse(path: Path, image_of, *, distortion: str,
     if not isinstance(data, dict) or not isinstance(data.get("frames"), list):
         raise reject("scene_unreadable", f"{path.name} holds no frames list")
     folder = path.parent
-    by_stem: dict[str, dict[str, Any]] = {}
     for entry in data["frames"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file_path"), str):
             raise reject("scene_unreadable", f"{path.name}: a frame without a file_path: {entry!r:.80}")
-        by_stem[Path(entry["file_path"]).stem] = entry
-    stems = frame_order(by_stem, numeric=numeric)
+    entries: dict[str, dict[str, Any]] = by_stem(((e["file_path"], e) for e in data["frames"]), path.name)
+    stems = frame_order(entries, numeric=numeric)
     if not stems:
         raise reject("too_few_frames", f"{path.name} lists no frames; a scene needs at least 2")
-    size = image_size(image_of(folder, by_stem[stems[0]]), stems[0])
+    size = image_size(image_of(folder, entries[stems[0]]), stems[0])
     found_distortion: dict[str, float] = {}
     frames = []
     for index, stem in enumerate(stems):
-        entry = by_stem[stem]
+        entry = entries[stem]
         values = {**data, **entry}
         model = str(values.get("camera_model", "OPENCV"))
         coefficients = {key: number(values[key], f"{stem} {key}") for key in DISTORTION if values.get(key)}

@@ -22,7 +22,7 @@ from pathlib import Path
 from diffprep.media import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene
-from diffprep.sources.scenes.common import (SceneDir, SceneFormat, camera, inside, make_frame, make_scene,
+from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, inside, make_frame, make_scene,
                                             own_caption, read_json, relative_id, walk_scenes)
 
 NAME = "scannetpp"
@@ -63,8 +63,8 @@ def inputs(found: SceneDir) -> list[Path]:
 def _stems(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
     if not folder.is_dir():
         return {}
-    return {path.stem: path for path in folder.iterdir()
-            if path.suffix.lower() in suffixes and not path.name.startswith(".")}
+    return by_stem(((path.name, path) for path in sorted(folder.iterdir())
+                    if path.suffix.lower() in suffixes and not path.name.startswith(".")), folder.name)
 
 
 def load(root: Path, found: SceneDir, pose_key: str) -> Scene:
