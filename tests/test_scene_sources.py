@@ -315,3 +315,22 @@ def test_two_frames_of_one_name_are_a_reject_not_one_kept(tmp_path):
               lambda d: d["frames"].append({**d["frames"][0], "file_path": "other/" + d["frames"][0]["file_path"]}))
     reason, detail = rejected(source(tmp_path, "re10k"), scene.source_id)
     assert reason == "scene_unreadable" and "two frames" in detail
+
+
+def test_settings_need_a_format_and_keep_progressive_to_scenes(tmp_path):
+    from diffprep.config import check_runnable, load_settings
+    from diffprep.errors import ConfigError
+
+    out = {"output_dir": str(tmp_path / "out")}
+    with pytest.raises(ConfigError, match="--scene-format re10k|dl3dv"):
+        check_runnable(load_settings(overrides={"source": {"type": "scenes", "input_dir": str(tmp_path)},
+                                                "output": out}))
+    with pytest.raises(ConfigError, match="progressive"):
+        check_runnable(load_settings(overrides={"source": {"type": "directory", "input_dir": str(tmp_path)},
+                                                "video": {"frame_sampling": "progressive"}, "output": out}))
+    settings = load_settings(overrides={"source": {"type": "scenes", "input_dir": str(tmp_path),
+                                                   "scene_format": "colmap"},
+                                        "video": {"frame_sampling": "progressive"}, "scenes": {"frames": 8},
+                                        "output": out})
+    check_runnable(settings)
+    assert SceneSpec.from_settings(settings) == SceneSpec(frames=8, sampling="progressive")
