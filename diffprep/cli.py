@@ -293,6 +293,11 @@ def print_summary(result: dict) -> None:
           f"units: {result['units']} ({result['encoded_units']} encoded this run)   time: {result['seconds']} s")
     for reason, count in result.get("rejects_by_reason", {}).items():
         print(f"    rejected {reason}: {count}")
+    if scenes := result.get("scenes"):  # long videos: what the plan cut
+        clips = ", ".join(f"{bucket} {n}" for bucket, n in scenes["clips"].items()) or "none"
+        discarded = ", ".join(f"{n} {why}" for why, n in sorted(scenes["discarded"].items())) or "none"
+        print(f"  long videos: {scenes['sources']} sources, {scenes['shots']} shots, {scenes['frames']} frames; "
+              f"clips per bucket: {clips}; frames in no clip: {discarded}")
     for name, count in result.get("notes", {}).items():
         print(f"    kept, {name}: {count}")
     if result.get("retried"):
