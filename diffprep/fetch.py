@@ -11,6 +11,7 @@ once the verify phase decided where it may go.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 
@@ -25,6 +26,8 @@ from diffprep.long_videos import plan_clips
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
+
+log = logging.getLogger(__name__)
 
 
 def fetch(
@@ -84,7 +87,12 @@ def fetch(
         retried=retried,
         retrying=len(retry),
         scenes=records,
+        changed_units=changed_inputs(output, previous, source) if previous is not None else [],
     )
+    if plan.changed_units:
+        log.warning("%d written units hold samples whose input files (a mask, a sound file, the clip) changed since "
+                    "they were read; they are encoded again: units %s", len(plan.changed_units),
+                    ", ".join(f"{u:06d}" for u in plan.changed_units[:10]))
     return plan, source
 
 
@@ -108,6 +116,24 @@ def changed_rejects(output: Output, previous: Plan, source: Source) -> list[str]
     # A sample whose own file is gone is not retried: the plan reports it missing from the source.
     return [sid for sid, stamp in recorded.items()
             if now.get(sid, stamp) != stamp and not now[sid].startswith("-")]
+
+
+def changed_inputs(output: Output, previous: Plan, source: Source) -> list[int]:
+    """The committed units of ``previous`` holding a written sample whose input files (its clip, caption, a mask, a
+    sound file: the source's stamp of its row) changed since it was read: their manifests' ``stamps``, kept by
+    runs whose clips have other inputs (plan.planned_inputs). One stamp per such sample; none in other runs."""
+    stamps = getattr(source, "stamps", None)
+    manifests = [m for m in output.state.manifests().values()
+                 if m.stamps and m.fingerprint == previous.fingerprint] if stamps is not None else []
+    if not manifests:
+        return []
+    now = stamps([sid for m in manifests for sid in m.stamps])
+    # A sample whose own file is gone is left as it is: the plan reports it missing from the source.
+
+    def changed(sid: str, stamp: str) -> bool:
+        return now.get(sid, stamp) != stamp and not now[sid].startswith("-")
+
+    return sorted(m.unit for m in manifests if any(changed(sid, stamp) for sid, stamp in m.stamps.items()))
 
 
 def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict,
