@@ -85,6 +85,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--clip-mode": ("video", "clip_mode"),
     "--clip-stride": ("video", "clip_stride"),
     "--clips-per-scene": ("video", "clips_per_scene"),
+    "--scene-captions": ("video", "scene_captions"),
     "--vae-tiling": ("video", "vae_tiling"),
     "--skip-audio": ("video", "skip_audio"),
     "--audio-durations": ("video", "audio_durations"),
@@ -117,7 +118,8 @@ SCENE_FLAGS: dict[str, tuple[str, str]] = {
     "--scene-fps": ("scenes", "fps"),
 }
 ENCODE_FLAGS.update(SCENE_FLAGS)
-LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--clip-mode", "--clip-stride", "--clips-per-scene")
+LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--clip-mode", "--clip-stride", "--clips-per-scene",
+                    "--scene-captions")
 # `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored formats; the clip
 # flags (--resolution-buckets: store clips) without the VAE's tiling.
 RAW_FLAGS: dict[str, tuple[str, str]] = {

@@ -10,7 +10,7 @@ shorter than every bucket, or unreadable) keeps its own id, and the encode phase
 
 Encode phase (:func:`read_clips`, :func:`prepare_clip_window`): a unit's clip ids are read from the source one
 source file per run of its windows, each window decoded alone (:mod:`diffprep.media.window_decode`). The
-caption of every clip is its source's.
+caption of every clip is its source's, or its shot's (or window's) in ``--scene-captions``.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 
 CHUNK = 16  # sources read at a time while planning
 
-__all__ = ["ShortShots", "changed_sources", "confirm_discarded", "discard_question", "discarded_frames", "plan_clips",
-           "prepare_clip_window", "read_clips", "scene_record", "scenes_markdown", "scenes_summary", "scenes_table",
-           "short_shots"]
+__all__ = ["ShortShots", "changed_sources", "confirm_discarded", "discard_question", "discarded_frames",
+           "plan_clips", "prepare_clip_window", "read_clips", "resplit_sources", "scene_record", "scenes_markdown",
+           "scenes_summary", "scenes_table", "short_shots", "source_of"]
 
 
 def scene_record(data: bytes, spec: ClipSpec) -> dict[str, Any]:
@@ -73,6 +73,7 @@ def plan_clips(source: Source, ids: Sequence[str], spec: ClipSpec, known: dict[s
                workers: int) -> tuple[list[str], Callable[[str], str | None], dict[str, dict[str, Any]]]:
     """The plan's ids (clip ids, source order), the bucket of each, and the ``scenes`` records of every source
     in ``ids`` (``known``: the earlier plan's, kept as they are; only other sources are read)."""
+    scene = spec.scenes
     records = {sid: known[sid] for sid in ids if sid in known}
     new = [sid for sid in ids if sid not in known]
     stamps = getattr(source, "stamps", None)  # a stat (or HEAD) per file: what it is now, without reading it
@@ -120,6 +121,13 @@ def plan_clips(source: Source, ids: Sequence[str], spec: ClipSpec, known: dict[s
         for window in windows:
             planned.append(clip_id(sid, window))
             buckets[planned[-1]] = str(window.bucket)
+    if scene.captions:  # a key that names no planned clip or shot: named, not silently dropped
+        known = set(planned) | {cid.rsplit(":", 1)[0] for cid in planned if parse_clip_id(cid)}
+        unused = [key for key, _ in scene.captions if key not in known]
+        if unused:
+            log.warning("--scene-captions: %d keys name no planned clip or shot (ids are <source id>#<shot> or "
+                        "<source id>#<shot>:<first>-<last>, as plan.json's scenes list them): %s", len(unused),
+                        ", ".join(unused[:10]))
     return planned, buckets.get, records
 
 
@@ -156,6 +164,32 @@ def discarded_frames(scenes: dict[str, dict[str, Any]]) -> dict[str, int]:
     return total
 
 
+def source_of(planned_id: str) -> str:
+    """The source id of a planned id: a clip id's source, else the id itself (a source the plan found no window in)."""
+    parsed = parse_clip_id(planned_id)
+    return parsed[0] if parsed else planned_id
+
+
+def resplit_sources(previous: Any, manifests: dict[int, Any], stamps: Callable[[list[str]], dict[str, str]] | None
+                    ) -> list[str]:
+    """The planned sources to split again: every planned id of theirs is a reject of a committed unit (no clip of
+    theirs was written), and their file changed since their shots were found (its stamp). A fixed file gets its
+    clips; a source with a clip written, or one still to encode, keeps its plan (reported as changed)."""
+    if stamps is None:
+        return []
+    planned: dict[str, list[tuple[int, str]]] = {}
+    for unit in previous.units:
+        for planned_id in unit.source_ids:
+            planned.setdefault(source_of(planned_id), []).append((unit.unit, planned_id))
+    rejected = {(unit, r.source_id) for unit, m in manifests.items() if m.fingerprint == previous.fingerprint
+                for r in m.rejects if not previous.superseded(unit, r.source_id)}
+    candidates = {sid: record for sid, record in previous.scenes.items()
+                  if "stamp" in record and planned.get(sid) and all(p in rejected for p in planned[sid])}
+    if not candidates:
+        return []
+    return changed_sources(candidates, stamps(list(candidates)))
+
+
 def scenes_summary(scenes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The plan of a long-video run in totals (the CLI's summary, the plan artifact's head): sources, those that gave
     no shots (unreadable), shots, frames on the timeline, clips per bucket, frames in no clip by why."""
@@ -186,7 +220,8 @@ def scenes_markdown(scenes: dict[str, dict[str, Any]], limit: int = 50) -> str:
     if summary["discarded"]:
         lines += ["", "| frames in no clip | frames |", "|---|---:|"]
         lines += [f"| `{why}` | {n} |" for why, n in sorted(summary["discarded"].items())]
-    lines += ["", "| source | frames | shots | clips per bucket | frames in no clip | note |", "|---|---:|---:|---|---|---|"]
+    lines += ["", "| source | frames | shots | clips per bucket | frames in no clip | note |",
+              "|---|---:|---:|---|---|---|"]
     for row in scenes_table(scenes, limit):
         clips = ", ".join(f"{b}: {n}" for b, n in sorted(row["clips"].items()))
         discarded = ", ".join(f"{n} {why}" for why, n in sorted(row["discarded"].items()))
@@ -270,9 +305,10 @@ def confirm_discarded(scenes: dict[str, dict[str, Any]], output: Any, accept: fl
         "answered_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
-def read_clips(source: Source, ids: Sequence[str]) -> Iterator[SourceSample]:
+def read_clips(source: Source, ids: Sequence[str], scenes: SceneSettings | None = None) -> Iterator[SourceSample]:
     """One sample per clip id of ``ids`` (source order), its ``source_id`` the clip id: each source file read
-    once per run of consecutive windows of it."""
+    once per run of consecutive windows of it; its caption the source's, or its shot's in ``scenes.captions``
+    (``--scene-captions``)."""
     sources = [(parsed[0] if (parsed := parse_clip_id(cid)) else cid) for cid in ids]
     runs = [sid for i, sid in enumerate(sources) if i == 0 or sources[i - 1] != sid]
     read = iter(source.read(runs))
@@ -280,7 +316,11 @@ def read_clips(source: Source, ids: Sequence[str]) -> Iterator[SourceSample]:
     for i, (cid, sid) in enumerate(zip(ids, sources)):
         if i == 0 or sources[i - 1] != sid:
             current = next(read)
-        yield replace(current, source_id=cid)
+        caption = scenes.caption_of(cid) if scenes is not None else None
+        if caption is not None and current.reject is None:
+            yield replace(current, source_id=cid, caption=caption)
+        else:
+            yield replace(current, source_id=cid)
 
 
 def prepare_clip_window(spec: ClipSpec, sample: SourceSample, bucket: str | None) -> PreparedClip:

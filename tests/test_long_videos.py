@@ -514,3 +514,64 @@ def test_long_videos_with_audio_in_the_ltx_layout(tiny_ltx2, tmp_path):
         assert audio["duration"] == pytest.approx(9 / 24, abs=1e-3)
         assert torch.load(root / "latents" / "clips" / name, weights_only=True)["latents"].shape[1] == 2
     assert not any("#" in p.name or ":" in p.name for p in root.rglob("*"))
+
+
+def test_scene_captions_caption_a_shot_or_one_window(long_data, tmp_path, caplog):
+    import json
+
+    from diffprep.encodings.clips import clip_spec
+    from diffprep.errors import ConfigError
+    from diffprep.long_videos import plan_clips, read_clips
+    from diffprep.media.windows import read_scene_captions
+    from diffprep.sources import open_source
+
+    captions = tmp_path / "scenes.json"
+    captions.write_text(json.dumps({"talk.mp4#1": "the second shot", "talk.mp4#0:0-19": "the first window",
+                                    "gone.mp4#3": "nothing"}), encoding="utf-8")
+    settings = _long_settings(long_data, tmp_path / "out", scene_captions=str(captions))
+    spec = clip_spec(settings.video, LONG_BUCKETS, 2, 1)
+    assert spec.scenes.to_json()["captions"] == [["gone.mp4#3", "nothing"], ["talk.mp4#0:0-19", "the first window"],
+                                                 ["talk.mp4#1", "the second shot"]]
+    assert "captions" not in clip_spec(_long_settings(long_data, tmp_path).video, LONG_BUCKETS, 2, 1).scenes.to_json()
+    source = open_source(settings.source)
+    with caplog.at_level("WARNING", logger="diffprep.long_videos"):
+        ids, _, _ = plan_clips(source, ["talk.mp4"], spec, {}, workers=1)
+    assert "gone.mp4#3" in caplog.text  # a key that names nothing is named
+    got = {s.source_id: s.caption for s in read_clips(source, ids, spec.scenes)}
+    assert got == {"talk.mp4#0:0-19": "the first window", "talk.mp4#1:30-49": "the second shot",
+                   "talk.mp4#1:50-69": "the second shot", "talk.mp4#2:75-94": "a talk in three shots"}
+    captions.write_text(json.dumps({"talk.mp4": "no shot"}), encoding="utf-8")
+    with pytest.raises(ConfigError, match="keys must be"):
+        read_scene_captions(str(captions))
+    captions.write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(ConfigError, match="JSON object of captions"):
+        read_scene_captions(str(captions))
+
+
+def test_a_fixed_source_is_split_again_and_its_old_reject_gives_way(tmp_path):
+    """A source every clip of which was rejected (here: the file did not decode) and whose file changed since is
+    split again in the next run, in new units; its old reject is superseded, the audit counts the new clips."""
+    from diffprep.pipeline import run
+    from diffprep.plan import read_plan
+
+    data = tmp_path / "data"
+    (data / "videos").mkdir(parents=True)
+    (data / "captions").mkdir()
+    (data / "videos" / "good.mp4").write_bytes(cut_clip([20], 40))
+    (data / "videos" / "bad.mp4").write_bytes(b"not a video")
+    for name in ("good", "bad"):
+        (data / "captions" / f"{name}.txt").write_text(f"the {name} one\n", encoding="utf-8")
+    settings = _long_settings(data, tmp_path / "out")
+    settings.output.accept_rejects = 1.0
+    first = run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))
+    assert first.rejected == 1 and first.samples == 2
+    (data / "videos" / "bad.mp4").write_bytes(cut_clip([12], 30))
+    settings.output.on_existing, settings.output.accept_rejects = "resume", 0.0
+    second = run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))
+    plan = read_plan(tmp_path / "out")
+    assert second.rejected == 0 and second.samples == 2 + 3 and second.retried == 1, second
+    assert plan.scenes["bad.mp4"]["shots"] == [[0, 11], [12, 29]] and not plan.missing_count
+    assert sorted(sid for unit in plan.units if unit.unit >= 2 for sid in unit.source_ids) == [
+        "bad.mp4#0:0-7", "bad.mp4#1:12-19", "bad.mp4#1:20-27"]
+    [old] = [unit.unit for unit in plan.units if "bad.mp4" in unit.source_ids]  # its reject, superseded
+    assert set(plan.retried) == {"bad.mp4"} and plan.retried["bad.mp4"] > old
