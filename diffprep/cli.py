@@ -85,6 +85,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--clip-mode": ("video", "clip_mode"),
     "--clip-stride": ("video", "clip_stride"),
     "--clips-per-scene": ("video", "clips_per_scene"),
+    "--scene-captions": ("video", "scene_captions"),
     "--vae-tiling": ("video", "vae_tiling"),
     "--skip-audio": ("video", "skip_audio"),
     "--audio-durations": ("video", "audio_durations"),
@@ -117,7 +118,8 @@ SCENE_FLAGS: dict[str, tuple[str, str]] = {
     "--scene-fps": ("scenes", "fps"),
 }
 ENCODE_FLAGS.update(SCENE_FLAGS)
-LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--clip-mode", "--clip-stride", "--clips-per-scene")
+LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--clip-mode", "--clip-stride", "--clips-per-scene",
+                    "--scene-captions")
 # `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored formats; the clip
 # flags (--resolution-buckets: store clips) without the VAE's tiling.
 RAW_FLAGS: dict[str, tuple[str, str]] = {
@@ -293,6 +295,11 @@ def print_summary(result: dict) -> None:
           f"units: {result['units']} ({result['encoded_units']} encoded this run)   time: {result['seconds']} s")
     for reason, count in result.get("rejects_by_reason", {}).items():
         print(f"    rejected {reason}: {count}")
+    if scenes := result.get("scenes"):  # long videos: what the plan cut
+        clips = ", ".join(f"{bucket} {n}" for bucket, n in scenes["clips"].items()) or "none"
+        discarded = ", ".join(f"{n} {why}" for why, n in sorted(scenes["discarded"].items())) or "none"
+        print(f"  long videos: {scenes['sources']} sources, {scenes['shots']} shots, {scenes['frames']} frames; "
+              f"clips per bucket: {clips}; frames in no clip: {discarded}")
     for name, count in result.get("notes", {}).items():
         print(f"    kept, {name}: {count}")
     if result.get("retried"):

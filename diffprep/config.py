@@ -345,6 +345,10 @@ class VideoConfig(_Section):
         None, ge=1, description="--clip-mode slide: frames between window starts (unset: the window's length).",
     )
     clips_per_scene: int = Field(1, ge=1, description="--clip-mode uniform: windows per shot.")
+    scene_captions: str | None = Field(
+        None, description="--split-scenes: a JSON file of captions by shot, {\"<source id>#<shot>\": caption} (or "
+        "by clip id, <source id>#<shot>:<first>-<last>, for one window); every other clip has its source's caption.",
+    )
     skip_audio: bool = Field(
         False, description="LTX-2: video latents and text only, no audio latents (the clips' audio is not read).",
     )

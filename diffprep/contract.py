@@ -169,6 +169,7 @@ AUDIT_JSON = "audit.json"
 # The answer given to the rejects question, for the rejects it was asked about (their digest): it holds for them on
 # later runs; other rejects are asked about again.
 REJECTS_ANSWER_JSON = "rejects_answer.json"
+DISCARD_ANSWER_JSON = "discard_answer.json"  # long videos: the accepted frames in shots shorter than every bucket
 VALIDATION_JSON = "validation.json"
 SPLITS_JSON = "splits.json"
 LATENT_STATS = "latent_stats.pt"

@@ -202,7 +202,7 @@ def source_media(plan: Plan, samples: Sequence[StoredSample], *, token: str | No
         try:
             # A long video's clip id names its source file and window (diffprep/long_videos.py).
             scenes = isinstance(spec, ClipSpec) and spec.scenes is not None
-            read = next(iter(read_clips(source, [source_id]) if scenes else source.read([source_id])))
+            read = next(iter(read_clips(source, [source_id], spec.scenes) if scenes else source.read([source_id])))
             if read.reject is not None:
                 raise read.reject
             if read.media is None:

@@ -171,6 +171,9 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
     committed, damaged = output.committed_units(plan.fingerprint, manifests)
+    changed = set(plan.changed_units) & set(committed)  # a written sample's mask or sound file changed: redone
+    committed = {u: m for u, m in committed.items() if u not in changed}
+    damaged = [*damaged, *changed]
     done = sorted(u for u in committed if u in planned)
     damaged = sorted(u for u in damaged if u in planned)
     left = [u.unit for u in plan.units if u.unit not in committed and u.unit not in damaged]

@@ -11,6 +11,7 @@ once the verify phase decided where it may go.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 
@@ -21,11 +22,13 @@ from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import SourceError
 from diffprep.output import Output, as_output
 from diffprep.encodings.clips import planned_spec
-from diffprep.long_videos import plan_clips
 from diffprep.media.scene_frames import SceneSpec
+from diffprep.long_videos import plan_clips, resplit_sources, source_of
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
+
+log = logging.getLogger(__name__)
 
 
 def fetch(
@@ -50,13 +53,20 @@ def fetch(
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do
     scenes = SceneSettings.from_json(byte.get("video", {}).get("scenes"))
-    # Long videos: retried rejects are whole sources, re-split as new ones; not yet (clip ids have no stamps).
+    # Long videos: retried rejects are whole sources, re-split as new ones (below; clip ids have no stamps).
     retry = changed_rejects(output, previous, source) if previous is not None and scenes is None else []
     records: dict = {}
+    resplit: list[str] = []
     if scenes is not None:
-        ids, bucket_of, records = plan_clips(source, list(source.list_ids()), planned_spec(byte),
-                                             previous.scenes if previous is not None else {},
+        # A source none of whose clips was written, its file changed since (fixed): split again, as a new one.
+        if previous is not None:
+            resplit = resplit_sources(previous, output.state.manifests(), getattr(source, "stamps", None))
+        known = {sid: r for sid, r in previous.scenes.items() if sid not in resplit} if previous is not None else {}
+        ids, bucket_of, records = plan_clips(source, list(source.list_ids()), planned_spec(byte), known,
                                              workers=settings.image.decode_workers)
+        if resplit:
+            before, split_again = {sid for unit in previous.units for sid in unit.source_ids}, set(resplit)
+            retry = [cid for cid in ids if cid in before and source_of(cid) in split_again]
     else:
         ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
     units, missing, missing_count = plan_units(
@@ -71,6 +81,17 @@ def fetch(
     first_new = len(previous.units) if previous is not None else 0
     again = set(retry)
     retried |= {sid: unit.unit for unit in units[first_new:] for sid in unit.source_ids if sid in again}
+    gone: set[str] = set()  # the re-split sources' earlier ids no new unit plans again
+    if resplit:  # they give way to their source's new units: the audit counts the new outcome only
+        last = {source_of(sid): unit.unit for unit in units[first_new:] for sid in unit.source_ids}
+        split_again = set(resplit)
+        gone = {sid for unit in previous.units for sid in unit.source_ids
+                if source_of(sid) in split_again and source_of(sid) in last and sid not in again}
+        retried |= {sid: last[source_of(sid)] for sid in gone}
+        missing = [sid for sid in missing if sid not in gone]
+        missing_count -= len(gone)
+        log.info("split %d sources again whose files changed since every clip of theirs was rejected: %s",
+                 len(resplit), ", ".join(resplit[:10]))
     if not units:
         raise SourceError(f"the source holds no samples: {json.dumps(source.describe())}")
     plan = Plan(
@@ -83,9 +104,14 @@ def fetch(
         missing=missing,
         missing_count=missing_count,
         retried=retried,
-        retrying=len(retry),
+        retrying=len(retry) + len(gone),
         scenes=records,
+        changed_units=changed_inputs(output, previous, source) if previous is not None else [],
     )
+    if plan.changed_units:
+        log.warning("%d written units hold samples whose input files (a mask, a sound file, the clip) changed since "
+                    "they were read; they are encoded again: units %s", len(plan.changed_units),
+                    ", ".join(f"{u:06d}" for u in plan.changed_units[:10]))
     return plan, source
 
 
@@ -109,6 +135,24 @@ def changed_rejects(output: Output, previous: Plan, source: Source) -> list[str]
     # A sample whose own file is gone is not retried: the plan reports it missing from the source.
     return [sid for sid, stamp in recorded.items()
             if now.get(sid, stamp) != stamp and not now[sid].startswith("-")]
+
+
+def changed_inputs(output: Output, previous: Plan, source: Source) -> list[int]:
+    """The committed units of ``previous`` holding a written sample whose input files (its clip, caption, a mask, a
+    sound file: the source's stamp of its row) changed since it was read: their manifests' ``stamps``, kept by
+    runs whose clips have other inputs (plan.planned_inputs). One stamp per such sample; none in other runs."""
+    stamps = getattr(source, "stamps", None)
+    manifests = [m for m in output.state.manifests().values()
+                 if m.stamps and m.fingerprint == previous.fingerprint] if stamps is not None else []
+    if not manifests:
+        return []
+    now = stamps([sid for m in manifests for sid in m.stamps])
+    # A sample whose own file is gone is left as it is: the plan reports it missing from the source.
+
+    def changed(sid: str, stamp: str) -> bool:
+        return now.get(sid, stamp) != stamp and not now[sid].startswith("-")
+
+    return sorted(m.unit for m in manifests if any(changed(sid, stamp) for sid, stamp in m.stamps.items()))
 
 
 def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict,

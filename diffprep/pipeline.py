@@ -42,6 +42,7 @@ from diffprep.errors import DiffprepError
 from diffprep.existing import Decision, Inspection, decide, inspect_output
 from diffprep.fetch import fetch
 from diffprep.launch import Group, my_units
+from diffprep.long_videos import confirm_discarded, scenes_summary
 from diffprep.media.scene_frames import SceneSpec
 from diffprep.output import Output, OutputRef, ref_of
 from diffprep.ownership import ownership
@@ -424,6 +425,7 @@ class RunResult:
     finalize: dict | None = None
     validation: dict | None = None
     shard: str | None = None  # "i/n" for a --shard-index run
+    scenes: dict | None = None  # long videos (--split-scenes): the plan's totals (long_videos.scenes_summary)
 
     def to_json(self) -> dict[str, Any]:
         """The flow's result: the fields that apply to this kind of run (a run that encoded nothing: sanity None)."""
@@ -474,6 +476,10 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     with output.lock(run=run_id, shard=workers.shard_index):
         units_left = steps.prepare(output, decision, inspection, plan, workers)
         events.planned(plan, units_left, output)
+        if plan.scenes:  # long videos: frames in shots shorter than every bucket, asked about before any model loads
+            result.scenes = scenes_summary(plan.scenes)
+            confirm_discarded(plan.scenes, output, settings.output.accept_rejects, ask,
+                              lambda found: get_encoding(plan.encoding).rejects_advice(found, plan))
         if units_left:
             sanity_started = time.time()
             try:

@@ -55,6 +55,9 @@ class Plan:
     # Long videos (--split-scenes): per source id, its shots, windows and discarded frames (diffprep/long_videos.py),
     # found once: a re-run or an append reads them here.
     scenes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Committed units of which a written sample's input files (a mask, a sound file) changed since it was read
+    # (UnitManifest.stamps): verify-existing counts them damaged and this run encodes them again.
+    changed_units: list[int] = field(default_factory=list)
 
     def superseded(self, unit: int, source_id: str) -> bool:
         """Whether ``source_id``'s outcome in ``unit`` gave way to a retry in a later unit."""
@@ -75,7 +78,7 @@ class Plan:
         for unit in data["units"]:
             if unit["bucket"] is None:  # image runs: plan.json exactly as before buckets existed
                 del unit["bucket"]
-        for name in ("retried", "retrying", "scenes"):  # the same for plans that never retried
+        for name in ("retried", "retrying", "scenes", "changed_units"):  # the same for plans that never retried
             if not data[name]:
                 del data[name]
         return data
@@ -85,6 +88,11 @@ class Plan:
         data = dict(data)
         data["units"] = [UnitPlan(**u) for u in data["units"]]
         return cls(**data)
+
+
+def planned_inputs(plan: Plan) -> tuple[str, ...]:
+    """The clip's other inputs a plan reads besides its media (masks, sound files, reference audio: their roles)."""
+    return tuple(plan.settings.get("video", {}).get("inputs", ()))
 
 
 def shape_matches(shape: list[int] | tuple[int, ...], want: list[int | None] | None) -> bool:

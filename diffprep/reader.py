@@ -113,7 +113,7 @@ def iter_prepared(
 
         count = 0
         scenes = isinstance(spec, ClipSpec) and spec.scenes is not None
-        samples = read_clips(source, unit.source_ids) if scenes else source.read(unit.source_ids)
+        samples = read_clips(source, unit.source_ids, spec.scenes) if scenes else source.read(unit.source_ids)
         for index, sample in enumerate(samples):
             count += 1
             if sample.source_id != unit.source_ids[index]:

@@ -319,6 +319,9 @@ class UnitManifest:
     version: int = contract.CONTRACT_VERSION
     # A unit written as files instead of a shard (--layout ltx): every file, relative to the output, and its size.
     files: dict[str, int] | None = None
+    # The written samples' input files when they were read (the source's ``stamps``), kept by runs whose clips have
+    # other inputs (masks, sound files, reference audio): a later run encodes the unit again when one changed.
+    stamps: dict[str, str] | None = None
 
     @property
     def inputs(self) -> int:
@@ -326,8 +329,9 @@ class UnitManifest:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        if data["files"] is None:  # a shard's manifest exactly as before files existed
-            del data["files"]
+        for name in ("files", "stamps"):  # a shard's manifest exactly as before they existed
+            if data[name] is None:
+                del data[name]
         for reject in data["rejects"]:
             if reject["stamp"] is None:
                 del reject["stamp"]

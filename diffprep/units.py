@@ -24,7 +24,7 @@ from diffprep.failpoints import failpoint
 from diffprep.images import UPSCALED, ImageSpec
 from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
-from diffprep.plan import Plan, UnitPlan
+from diffprep.plan import Plan, UnitPlan, planned_inputs
 from diffprep.reader import Batch, iter_batches, prefetch
 from diffprep.shards import BackgroundShardWriter, Reject, ShardWriter, UnitManifest
 from diffprep.sources import Source
@@ -80,7 +80,7 @@ def encode_unit(
     output = as_output(output)
     start = time.perf_counter()
     done = output.committed_unit(unit_index, plan.fingerprint)
-    if done is not None:
+    if done is not None and unit_index not in plan.changed_units:
         return UnitResult(unit_index, done.count, len(done.rejects), 0.0, skipped=True)
     unit = plan.unit(unit_index)
     rejects: list[Reject] = []
@@ -120,6 +120,8 @@ def encode_unit(
         notes=dict(sorted(notes.items())),
     )
     manifest.files = info.files
+    if stamps is not None and source_ids and planned_inputs(plan):
+        manifest.stamps = stamps(list(source_ids))  # a mask or sound file changed later: the unit is redone
     output.commit_unit(manifest, sink)
     seconds = time.perf_counter() - start
     result = UnitResult(unit_index, info.count, len(rejects), seconds, skipped=False)

@@ -20,6 +20,7 @@ from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.audit import AuditReport
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
+from diffprep.long_videos import scenes_markdown
 from diffprep.pictures import markdown_image
 from diffprep.output import Output, ref_of
 from diffprep.preflight import preflight
@@ -125,6 +126,9 @@ class ArtifactEvents(Events):
         create_table_artifact(key=f"plan-{slug(output.uri)}", table=rows,
                               description=f"{plan.total_samples} samples in {len(plan.units)} units, "
                                           f"{len(units_left)} to encode (fingerprint `{plan.fingerprint}`)")
+        if plan.scenes:  # long videos: sources, shots, clips per bucket, frames in no clip (before any model loads)
+            create_markdown_artifact(key=f"scenes-{slug(output.uri)}", markdown=scenes_markdown(plan.scenes),
+                                     description="diffprep long videos: the shots and clips of every source")
 
     def sanity(self, output: Output, started: float) -> None:
         """The sanity report and contact sheet as a Markdown artifact, whether the check passed or failed."""

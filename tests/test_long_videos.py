@@ -371,3 +371,207 @@ def test_long_videos_through_the_tiny_wan_encoders(long_data, tiny_wan, tmp_path
     ids = sorted(sid for unit in plan.units for sid in unit.source_ids)
     assert ids == ["game.mkv#0:0-4", "game.mkv#1:12-28", "talk.mp4#0:0-16", "talk.mp4#1:30-46", "talk.mp4#2:75-91"]
     assert result.validation["summary"]["samples_per_bucket"] == {"32x24x17": 4, "32x24x5": 1}
+
+
+def test_the_plan_names_its_short_shots_and_asks_before_encoding(tmp_path):
+    """A 6-frame shot (shorter than every bucket): the plan's table counts it, and the run asks before any
+    encoding, offering the bucket that keeps it; an accept holds for the same shots, --accept-rejects above the
+    fraction asks nothing."""
+    from diffprep import contract
+    from diffprep.approvals import ApprovalRefused
+    from diffprep.long_videos import scenes_markdown, scenes_summary
+    from diffprep.pipeline import run
+    from diffprep.plan import read_plan
+
+    data = tmp_path / "data"
+    (data / "videos").mkdir(parents=True)
+    (data / "captions").mkdir()
+    (data / "videos" / "cut.mp4").write_bytes(cut_clip([30, 36], 60))
+    (data / "captions" / "cut.txt").write_text("three shots, one short\n", encoding="utf-8")
+    out = tmp_path / "out"
+    settings = _long_settings(data, out)
+    settings.output.accept_rejects = None
+    asked = []
+
+    def abort(question, preset=None, *, release=False):
+        asked.append(question)
+        return question.check("abort")
+
+    with pytest.raises(ApprovalRefused, match="aborted"):
+        run(settings, "raw", ask=abort)
+    [question] = asked
+    assert question.key == "discarded-frames" and "**6 of 60 frames**" in question.description
+    assert "a clip of 6 frames" in question.description
+    assert '--resolution-buckets "32x24x20;32x24x8;32x24x6"' in question.description  # the bucket that keeps it
+    assert not list(out.glob("*.tar"))  # nothing encoded
+    plan = read_plan(out)
+    assert plan.scenes["cut.mp4"]["short_shots"] == [6] and plan.scenes["cut.mp4"]["discarded"]["short_shot"] == 6
+    summary = scenes_summary(plan.scenes)
+    assert summary == {"sources": 1, "unreadable": 0, "shots": 3, "frames": 60, "clips": {"32x24x20": 2},
+                       "discarded": {"chain_tail": 10 + 4, "short_shot": 6}}
+    markdown = scenes_markdown(plan.scenes)
+    assert "| 32x24x20 | 2 | 40 |" in markdown and "| `short_shot` | 6 |" in markdown and "`cut.mp4`" in markdown
+
+    accepted = []
+    result = run(settings, "raw", ask=lambda q, preset=None, *, release=False: accepted.append(q.key) or "accept")
+    assert accepted == ["discarded-frames"] and result.samples == 2 and result.scenes == summary
+    assert (out / contract.STATE_DIR / contract.DISCARD_ANSWER_JSON).is_file()
+    settings.output.on_existing = "resume"
+    run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))  # the same shots: not asked again
+    settings.output.accept_rejects = 0.1  # 6 / 60 frames: accepted ahead of time
+    from diffprep.long_videos import confirm_discarded
+    from diffprep.output import Output
+
+    (out / contract.STATE_DIR / contract.DISCARD_ANSWER_JSON).unlink()
+    confirm_discarded(plan.scenes, Output(out), 0.1, lambda *a, **k: pytest.fail("asked"), lambda found: "")
+
+
+def av_cut_clip(path, cuts: list[int], frames: int, *, fps: int = 24, size: int = 64, rate: int = 16000,
+                codec: str = "aac") -> "np.ndarray":
+    """A clip with hard cuts at ``cuts`` and a sound track (a tone rising with time): the samples written."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    seconds = frames / fps
+    time = np.arange(int(seconds * rate), dtype=np.float32) / rate
+    samples = (0.3 * np.sin(2 * np.pi * (200.0 + 300.0 * time) * time)).astype(np.float32)[None].repeat(2, 0)
+    with av.open(str(path), mode="w") as out:
+        video = out.add_stream("libx264", rate=fps)
+        video.width, video.height, video.pix_fmt = size, size, "yuv420p"
+        audio = out.add_stream(codec, rate=rate, layout="stereo")
+        fmt = "fltp" if codec == "aac" else "s16"
+        for start in [*range(0, samples.shape[1], 1024), None]:
+            frame = None
+            if start is not None:
+                chunk = np.ascontiguousarray(samples[:, start:start + 1024])
+                if fmt == "s16":
+                    chunk = np.ascontiguousarray((chunk * 32767).astype(np.int16).T.reshape(1, -1))
+                frame = av.AudioFrame.from_ndarray(chunk, format=fmt, layout="stereo")
+                frame.sample_rate, frame.pts = rate, start
+            for packet in audio.encode(frame):
+                out.mux(packet)
+        for index, pixels in enumerate(cut_frames(cuts, frames, size, size)):
+            frame = av.VideoFrame.from_ndarray(pixels.permute(1, 2, 0).numpy(), format="rgb24")
+            frame.pts, frame.time_base = index, Fraction(1, fps)
+            out.mux(video.encode(frame))
+        out.mux(video.encode())
+    return samples
+
+
+def test_a_window_gets_the_sound_of_its_own_frames(tmp_path):
+    """load_clip_audio(start=...) seeks and drops the samples before the window: PCM exactly, AAC within its
+    frame's rounding."""
+    import io
+
+    from diffprep.media.audio import load_clip_audio
+
+    path = tmp_path / "pcm.mkv"
+    av_cut_clip(path, [20], 40, codec="pcm_s16le")
+    whole = load_clip_audio(io.BytesIO(path.read_bytes()))
+    window = load_clip_audio(io.BytesIO(path.read_bytes()), start=0.75, duration=9 / 24)
+    first = round(0.75 * whole.sample_rate)
+    assert torch.equal(window.waveform, whole.waveform[:, first:first + int(9 / 24 * whole.sample_rate)])
+    path = tmp_path / "aac.mp4"
+    av_cut_clip(path, [20], 40)
+    whole = load_clip_audio(io.BytesIO(path.read_bytes()))
+    window = load_clip_audio(io.BytesIO(path.read_bytes()), start=0.75, duration=9 / 24)
+    expected = whole.waveform[:, first:first + window.waveform.shape[1]]
+    assert window.waveform.shape == expected.shape and (window.waveform - expected).abs().max() < 1e-3
+
+
+def test_long_videos_with_audio_in_the_ltx_layout(tiny_ltx2, tmp_path):
+    """LTX-2 with its audio: every window's records under a name of its own (the trainer pairs them by relative
+    path), its audio latents the window's F / fps seconds."""
+    import json
+
+    from diffprep import contract
+    from diffprep.config import load_settings
+    from diffprep.pipeline import run
+
+    data = tmp_path / "data"
+    (data / "clips").mkdir(parents=True)
+    av_cut_clip(data / "clips" / "talk.mp4", [20], 40)
+    listing = data / "dataset.json"
+    listing.write_text(json.dumps([{"video": "clips/talk.mp4", "caption": "a talk"}]), encoding="utf-8")
+    settings = load_settings(overrides={
+        "source": {"type": "metadata", "metadata_file": str(listing)},
+        "output": {"output_dir": str(data), "shard_size": 4, "layout": "ltx", "accept_rejects": 0.0},
+        "model": {"model_path": str(tiny_ltx2), "precision": "fp32", "device": "cpu", "batch_size": 2,
+                  "min_psnr": 0.0},
+        "video": {"resolution_buckets": "64x64x9", "split_scenes": "content", "min_scene_seconds": 0.5},
+        "finalize": {"train_split": 1.0},
+    })
+    result = run(settings, "preencoded", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))
+    assert result.samples == 4 and result.validation["ok"], result.validation
+    root = data / contract.PRECOMPUTED_DIR
+    names = ["talk-shot0-0-8.pt", "talk-shot0-9-17.pt", "talk-shot1-20-28.pt", "talk-shot1-29-37.pt"]
+    for kind in ("latents", "conditions", "audio_latents"):
+        assert sorted(p.name for p in (root / kind / "clips").glob("*.pt")) == names
+    for name in names:
+        audio = torch.load(root / "audio_latents" / "clips" / name, weights_only=True)
+        assert audio["duration"] == pytest.approx(9 / 24, abs=1e-3)
+        assert torch.load(root / "latents" / "clips" / name, weights_only=True)["latents"].shape[1] == 2
+    assert not any("#" in p.name or ":" in p.name for p in root.rglob("*"))
+
+
+def test_scene_captions_caption_a_shot_or_one_window(long_data, tmp_path, caplog):
+    import json
+
+    from diffprep.encodings.clips import clip_spec
+    from diffprep.errors import ConfigError
+    from diffprep.long_videos import plan_clips, read_clips
+    from diffprep.media.windows import read_scene_captions
+    from diffprep.sources import open_source
+
+    captions = tmp_path / "scenes.json"
+    captions.write_text(json.dumps({"talk.mp4#1": "the second shot", "talk.mp4#0:0-19": "the first window",
+                                    "gone.mp4#3": "nothing"}), encoding="utf-8")
+    settings = _long_settings(long_data, tmp_path / "out", scene_captions=str(captions))
+    spec = clip_spec(settings.video, LONG_BUCKETS, 2, 1)
+    assert spec.scenes.to_json()["captions"] == [["gone.mp4#3", "nothing"], ["talk.mp4#0:0-19", "the first window"],
+                                                 ["talk.mp4#1", "the second shot"]]
+    assert "captions" not in clip_spec(_long_settings(long_data, tmp_path).video, LONG_BUCKETS, 2, 1).scenes.to_json()
+    source = open_source(settings.source)
+    with caplog.at_level("WARNING", logger="diffprep.long_videos"):
+        ids, _, _ = plan_clips(source, ["talk.mp4"], spec, {}, workers=1)
+    assert "gone.mp4#3" in caplog.text  # a key that names nothing is named
+    got = {s.source_id: s.caption for s in read_clips(source, ids, spec.scenes)}
+    assert got == {"talk.mp4#0:0-19": "the first window", "talk.mp4#1:30-49": "the second shot",
+                   "talk.mp4#1:50-69": "the second shot", "talk.mp4#2:75-94": "a talk in three shots"}
+    captions.write_text(json.dumps({"talk.mp4": "no shot"}), encoding="utf-8")
+    with pytest.raises(ConfigError, match="keys must be"):
+        read_scene_captions(str(captions))
+    captions.write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(ConfigError, match="JSON object of captions"):
+        read_scene_captions(str(captions))
+
+
+def test_a_fixed_source_is_split_again_and_its_old_reject_gives_way(tmp_path):
+    """A source every clip of which was rejected (here: the file did not decode) and whose file changed since is
+    split again in the next run, in new units; its old reject is superseded, the audit counts the new clips."""
+    from diffprep.pipeline import run
+    from diffprep.plan import read_plan
+
+    data = tmp_path / "data"
+    (data / "videos").mkdir(parents=True)
+    (data / "captions").mkdir()
+    (data / "videos" / "good.mp4").write_bytes(cut_clip([20], 40))
+    (data / "videos" / "bad.mp4").write_bytes(b"not a video")
+    for name in ("good", "bad"):
+        (data / "captions" / f"{name}.txt").write_text(f"the {name} one\n", encoding="utf-8")
+    settings = _long_settings(data, tmp_path / "out")
+    settings.output.accept_rejects = 1.0
+    first = run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))
+    assert first.rejected == 1 and first.samples == 2
+    (data / "videos" / "bad.mp4").write_bytes(cut_clip([12], 30))
+    settings.output.on_existing, settings.output.accept_rejects = "resume", 0.0
+    second = run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))
+    plan = read_plan(tmp_path / "out")
+    assert second.rejected == 0 and second.samples == 2 + 3 and second.retried == 1, second
+    assert plan.scenes["bad.mp4"]["shots"] == [[0, 11], [12, 29]] and not plan.missing_count
+    assert sorted(sid for unit in plan.units if unit.unit >= 2 for sid in unit.source_ids) == [
+        "bad.mp4#0:0-7", "bad.mp4#1:12-19", "bad.mp4#1:20-27"]
+    [old] = [unit.unit for unit in plan.units if "bad.mp4" in unit.source_ids]  # its reject, superseded
+    assert set(plan.retried) == {"bad.mp4"} and plan.retried["bad.mp4"] > old

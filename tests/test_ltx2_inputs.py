@@ -234,6 +234,20 @@ def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_
     assert run(settings, "preencoded", ask=never_ask).action == "resume"
     assert torch.load(first, weights_only=True)["mask"].tolist() == samples["a.pt"]["video_masks"]["mask"].tolist()
 
+    # A mask file changed after its clip was written: the unit is damaged (its manifest's stamps), encoded again
+    # with the new mask, and complete after that.
+    from diffprep.existing import inspect_output
+    from diffprep.fetch import fetch
+    from diffprep.output import Output
+
+    (data / "b_mask.png").write_bytes(png(96, 64, (16, 48)))  # b's mask now covers a's columns
+    plan, _ = fetch(settings, root)
+    assert plan.changed_units == [0] and inspect_output(Output(root), plan).damaged_units == [0]
+    assert run(settings, "preencoded", ask=never_ask).action == "resume"
+    left = [[1.0, 0.0], [1.0, 0.0]]
+    assert torch.load(root / "video_masks" / "b.pt", weights_only=True)["mask"].tolist() == [left, left]
+    assert run(settings, "preencoded", ask=never_ask).action == "complete"
+
 
 def test_reference_audio_and_masks_in_energon_shards(tiny_ltx2, tmp_path):
     """The same inputs in the Energon layout: their fields in every sample, read back through the cooker."""

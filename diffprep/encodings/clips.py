@@ -35,7 +35,7 @@ from diffprep.config import Settings, VideoConfig
 from diffprep.encodings.base import Encoding, probe_in_parallel
 from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
 from diffprep.media.video import ClipSpec
-from diffprep.media.windows import SceneSettings
+from diffprep.media.windows import SceneSettings, read_scene_captions
 from diffprep.output import Output
 from diffprep.pictures import frame_strip
 from diffprep.plan import Plan, UnitPlan, dtype_name
@@ -52,7 +52,7 @@ def clip_spec(video: VideoConfig, buckets: str, spatial: int, temporal: int, *, 
     scenes = None
     if video.split_scenes is not None:
         scenes = SceneSettings(video.split_scenes, video.min_scene_seconds, video.clip_mode, video.clip_stride,
-                               video.clips_per_scene)
+                               video.clips_per_scene, read_scene_captions(video.scene_captions))
     return ClipSpec(tuple(parse_buckets(buckets, spatial, temporal, why=why)), target_fps=video.target_fps,
                     frame_sampling=video.frame_sampling, scenes=scenes)
 

@@ -104,7 +104,7 @@ class Ltx2(Wan):
         model, video, source = settings.model, settings.video, settings.source
         parts = resolve_ltx2(model.model_path, model.text_encoder_path)
         audio = not video.skip_audio
-        if audio and video.frame_sampling != "head":
+        if audio and video.frame_sampling != "head" and video.split_scenes is None:
             raise ConfigError("LTX-2 with audio takes the first F frames and the audio under them (the trainer's "
                               "rule): use --frame-sampling head, or --skip-audio")
         inputs = read_columns(settings)
@@ -118,6 +118,7 @@ class Ltx2(Wan):
         if scale is not None:
             _check_reference_buckets(buckets, scale, space)
         separate_audio_text = identity["text"]["feature_extractor"] == "FeatureExtractorV2" and audio
+        scenes = clips.clip_spec(video, video.resolution_buckets, space, time_factor).scenes  # --split-scenes
         video_bytes = {
             "buckets": [str(b) for b in buckets],
             "target_fps": video.target_fps,
@@ -127,6 +128,7 @@ class Ltx2(Wan):
             "reference_scale": scale,
             "separate_audio_text": separate_audio_text,
             **({"inputs": inputs} if inputs else {}),
+            **({"scenes": scenes.to_json()} if scenes is not None else {}),
         }
         byte = {
             "contract": contract.CONTRACT_VERSION,

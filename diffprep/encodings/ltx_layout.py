@@ -6,7 +6,8 @@ The output's root is ``<output_dir>/.precomputed`` (the folder the trainer's
 an audio-only run (T2A) writes ``conditions/`` and ``audio_latents/`` only,
 ``conditions/`` being the primary folder the trainer globs when there is no ``latents/``;
 one ``torch.save``d dict per sample in each, named after the sample's media path
-relative to the metadata file with the suffix ``.pt``
+relative to the metadata file with the suffix ``.pt`` (a long video's clip, ``--split-scenes``: the media path's
+stem with ``-shot<k>-<first>-<last>``, as ``window_relative_path`` writes it)
 (reference/consumer-formats.md A1; the records are ``families/ltx2_precomputed``).
 Its ``.diffprep/`` state sits inside it, so everything else holds as for shards:
 
@@ -39,6 +40,7 @@ import torch
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.layouts import Layout
+from diffprep.media.windows import parse_clip_id
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.shards import Reject, ShardInfo, UnitManifest, atomic_write_bytes, torch_bytes
 from diffprep.sources.base import unescape_id
@@ -91,7 +93,7 @@ _INPUT_DIRS = {"reference_audio": contract.REFERENCE_AUDIO_LATENTS_DIR, "video_m
 
 def sample_names(plan: Plan) -> dict[str, PurePosixPath | str]:
     """Source id -> its ``.pt`` name, or (a later sample giving a name already taken) the id that owns it."""
-    from diffprep.families.ltx2_precomputed import precomputed_relative_path
+    from diffprep.families.ltx2_precomputed import precomputed_relative_path, window_relative_path
 
     if plan.fingerprint + str(plan.total_samples) in _NAMES:
         return _NAMES[plan.fingerprint + str(plan.total_samples)]
@@ -100,11 +102,14 @@ def sample_names(plan: Plan) -> dict[str, PurePosixPath | str]:
     owners: dict[PurePosixPath, str] = {}
     for unit in plan.units:
         for source_id in unit.source_ids:
-            media = unescape_id(source_id.split("#", 1)[0].replace("%23", "#"))
+            window = parse_clip_id(source_id)  # a long video's clip: <source>#<shot>:<first>-<last>
+            media = unescape_id((window[0] if window else source_id).split("#", 1)[0].replace("%23", "#"))
             if not media:
                 names[source_id] = source_id  # no path: the read phase rejects it (missing_media)
                 continue
             name = precomputed_relative_path(media, folder)
+            if window is not None:
+                name = window_relative_path(name, *window[1:])
             owner = owners.setdefault(name, source_id)
             names[source_id] = name if owner == source_id else owner
     _NAMES.clear()

@@ -108,6 +108,15 @@ def precomputed_relative_path(media: str, metadata_dir: str | Path) -> PurePosix
     return PurePosixPath(relative.with_suffix(contract.PRECOMPUTED_SUFFIX).as_posix())
 
 
+def window_relative_path(relative: PurePosixPath, shot: int, first: int, last: int) -> PurePosixPath:
+    """A long video's clip (``--split-scenes``, id ``<source>#<shot>:<first>-<last>``) under each
+    ``.precomputed/<kind>/`` folder: its source's name (:func:`precomputed_relative_path`) with the shot and the
+    window's first and last frame on the timeline, ``talk.pt`` -> ``talk-shot1-30-49.pt``. The trainer pairs a
+    sample's records by their relative path alone; the id's ``#`` and ``:`` stay out of file names (``:`` is not
+    allowed on Windows file systems, ``#`` starts a URL's fragment)."""
+    return relative.with_name(f"{relative.stem}-shot{shot}-{first}-{last}{relative.suffix}")
+
+
 def precomputed_path(output_root: str | Path, kind: str, relative: PurePosixPath) -> Path:
     """``<output_root>/<kind>/<relative>``; ``output_root`` is the ``.precomputed`` folder the trainer is pointed at."""
     kinds = contract.PRECOMPUTED_DIRS

@@ -52,7 +52,11 @@ class ClipAudio:
         return self.waveform.shape[-1] / self.sample_rate
 
 
-def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None = None, key: str = "") -> ClipAudio:
+PRE_ROLL = 0.25  # seconds decoded before a window's start and dropped (load_clip_audio's start)
+
+
+def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None = None, key: str = "",
+                    start: float = 0.0) -> ClipAudio:
     """Decode a clip's audio with PyAV (FFmpeg's best audio stream): stereo, at its own rate, fitted to ``duration``.
 
     Channels: mono is duplicated, stereo kept, 5.1 and 7.1 folded down to stereo
@@ -60,7 +64,9 @@ def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None =
     (seconds; the trainer uses frames / fps of the encoded video) trims the
     waveform to ``int(duration * rate)`` samples or pads it with zeros, as the
     trainer does. Resampling to the checkpoint's rate is left to ltx-core's
-    ``AudioProcessor``, as in the trainer.
+    ``AudioProcessor``, as in the trainer. ``start`` (seconds after the stream's first sample; a long video's
+    window, ``--split-scenes``): the decoder seeks there and the samples before it are dropped, so a window
+    gets the sound of its own frames, as the trainer's clip cut at that shot would have.
 
     Raises ``RejectError`` ``no_audio_stream`` when the file has no audio stream
     and ``audio_decode_error`` when it has one that does not decode; ``key``
@@ -86,10 +92,25 @@ def load_clip_audio(source: str | Path | io.BytesIO, *, duration: float | None =
         # Only the audio that is kept is decoded: up to the duration's samples (the rest would be trimmed).
         wanted = int(duration * sample_rate) if duration is not None and sample_rate else None
         have = 0
+        skip = round(start * sample_rate) if start > 0 and sample_rate else 0  # samples before the window
         try:
+            if skip:
+                origin = stream.start_time if stream.start_time is not None else 0
+                # backward, PRE_ROLL early: a decoder that starts at a seek point reconstructs its first frame
+                # only in part (AAC's overlapped transform); the samples before the start are dropped by timestamp.
+                at = max(0.0, start - PRE_ROLL)
+                container.seek(origin + int(at / stream.time_base), stream=stream, backward=True)
+            first = None
             for frame in container.decode(stream):
+                if skip and first is None:
+                    at = 0 if frame.pts is None else round((frame.pts - origin) * stream.time_base * sample_rate)
+                    skip, first = max(0, skip - at), at
                 for converted in resampler.resample(frame):
-                    chunks.append(converted.to_ndarray())
+                    chunk = converted.to_ndarray()
+                    if skip:
+                        dropped = min(skip, chunk.shape[-1])
+                        chunk, skip = chunk[..., dropped:], skip - dropped
+                    chunks.append(chunk)
                     have += chunks[-1].shape[-1]
                 if wanted is not None and have >= wanted:
                     break

@@ -265,9 +265,10 @@ class ClipSpec:
     scenes: SceneSettings | None = None  # long videos: many windows per source, cut at its shots (long_videos.py)
 
     def __post_init__(self) -> None:
-        if self.scenes is not None and (self.audio or self.reference_scale is not None or self.inputs):
-            raise ConfigError("--split-scenes cuts the frames only, not yet a clip's audio, reference clip or masks: "
-                              "with LTX-2 add --skip-audio and leave out the reference and mask columns")
+        if self.scenes is not None and (self.reference_scale is not None or self.inputs):
+            raise ConfigError("--split-scenes cuts a clip's frames and its own audio track, not yet its reference "
+                              "clip, a sound file of its own, reference audio or masks (each would need the window "
+                              "cut from it too): leave those columns out, or encode such clips one per file")
 
     def prepare(self, data: bytes, *, video: bool, bucket: Bucket | None = None,
                 reference: bytes | None = None) -> PreparedClip:

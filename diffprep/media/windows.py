@@ -24,6 +24,7 @@ on the timeline, inclusive).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -32,12 +33,13 @@ from typing import Any
 from diffprep.errors import RejectError
 from diffprep.media.buckets import Bucket, choose_bucket
 
-__all__ = ["CLIP_MODES", "DETECTORS", "SceneSettings", "Window", "clip_id", "parse_clip_id", "shot_spans",
-           "shot_windows", "source_windows"]
+__all__ = ["CLIP_MODES", "DETECTORS", "SceneSettings", "Window", "clip_id", "parse_clip_id", "read_scene_captions",
+           "shot_spans", "shot_windows", "source_windows"]
 
 CLIP_MODES: tuple[str, ...] = ("head", "chain", "slide", "uniform")
 DETECTORS: tuple[str, ...] = ("content", "adaptive", "threshold", "histogram")
 
+_SHOT_KEY = re.compile(r"^.+#\d+$")
 _CLIP_ID = re.compile(r"^(?P<source>.+)#(?P<shot>\d+):(?P<first>\d+)-(?P<last>\d+)$")
 
 
@@ -50,6 +52,9 @@ class SceneSettings:
     clip_mode: str = "chain"
     clip_stride: int | None = None  # slide: frames between window starts (default: the window's own length)
     clips_per_scene: int = 1  # uniform: windows per shot
+    # --scene-captions: (key, caption) pairs, a key "<source>#<shot>" or a clip id; in the plan's byte settings
+    # (the fingerprint covers them), so a re-run, a resume and decode caption every clip the same.
+    captions: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.detector not in DETECTORS:
@@ -62,9 +67,24 @@ class SceneSettings:
             raise ValueError(f"clips_per_scene must be >= 1, got {self.clips_per_scene}")
         if self.min_scene_seconds < 0:
             raise ValueError(f"min_scene_seconds must be >= 0, got {self.min_scene_seconds}")
+        object.__setattr__(self, "captions", tuple((str(k), str(v)) for k, v in self.captions))
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not data["captions"]:  # runs without --scene-captions keep their fingerprints
+            del data["captions"]
+        else:
+            data["captions"] = [list(pair) for pair in data["captions"]]
+        return data
+
+    def caption_of(self, clip: str) -> str | None:
+        """The --scene-captions caption of clip id ``clip``: its own key, else its shot's; None: its source's."""
+        if not self.captions:
+            return None
+        captions = dict(self.captions)
+        if clip in captions:
+            return captions[clip]
+        return captions.get(clip.rsplit(":", 1)[0]) if parse_clip_id(clip) else None
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> SceneSettings | None:
@@ -95,6 +115,28 @@ def parse_clip_id(value: str) -> tuple[str, int, int, int] | None:
     if match is None:
         return None
     return match["source"], int(match["shot"]), int(match["first"]), int(match["last"])
+
+
+def read_scene_captions(path: str | None) -> tuple[tuple[str, str], ...]:
+    """``--scene-captions``: a JSON object of captions by ``<source>#<shot>`` or clip id, sorted by key; a file that
+    does not read as one is a ConfigError naming what is wrong."""
+    from diffprep.errors import ConfigError
+
+    if path is None:
+        return ()
+    try:
+        with open(path, encoding="utf-8-sig") as file:
+            data = json.load(file)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--scene-captions {path}: {error}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise ConfigError(f"--scene-captions {path}: expected a JSON object of captions (strings) by "
+                          "\"<source id>#<shot>\" or clip id, e.g. {\"talk.mp4#0\": \"a man at a lectern\"}")
+    bad = [key for key in data if not (_SHOT_KEY.match(key) or _CLIP_ID.match(key))]
+    if bad:
+        raise ConfigError(f"--scene-captions {path}: keys must be <source id>#<shot> or <source id>#<shot>:<first>-"
+                          f"<last>; not {', '.join(repr(k) for k in bad[:5])}")
+    return tuple(sorted(data.items()))
 
 
 def shot_spans(shots: Sequence[Sequence[int]], timeline: Sequence[int]) -> list[tuple[int, int]]:
