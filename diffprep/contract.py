@@ -89,6 +89,8 @@ FASTGEN_TXT_EMB = "txt_emb.pth"
 NEG_PROMPT_EMB = "neg_prompt_emb.npy"
 NEG_POOLED_PROMPT_EMB = "neg_pooled_prompt_emb.npy"
 SHARD_COUNTS_JSON = "shard_counts.json"
+# With --score-column, the fastgen layout writes meta.json as this member: FastGen's presets_filter reads it.
+SCORE_JSON = "json"
 LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON)
 
 # --layout edm-zip: the archive EDM's and EDM2's dataset_tool write and FastGen's ImageFolderDataset reads, at the

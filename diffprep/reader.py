@@ -117,8 +117,9 @@ def iter_prepared(
 
 
 def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
+    """The sample's meta: its source id, what preparing it recorded and its score columns' numbers (top level)."""
     if isinstance(image, (PreparedClip, PreparedAudio)):
-        return {"source_id": sample.source_id, **image.meta}
+        return {"source_id": sample.source_id, **image.meta, **sample.scores}
     size = [int(image.pixels.shape[2]), int(image.pixels.shape[1])]
     meta = {
         "source_id": sample.source_id,
@@ -132,7 +133,7 @@ def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
     if isinstance(sample, LabeledSample):  # a class-conditional source: the label training code conditions on
         meta["label"] = sample.label
         meta["class_name"] = sample.class_name
-    return meta
+    return meta | dict(sample.scores)
 
 
 def iter_batches(

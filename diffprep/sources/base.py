@@ -115,6 +115,8 @@ class SourceSample:
     # A clip's other inputs by role (metadata source, LTX-2): "audio" (its sound as a file of its own),
     # "reference_audio", "video_mask", "audio_mask" -> (the path as written, the file's bytes).
     extras: Mapping[str, tuple[str, bytes]] = field(default_factory=dict)
+    # Numbers of the source's score columns (--score-column), written as top-level fields of the sample's meta.
+    scores: Mapping[str, int | float] = field(default_factory=dict)
 
     @property
     def media(self) -> bytes | None:
