@@ -130,6 +130,7 @@ RAW_FLAGS: dict[str, tuple[str, str]] = {
     "--image-quality": ("raw", "image_quality"),
     "--video-crf": ("raw", "video_crf"),
     "--keep-audio": ("raw", "keep_audio"),
+    "--prompts-only": ("raw", "prompts_only"),
 }
 # `diffprep ingest`: where the dataset goes, approvals and finalize; what to ingest is diffprep.ingest_settings'.
 INGEST_OUTPUT_FLAGS: dict[str, tuple[str, str]] = {
@@ -137,7 +138,8 @@ INGEST_OUTPUT_FLAGS: dict[str, tuple[str, str]] = {
                                           "--on-existing", "--accept-rejects", "--approval-timeout", "--train-split",
                                           "--finalize", "--on-split-change")}
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling",
-                 "--skip-audio", "--load-text-encoder-in-8bit", "--keep-audio"}
+                 "--skip-audio", "--load-text-encoder-in-8bit", "--keep-audio",
+                 "--prompts-only"}
 LIST_FLAGS = {"--hf-data-files"}
 APPEND_FLAGS = {"--score-column"}  # repeatable (each may also be a comma list)
 # Second names of a flag: the LTX trainer's names for the metadata file's columns.

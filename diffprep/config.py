@@ -406,6 +406,11 @@ class RawConfig(_Section):
         18, ge=0, le=51, description="Raw pipeline, clips: x264's constant quality for the stored H.264 mp4, 0-51 "
         "(lower: better and larger; 18 looks lossless to most eyes).",
     )
+    prompts_only: bool = Field(
+        False, description="Raw pipeline: store only each sample's caption (txt, plus a json of its source id and "
+        "scores), no media, for FastGen's PromptLoaderConfig (backward simulation); any source with captions. The "
+        "media is read by the source but never decoded.",
+    )
     keep_audio: bool = Field(
         False, description="Raw pipeline, clips: keep each clip's audio track in its mp4 (stereo AAC, trimmed to the "
         "kept frames: F / fps seconds), as FastGen's VideoAudioLoaderConfig reads it; a clip without one is the "

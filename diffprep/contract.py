@@ -125,8 +125,9 @@ ENCODING_RAW_VIDEO = "raw_video"  # clips stored as mp4, not encoded
 ENCODING_LTX2_AUDIO = "ltx2_audio"  # LTX-2 audio only (T2A): audio latents and text, no video latents
 ENCODING_PREENCODED_NUMPY = "preencoded_numpy"  # already encoded elsewhere, ingested as stored (MLPerf Flux)
 ENCODING_SD_VAE = "sd_vae"  # the SD VAE's posterior (mean, std) per image, written as an edm-zip archive
+ENCODING_PROMPTS = "prompts"  # captions only (FastGen's PromptLoaderConfig): txt + json, no media stored
 ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO,
-             ENCODING_PREENCODED_NUMPY, ENCODING_SD_VAE)
+             ENCODING_PREENCODED_NUMPY, ENCODING_SD_VAE, ENCODING_PROMPTS)
 # An sd_vae sample's posterior: float32 [8, H/8, W/8], the mean then the std, as a .npy (the archive's bytes).
 SD_VAE_POSTERIOR = "mean_std.npy"
 

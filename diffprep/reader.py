@@ -7,8 +7,9 @@ a reason; it never stops the unit.
 
 ``spec`` says how: an ``ImageSpec`` (images, ``[B, 3, H, W]`` batches), a
 ``ClipSpec`` (clips in their unit's bucket, ``[B, F, 3, H, W]`` batches; an
-image is a one-frame clip) or an ``AudioSpec`` (audio files trimmed to their
-unit's duration bucket: the batch's ``audio``, and no pixels).
+image is a one-frame clip), an ``AudioSpec`` (audio files trimmed to their
+unit's duration bucket: the batch's ``audio``, and no pixels) or a ``PromptSpec``
+(captions only: nothing decoded, no pixels).
 """
 
 from __future__ import annotations
@@ -53,13 +54,28 @@ class Batch:
     audio_masks: list[torch.Tensor] | None = None
 
 
-Spec = ImageSpec | ClipSpec | AudioSpec
-Prepared = PreparedImage | PreparedClip | PreparedAudio
+@dataclass(frozen=True)
+class PromptSpec:
+    """A captions-only run (``diffprep.encodings.prompts``): a sample needs its caption; its media is not decoded."""
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    pixels: torch.Tensor  # uint8 [0]: nothing is decoded
+    meta: dict
+
+
+Spec = ImageSpec | ClipSpec | AudioSpec | PromptSpec
+Prepared = PreparedImage | PreparedClip | PreparedAudio | PreparedPrompt
 
 
 def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Prepared:
     if sample.reject is not None:
         raise sample.reject
+    if isinstance(spec, PromptSpec):
+        if sample.caption is None:
+            raise RejectError("missing_caption", "the source gave no caption for this sample", phase="read")
+        return PreparedPrompt(torch.zeros(0, dtype=torch.uint8), {})
     if sample.media is None:
         raise RejectError("missing_image", "the source gave no image for this sample", phase="read")
     if sample.caption is None:
@@ -118,7 +134,7 @@ def iter_prepared(
 
 def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
     """The sample's meta: its source id, what preparing it recorded and its score columns' numbers (top level)."""
-    if isinstance(image, (PreparedClip, PreparedAudio)):
+    if isinstance(image, (PreparedClip, PreparedAudio, PreparedPrompt)):
         return {"source_id": sample.source_id, **image.meta, **sample.scores}
     size = [int(image.pixels.shape[2]), int(image.pixels.shape[1])]
     meta = {
