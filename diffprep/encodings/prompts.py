@@ -49,12 +49,8 @@ class PromptWriter:
     @staticmethod
     def sample_fields(batch: Batch, notes: Counter) -> list[dict | Reject]:
         """``SampleFields``: each sample's caption and its json (source id, scores)."""
-        samples: list[dict | Reject] = []
-        for caption, meta in zip(batch.captions, batch.metas):
-            if not caption.strip():
-                notes["empty_caption"] += 1
-            samples.append({contract.RAW_CAPTION: caption, contract.RAW_VIDEO_META: meta})
-        return samples
+        return [{contract.RAW_CAPTION: caption, contract.RAW_VIDEO_META: meta}  # empty captions: counted by units
+                for caption, meta in zip(batch.captions, batch.metas)]
 
 
 @edataclass
