@@ -101,6 +101,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--buckets": ("image", "buckets"),
     "--train-split": ("finalize", "train_split"),
     "--finalize": ("finalize", "enabled"),
+    "--full-cov": ("finalize", "full_cov"),
     "--on-split-change": ("finalize", "on_split_change"),
     "--hf-token-file": ("auth", "hf_token_file"),
     "--hf-credentials-block": ("auth", "hf_credentials_block"),
@@ -139,7 +140,7 @@ INGEST_OUTPUT_FLAGS: dict[str, tuple[str, str]] = {
                                           "--finalize", "--on-split-change")}
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling",
                  "--skip-audio", "--load-text-encoder-in-8bit", "--keep-audio",
-                 "--prompts-only"}
+                 "--prompts-only", "--full-cov"}
 LIST_FLAGS = {"--hf-data-files"}
 APPEND_FLAGS = {"--score-column"}  # repeatable (each may also be a comma list)
 # Second names of a flag: the LTX trainer's names for the metadata file's columns.

@@ -167,6 +167,7 @@ SPLITS = ("train", "val", "test")
 STATE_DIR = ".diffprep"
 PLAN_JSON = "plan.json"
 UNITS_DIR = "units"
+UNIT_STATS_DIR = "unit_stats"  # --full-cov: each unit's latent moments (NNNNNN.pt), written before its manifest
 TMP_DIR = "tmp"
 AUDIT_JSON = "audit.json"
 # The answer given to the rejects question, for the rejects it was asked about (their digest): it holds for them on
