@@ -47,6 +47,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--scene-format": ("source", "scene_format"),
     "--pose-key": ("source", "pose_key"),
     "--num-classes": ("source", "num_classes"),
+    "--score-column": ("source", "score_columns"),
     "--s3-endpoint-url": ("source", "s3_endpoint_url"),
     "--s3-profile": ("source", "s3_profile"),
     "--output-dir": ("output", "output_dir"),
@@ -101,6 +102,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--buckets": ("image", "buckets"),
     "--train-split": ("finalize", "train_split"),
     "--finalize": ("finalize", "enabled"),
+    "--full-cov": ("finalize", "full_cov"),
     "--on-split-change": ("finalize", "on_split_change"),
     "--hf-token-file": ("auth", "hf_token_file"),
     "--hf-credentials-block": ("auth", "hf_credentials_block"),
@@ -130,6 +132,8 @@ RAW_FLAGS: dict[str, tuple[str, str]] = {
     "--image-format": ("raw", "image_format"),
     "--image-quality": ("raw", "image_quality"),
     "--video-crf": ("raw", "video_crf"),
+    "--keep-audio": ("raw", "keep_audio"),
+    "--prompts-only": ("raw", "prompts_only"),
 }
 # `diffprep ingest`: where the dataset goes, approvals and finalize; what to ingest is diffprep.ingest_settings'.
 INGEST_OUTPUT_FLAGS: dict[str, tuple[str, str]] = {
@@ -137,8 +141,10 @@ INGEST_OUTPUT_FLAGS: dict[str, tuple[str, str]] = {
                                           "--on-existing", "--accept-rejects", "--approval-timeout", "--train-split",
                                           "--finalize", "--on-split-change")}
 BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-size", "--finalize", "--vae-tiling",
-                 "--skip-audio", "--load-text-encoder-in-8bit"}
+                 "--skip-audio", "--load-text-encoder-in-8bit", "--keep-audio",
+                 "--prompts-only", "--full-cov"}
 LIST_FLAGS = {"--hf-data-files"}
+APPEND_FLAGS = {"--score-column"}  # repeatable (each may also be a comma list)
 # Second names of a flag: the LTX trainer's names for the metadata file's columns.
 FLAG_ALIASES = {"--caption-key": ("--caption-column",), "--video-key": ("--video-column",)}
 
@@ -157,6 +163,8 @@ def _add_encode_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[st
         if flag in BOOLEAN_FLAGS:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)
+        elif flag in APPEND_FLAGS:
+            parser.add_argument(flag, dest=dest, action="append", default=argparse.SUPPRESS, help=help_text)
         elif flag in LIST_FLAGS:
             parser.add_argument(flag, dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_text)
         else:

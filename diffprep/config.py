@@ -111,6 +111,12 @@ class SourceConfig(_Section):
         "CIFAR-10, 1000 for ImageNet. Validation refuses an archive whose labels give another width. Unset: the "
         "source's own count where it knows it (class folders, CIFAR-10).",
     )
+    score_columns: list[str] | None = Field(
+        None, description="metadata: columns of numbers copied into each sample's json / meta.json as top-level "
+        "fields, e.g. aesthetic_score (FastGen's presets_filter score_key); repeat the flag or separate names by "
+        "commas. A row without a value (absent, empty, null, NaN) leaves the field out; any other non-number is the "
+        "reject invalid_score.",
+    )
     scene_format: SceneFormat | None = Field(
         None, description="scenes: the layout of the posed scenes under --input-dir: re10k | dl3dv | scannetpp | "
         "mvssynth | nerfstudio | colmap (the README's \"Scenes and cameras\" names each one's files).",
@@ -132,6 +138,16 @@ class SourceConfig(_Section):
 
     _paths_expanded = field_validator("input_dir", "hf_dataset", "metadata_file", "class_names",
                                       "input_path")(refuse_unexpanded)
+
+    @field_validator("score_columns", mode="before")
+    @classmethod
+    def _split_score_columns(cls, value: Any) -> Any:
+        """``a,b`` (a flag, an environment variable) or repeated flags -> the names, in order, each once."""
+        if value is None:
+            return None
+        parts = [value] if isinstance(value, str) else list(value)
+        names = [name.strip() for part in parts for name in str(part).split(",") if name.strip()]
+        return list(dict.fromkeys(names)) or None
 
     @model_validator(mode="before")
     @classmethod
@@ -394,10 +410,25 @@ class RawConfig(_Section):
         18, ge=0, le=51, description="Raw pipeline, clips: x264's constant quality for the stored H.264 mp4, 0-51 "
         "(lower: better and larger; 18 looks lossless to most eyes).",
     )
+    prompts_only: bool = Field(
+        False, description="Raw pipeline: store only each sample's caption (txt, plus a json of its source id and "
+        "scores), no media, for FastGen's PromptLoaderConfig (backward simulation); any source with captions. The "
+        "media is read by the source but never decoded.",
+    )
+    keep_audio: bool = Field(
+        False, description="Raw pipeline, clips: keep each clip's audio track in its mp4 (stereo AAC, trimmed to the "
+        "kept frames: F / fps seconds), as FastGen's VideoAudioLoaderConfig reads it; a clip without one is the "
+        "reject no_audio_stream.",
+    )
 
 
 class FinalizeConfig(_Section):
     enabled: bool = Field(True, description="Finalize (Energon metadata + validation) after encoding.")
+    full_cov: bool = Field(
+        False, description="Latent statistics with the full channel covariance (cov, ZCA whiten/unwhiten, the "
+        "condition number) in .diffprep/latent_stats.pt: each unit accumulates its float64 moments while it "
+        "encodes, merged at finalize (no second pass). Unset: per-channel mean/std from validation's pass.",
+    )
     train_split: float = Field(
         1.0, gt=0.0, le=1.0, description="Share of shards for train; the rest is split evenly into val and test."
     )

@@ -89,6 +89,8 @@ FASTGEN_TXT_EMB = "txt_emb.pth"
 NEG_PROMPT_EMB = "neg_prompt_emb.npy"
 NEG_POOLED_PROMPT_EMB = "neg_pooled_prompt_emb.npy"
 SHARD_COUNTS_JSON = "shard_counts.json"
+# With --score-column, the fastgen layout writes meta.json as this member: FastGen's presets_filter reads it.
+SCORE_JSON = "json"
 LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON)
 
 # --layout edm-zip: the archive EDM's and EDM2's dataset_tool write and FastGen's ImageFolderDataset reads, at the
@@ -123,8 +125,9 @@ ENCODING_RAW_VIDEO = "raw_video"  # clips stored as mp4, not encoded
 ENCODING_LTX2_AUDIO = "ltx2_audio"  # LTX-2 audio only (T2A): audio latents and text, no video latents
 ENCODING_PREENCODED_NUMPY = "preencoded_numpy"  # already encoded elsewhere, ingested as stored (MLPerf Flux)
 ENCODING_SD_VAE = "sd_vae"  # the SD VAE's posterior (mean, std) per image, written as an edm-zip archive
+ENCODING_PROMPTS = "prompts"  # captions only (FastGen's PromptLoaderConfig): txt + json, no media stored
 ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO,
-             ENCODING_PREENCODED_NUMPY, ENCODING_SD_VAE)
+             ENCODING_PREENCODED_NUMPY, ENCODING_SD_VAE, ENCODING_PROMPTS)
 # An sd_vae sample's posterior: float32 [8, H/8, W/8], the mean then the std, as a .npy (the archive's bytes).
 SD_VAE_POSTERIOR = "mean_std.npy"
 
@@ -164,6 +167,7 @@ SPLITS = ("train", "val", "test")
 STATE_DIR = ".diffprep"
 PLAN_JSON = "plan.json"
 UNITS_DIR = "units"
+UNIT_STATS_DIR = "unit_stats"  # --full-cov: each unit's latent moments (NNNNNN.pt), written before its manifest
 TMP_DIR = "tmp"
 AUDIT_JSON = "audit.json"
 # The answer given to the rejects question, for the rejects it was asked about (their digest): it holds for them on

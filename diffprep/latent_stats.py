@@ -20,10 +20,19 @@ cast to the training dtype where it is applied (``(z - mean) / std``, or
 ``dataset_stats`` reads every committed sample of a finished dataset (shards,
 local or in a bucket, under any layout; or the LTX trainer's record folders)
 without re-encoding: ``diffprep latent-stats OUT``.
+
+With ``--full-cov`` every unit accumulates these moments while it encodes
+(``UnitStats``: per latent field, float64, with the co-moments) and saves them
+beside its manifest, before the commit (``.diffprep/unit_stats/NNNNNN.pt``);
+``merged_unit_stats`` folds the committed units' into the dataset's at
+finalize, so no second pass over the data is needed. A committed unit without
+its file (encoded by an earlier run without ``--full-cov``) is read from its
+shard instead, so a resumed or appended run still merges every sample.
 """
 
 from __future__ import annotations
 
+import io
 import tarfile
 from collections.abc import Iterator
 from typing import Any
@@ -86,6 +95,21 @@ class LatentStats:
             self.comoment = self.comoment + comoment + torch.outer(delta, delta) * (self.count * n / total)
         self.count = total
 
+    def to_state(self) -> dict[str, Any]:
+        """The moments as saved (tensors and numbers only: loadable with weights_only)."""
+        state: dict[str, Any] = {"count": torch.tensor(self.count), "samples": torch.tensor(self.samples),
+                                 "mean": self.mean, "m2": self.m2}
+        if self.full_cov:
+            state["comoment"] = self.comoment
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> LatentStats:
+        stats = cls(full_cov="comoment" in state)
+        stats.count, stats.samples = int(state["count"]), int(state["samples"])
+        stats.mean, stats.m2, stats.comoment = state["mean"], state["m2"], state.get("comoment")
+        return stats
+
     def result(self) -> dict[str, torch.Tensor]:
         assert self.mean is not None and self.m2 is not None
         stats = {
@@ -108,12 +132,71 @@ class LatentStats:
         return stats
 
 
-def stored_latents(output: Any, plan: Any) -> Iterator[tuple[str, str | None, dict[str, torch.Tensor]]]:
-    """Every committed sample's latent tensors, as (key, bucket, field -> tensor), in unit and key order: read from
-    its shard under the plan's layout (loaded weights only), or from the LTX trainer's records."""
+class UnitStats:
+    """One unit's moments per latent field, accumulated as its samples are written (``--full-cov``)."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, LatentStats] = {}
+
+    def add(self, fields: Any) -> None:
+        """A written sample's fields (diffprep's names, before the layout renames them)."""
+        for name in LATENT_FIELDS:
+            value = fields.get(name)
+            if isinstance(value, torch.Tensor):
+                self.fields.setdefault(name, LatentStats(full_cov=True)).add(value.detach().cpu())
+
+    def to_bytes(self, fingerprint: str) -> bytes:
+        from diffprep.shards import torch_bytes
+
+        return torch_bytes({"fingerprint": fingerprint,
+                            "fields": {name: stats.to_state() for name, stats in sorted(self.fields.items())}})
+
+
+def unit_stats_path(unit: int) -> str:
+    """A unit's moments, inside the state folder."""
+    return f"{contract.UNIT_STATS_DIR}/{unit:06d}.pt"
+
+
+def merged_unit_stats(output: Any, plan: Any) -> dict[str, Any] | None:
+    """The dataset's statistics (``dataset_stats``'s dict, with the full covariance) from its committed units'
+    saved moments; a unit without them is read from its shard. None when no unit saved any (a run without
+    ``--full-cov``): validation's pass gives the per-channel statistics then."""
+    manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
+    saved = {}
+    for manifest in manifests:
+        data = output.state.read_bytes(unit_stats_path(manifest.unit))
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) if data else None
+        if isinstance(state, dict) and state.get("fingerprint") == plan.fingerprint:
+            saved[manifest.unit] = state["fields"]
+    if not saved:
+        return None
+    totals: dict[str, LatentStats] = {}
+    per_bucket: dict[str, dict[str, LatentStats]] = {}
+    for manifest in manifests:
+        bucket = plan.unit(manifest.unit).bucket
+        if manifest.unit in saved:
+            fields = {name: LatentStats.from_state(state) for name, state in saved[manifest.unit].items()}
+        else:  # encoded without --full-cov (an earlier run): its shard read now
+            fields = {}
+            for _key, _bucket, tensors in stored_latents(output, plan, [manifest]):
+                for name, tensor in tensors.items():
+                    fields.setdefault(name, LatentStats(full_cov=True)).add(tensor)
+        for name, stats in fields.items():
+            totals.setdefault(name, LatentStats(full_cov=True)).merge(stats)
+            if bucket is not None:
+                per_bucket.setdefault(bucket, {}).setdefault(name, LatentStats(full_cov=True)).merge(stats)
+    return _arrange(totals, per_bucket if len(per_bucket) > 1 else {}) if totals else None
+
+
+def stored_latents(output: Any, plan: Any, manifests: list[Any] | None = None
+                   ) -> Iterator[tuple[str, str | None, dict[str, torch.Tensor]]]:
+    """Every committed sample's latent tensors (of ``manifests``, default every committed unit's), as (key,
+    bucket, field -> tensor), in unit and key order: read from its shard under the plan's layout (loaded weights
+    only), or from the LTX trainer's records."""
     from diffprep.encodings.ltx_layout import is_ltx, load_record, sample_names
 
-    manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
+    if manifests is None:
+        manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
     if is_ltx(plan):
         names = sample_names(plan)
         for manifest in manifests:
@@ -185,4 +268,5 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
     return line
 
 
-__all__ = ["LatentStats", "dataset_stats", "stored_latents", "summary"]
+__all__ = ["LatentStats", "UnitStats", "dataset_stats", "merged_unit_stats", "stored_latents", "summary",
+           "unit_stats_path"]

@@ -158,9 +158,11 @@ class Layout:
 
 
 def layout_for(output: Any, negative_prompt: str | None, encoding: str, presets: Mapping[str, LayoutPreset] | None,
-               fields: Sequence[str]) -> Layout:
+               fields: Sequence[str], *, scores: bool = False) -> Layout:
     """The layout of a run: ``output.layout`` (a preset of the encoding) or ``output.key_map`` over ``fields``
-    (the encoding's fields for this plan). ``presets`` None: the encoding's member names cannot change."""
+    (the encoding's fields for this plan). ``presets`` None: the encoding's member names cannot change.
+    ``scores``: the meta holds score fields (``--score-column``), so a preset writes ``meta.json`` as the ``json``
+    member, the one FastGen's ``presets_filter`` reads."""
     renamed = output.layout != contract.LAYOUT_ENERGON or bool(output.key_map)
     if renamed and presets is None:
         raise ConfigError(f"the {encoding} encoding keeps its member names ({', '.join(fields)}): remove "
@@ -173,6 +175,9 @@ def layout_for(output: Any, negative_prompt: str | None, encoding: str, presets:
         held = {name for names in preset.members.values() for name in names}
         members = {m: names for m, names in preset.members.items() if all(n in fields for n in names)}
         members |= {f: (f,) for f in fields if f not in held}
+        if scores and members.get(contract.META) == (contract.META,):
+            del members[contract.META]
+            members[contract.SCORE_JSON] = (contract.META,)
         if negative_prompt is not None and not preset.negative:
             raise ConfigError(f"model.negative_prompt (--negative-prompt) is written only by a layout with a negative "
                               f"prompt file; layout {output.layout!r} has none: remove it")

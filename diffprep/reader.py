@@ -7,8 +7,9 @@ a reason; it never stops the unit.
 
 ``spec`` says how: an ``ImageSpec`` (images, ``[B, 3, H, W]`` batches), a
 ``ClipSpec`` (clips in their unit's bucket, ``[B, F, 3, H, W]`` batches; an
-image is a one-frame clip) or an ``AudioSpec`` (audio files trimmed to their
-unit's duration bucket: the batch's ``audio``, and no pixels) or a ``SceneSpec`` (posed scenes, each its frames
+image is a one-frame clip), an ``AudioSpec`` (audio files trimmed to their
+unit's duration bucket: the batch's ``audio``, and no pixels), a ``PromptSpec``
+(captions only: nothing decoded, no pixels) or a ``SceneSpec`` (posed scenes, each its frames
 ``[N, 3, H, W]`` and cameras: ``[B, N, 3, H, W]`` batches of scenes of one shape, the ``PreparedScene``s in
 ``Batch.scenes``; with ``scenes.frames`` unset scenes differ in N, so a batch holds the consecutive scenes of one
 frame count and size, down to one).
@@ -58,8 +59,19 @@ class Batch:
     scenes: list[PreparedScene] | None = None  # a scene batch's cameras, depth and meta per scene (SceneSpec)
 
 
-Spec = ImageSpec | ClipSpec | AudioSpec | SceneSpec
-Prepared = PreparedImage | PreparedClip | PreparedAudio | PreparedScene
+@dataclass(frozen=True)
+class PromptSpec:
+    """A captions-only run (``diffprep.encodings.prompts``): a sample needs its caption; its media is not decoded."""
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    pixels: torch.Tensor  # uint8 [0]: nothing is decoded
+    meta: dict
+
+
+Spec = ImageSpec | ClipSpec | AudioSpec | PromptSpec | SceneSpec
+Prepared = PreparedImage | PreparedClip | PreparedAudio | PreparedPrompt | PreparedScene
 
 
 def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Prepared:
@@ -73,6 +85,10 @@ def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Pre
         return spec.prepare(sample.scene)
     if sample.scene is not None:
         raise RejectError("unexpected_scene", "a posed scene in a run that does not store scenes", phase="read")
+    if isinstance(spec, PromptSpec):
+        if sample.caption is None:
+            raise RejectError("missing_caption", "the source gave no caption for this sample", phase="read")
+        return PreparedPrompt(torch.zeros(0, dtype=torch.uint8), {})
     if sample.media is None:
         raise RejectError("missing_image", "the source gave no image for this sample", phase="read")
     if sample.caption is None:
@@ -131,8 +147,9 @@ def iter_prepared(
 
 
 def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
-    if isinstance(image, (PreparedClip, PreparedAudio, PreparedScene)):
-        return {"source_id": sample.source_id, **image.meta}
+    """The sample's meta: its source id, what preparing it recorded and its score columns' numbers (top level)."""
+    if isinstance(image, (PreparedClip, PreparedAudio, PreparedPrompt, PreparedScene)):
+        return {"source_id": sample.source_id, **image.meta, **sample.scores}
     size = [int(image.pixels.shape[2]), int(image.pixels.shape[1])]
     meta = {
         "source_id": sample.source_id,
@@ -146,7 +163,7 @@ def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
     if isinstance(sample, LabeledSample):  # a class-conditional source: the label training code conditions on
         meta["label"] = sample.label
         meta["class_name"] = sample.class_name
-    return meta
+    return meta | dict(sample.scores)
 
 
 def iter_batches(

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 from diffprep.errors import DiffprepError
 from diffprep.failpoints import failpoint
 from diffprep.images import UPSCALED, ImageSpec
+from diffprep.latent_stats import UnitStats, unit_stats_path
 from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.plan import Plan, UnitPlan, planned_inputs
@@ -68,6 +69,7 @@ def encode_unit(
     decode_workers: int = 2,
     progress: Progress | None = None,
     writer: Callable[[], Any] | None = None,
+    stats: bool = False,
 ) -> UnitResult:
     """Write one unit into its shard and commit it. Idempotent: a committed unit is left as it is.
 
@@ -75,7 +77,8 @@ def encode_unit(
     sample writer (``diffprep.encodings``). A bucket output gets the shard's
     bytes as they are written (its sink) and commits the unit there.
     ``writer`` makes the unit's writer instead of its shard (the LTX layout's
-    files); one with a ``refuse(source_id)`` may turn a sample into a reject.
+    files); one with a ``refuse(source_id)`` may turn a sample into a reject. ``stats`` (``--full-cov``): the
+    unit's latent moments accumulated as its samples are written and saved before the manifest commits it.
     """
     output = as_output(output)
     start = time.perf_counter()
@@ -87,6 +90,7 @@ def encode_unit(
     notes: Counter[str] = Counter()
     keys: list[str] = []
     source_ids: list[str] = []
+    moments = UnitStats() if stats else None
     sink = output.shard_sink(unit_index)
     batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
     # closing(): an encoder error must also stop the reader thread and its decode pool at once.
@@ -94,11 +98,13 @@ def encode_unit(
         made = writer() if writer is not None else UnitWriter(output.local, unit_index, sink)
         with contextlib.closing(batches), made as writer:
             info = _write_unit(writer, batches, sample_fields, Layout.of_plan(plan.settings), unit, rejects, notes,
-                               keys, source_ids, progress)
+                               keys, source_ids, progress, moments)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise DiskSpaceError(disk_full_message(output.local, unit_index)) from exc
         raise
+    if moments is not None:  # before the commit point: a committed unit always has its moments
+        output.state.write_bytes(unit_stats_path(unit_index), moments.to_bytes(plan.fingerprint))
     failpoint("before-manifest")
     # Rejects in source order, whatever phase found them.
     order = {sid: i for i, sid in enumerate(unit.source_ids)}
@@ -132,7 +138,7 @@ def encode_unit(
 
 def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: SampleFields, layout: Layout,
                 unit: UnitPlan, rejects: list[Reject], notes: Counter, keys: list[str], source_ids: list[str],
-                progress: Progress | None):
+                progress: Progress | None, moments: UnitStats | None = None):
     """Turn the unit's batches into samples in ``writer`` (under the plan's member names) and commit it; returns
     the shard's info."""
     refuse = getattr(writer, "refuse", None)
@@ -148,6 +154,8 @@ def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: Sa
             if UPSCALED in batch.metas[i].get("notes", ()):
                 notes["image_upscaled"] += 1
             writer.write(batch.keys[i], layout.write(fields))
+            if moments is not None:
+                moments.add(fields)
             failpoint("shard-write")
             keys.append(batch.keys[i])
             source_ids.append(batch.source_ids[i])

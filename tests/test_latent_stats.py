@@ -90,3 +90,47 @@ def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, de
     # Without --output, into the dataset's state folder (per channel only).
     assert main(["latent-stats", str(out)]) == 0
     assert sorted(torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)) == sorted(saved)
+
+
+def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path, demo_data, tiny_model,
+                                                                      settings_for) -> None:
+    """--full-cov: each unit saves its float64 moments before its manifest; finalize merges them (no second pass)
+    into the stats file, with the covariance; a resumed unit saves them again, and a unit that has none (an earlier
+    run without --full-cov) is read from its shard. Equal to `diffprep latent-stats --full-cov` on the dataset."""
+    from diffprep.cli import main
+    from diffprep.latent_stats import unit_stats_path
+    from diffprep.output import Output
+    from diffprep.ownership import ownership
+    from diffprep.pipeline import run
+
+    out = tmp_path / "out"
+    settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 3},
+                            finalize={"train_split": 1.0, "full_cov": True})
+    result = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked"))
+    assert result.samples == 12 and result.validation["ok"], result.validation
+    state = out / contract.STATE_DIR
+    assert sorted(p.name for p in (state / contract.UNIT_STATS_DIR).iterdir()) == [f"{u:06d}.pt" for u in range(4)]
+    assert f"{contract.STATE_DIR}/{unit_stats_path(0)}" in ownership(Output(out)).ours
+    first = torch.load(state / contract.LATENT_STATS, weights_only=True)
+    assert {"cov", "whiten", "unwhiten", "condition"} <= set(first)
+    assert result.validation["summary"]["latent_stats_full"]["samples"] == 12
+
+    # Unit 1 lost with its moments (redone on resume: saved again); unit 2's moments gone (read from its shard).
+    (out / contract.unit_manifest_path(1)).unlink()
+    (state / unit_stats_path(1)).unlink()
+    (state / unit_stats_path(2)).unlink()
+    settings.output.on_existing = "resume"
+    assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).validation["ok"]
+    assert (state / unit_stats_path(1)).is_file() and not (state / unit_stats_path(2)).exists()
+    merged = torch.load(state / contract.LATENT_STATS, weights_only=True)
+
+    path = tmp_path / "stats.pt"
+    assert main(["latent-stats", str(out), "--full-cov", "--output", str(path)]) == 0
+    computed = torch.load(path, weights_only=True)
+    latents = [load_tensor(fields[contract.LATENTS]) for fields in shard_samples(out).values()]
+    mean, std, cov = direct(latents)
+    for stats in (first, merged):
+        for name in ("mean", "std", "cov", "whiten", "unwhiten"):
+            assert torch.allclose(stats[name], computed[name], rtol=1e-9, atol=1e-12), name
+        assert int(stats["count"]) == int(computed["count"]) and int(stats["samples"]) == 12
+        assert torch.allclose(stats["cov"], cov, atol=1e-12) and torch.allclose(stats["mean"], mean, atol=1e-12)

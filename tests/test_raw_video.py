@@ -205,3 +205,70 @@ def test_raw_video_inspector_names_a_broken_or_misplaced_clip():
     assert "000000_000001 holds h264 32x24, 3 frames; its bucket is 32x24x5" in text
     assert "000000_000002" in text and "which the plan does not list" in text
     assert inspector.summary() == {"samples_per_bucket": {"32x24x5": 3, "64x48x5": 1}}
+
+
+def test_raw_video_keeps_each_clips_audio_and_scores_for_fastgens_loaders(tmp_path):
+    """--keep-audio: each mp4 holds its clip's stereo AAC cut to the kept frames (F / fps seconds), the channels
+    as they were; a clip without sound is the named reject; the inspector names a track that is missing.
+    --score-column: the json member's top-level numbers as FastGen's presets_filter compares them; a row without
+    a number (absent, NaN) leaves the field out, a word is the reject invalid_score."""
+    import numpy as np
+
+    from diffprep.demo import write_av_clip
+    from diffprep.media.audio import load_clip_audio
+
+    data = tmp_path / "data"
+    rows = {"loud": ("stereo", {"aesthetic_score": 6.5, "motion": 3}), "mono": ("mono", {"aesthetic_score": "NaN"}),
+            "silent": (None, {"aesthetic_score": 1.0}), "wordy": ("stereo", {"aesthetic_score": "high"})}
+    (data / "clips").mkdir(parents=True)
+    lines = []
+    for name, (layout, scores) in rows.items():
+        write_av_clip(data / "clips" / f"{name}.mp4", width=32, height=24, frames=12, fps=8, seconds=2.0,
+                      audio_layout=layout)
+        row = {"media_path": f"clips/{name}.mp4", "caption": f"a {name} clip", **scores}
+        lines.append(json.dumps(row).replace('"NaN"', "NaN"))  # a JSON file may carry NaN (Python writes it)
+    (data / "dataset.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    out = tmp_path / "out"
+    settings = _settings(data, out, resolution_buckets="32x24x5")
+    settings.source = type(settings.source)(type="metadata", metadata_file=str(data / "dataset.jsonl"),
+                                            score_columns="aesthetic_score,motion")
+    settings.raw.keep_audio = True
+    settings.output.accept_rejects = 0.5
+    byte, expected = get_encoding("raw_video").plan_settings(settings, None)
+    assert byte["video"]["audio"] is True and byte["raw"]["audio"]["codec"] == "aac"
+    assert byte["scores"] == ["aesthetic_score", "motion"]
+    assert expected["audio"] == {"codec": "aac", "channels": 2}
+    result = run(settings, "raw", ask=lambda *a, **k: pytest.fail(f"asked {a}"))
+    assert result.samples == 2 and result.validation["ok"], result.validation
+    rejects = {r["source_id"]: r["reason"]
+               for r in json.loads((out / ".diffprep" / "audit.json").read_text())["rejected_ids"]}
+    assert rejects == {"clips/silent.mp4": "no_audio_stream", "clips/wordy.mp4": "invalid_score"}
+
+    stored = shard_samples(out)
+    assert len(stored) == 2
+    for key, fields in stored.items():
+        meta = json.loads(fields["json"])
+        # FastGen's score filter: the json member's top-level score_key, compared with the threshold.
+        if meta["source_id"] == "clips/loud.mp4":
+            assert (meta["aesthetic_score"], meta["motion"]) == (6.5, 3) and not meta["aesthetic_score"] < 5.5
+        else:
+            assert "aesthetic_score" not in meta and "motion" not in meta  # NaN and absent: left out
+        seconds = 5 / 8
+        assert meta["audio"]["duration"] == pytest.approx(seconds, abs=1e-3), key
+        # What FastGen's audio-video loader does: the waveform decoded from the same mp4 container.
+        with av.open(io.BytesIO(fields["mp4"])) as container:
+            [stream] = container.streams.audio
+            assert (stream.codec_context.name, stream.codec_context.channels) == ("aac", 2)
+        sound = load_clip_audio(io.BytesIO(fields["mp4"]))
+        assert abs(sound.waveform.shape[1] / sound.sample_rate - seconds) < 0.05, key
+        spectrum = np.abs(np.fft.rfft(sound.waveform.numpy(), axis=1))
+        peaks = spectrum[:, 5:].argmax(axis=1) + 5
+        heard = peaks * sound.sample_rate / sound.waveform.shape[1]
+        # The source's tones: 220 Hz left, 330 Hz right (a mono source: 220 Hz on both).
+        want = [220.0, 220.0] if meta["source_id"] == "clips/mono.mp4" else [220.0, 330.0]
+        assert heard == pytest.approx(want, abs=4.0), (key, heard)
+
+    inspector = RawVideoInspector(expected)
+    inspector.inspect(SimpleNamespace(__key__="000000_000009", bucket="32x24x5", video=mp4_bytes(_frames(), 8.0)))
+    [check] = inspector.checks()
+    assert not check.ok and "000000_000009 mp4: has no audio track" in json.dumps(check.__dict__, default=str)

@@ -100,3 +100,47 @@ def test_imagenet_256_latents_archive_holds_each_images_posterior(tmp_path) -> N
     settings.output.on_existing = "resume"
     assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 4
     assert (out / contract.EDM_ZIP).read_bytes() == archive
+
+
+def test_sd_vae_edm_zip_through_the_cli_and_the_prefect_flow_matches_the_library(prefect_server, tmp_path):
+    """`diffprep encode --layout edm-zip` with the sd-vae family, in its own process through the encode flow (the
+    CLI's flags, the Prefect tasks, finalize's archive): the archive pipeline.run writes, byte for byte."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+    from prefect.settings import PREFECT_API_URL
+
+    from diffprep import contract
+    from diffprep.config import load_settings
+    from diffprep.pipeline import run
+
+    repo = Path(__file__).resolve().parents[1]
+    folder = write_tiny_sd_vae(tmp_path / "vae")
+    root = tmp_path / "train"
+    for label, name in enumerate(["n0", "n1"]):
+        (root / name).mkdir(parents=True)
+        for i in range(2):
+            pixels = np.random.default_rng(label * 2 + i).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+            Image.fromarray(pixels, "RGB").save(root / name / f"{name}_{i}.png")
+    cli_out, lib_out = tmp_path / "cli", tmp_path / "lib"
+    cli = subprocess.run(
+        [sys.executable, "-m", "diffprep.cli", "encode", "--source-type", "imagefolder", "--input-dir", str(root),
+         "--output-dir", str(cli_out), "--shard-size", "4", "--layout", "edm-zip", "--image-size", "32", "--crop",
+         "adm", "--decode-workers", "1", "--train-split", "1.0", "--model-path", str(folder), "--device", "cpu"],
+        env=os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(repo)},
+        capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stdout[-2000:] + cli.stderr[-2000:]
+    assert "validation: passed" in cli.stdout
+    settings = load_settings(overrides={
+        "source": {"type": "imagefolder", "input_dir": str(root)},
+        "output": {"output_dir": str(lib_out), "shard_size": 4, "layout": "edm-zip"},
+        "model": {"model_path": str(folder), "device": "cpu"},
+        "image": {"image_size": 32, "decode_workers": 1, "crop": "adm"},
+        "finalize": {"train_split": 1.0},
+    })
+    assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 4
+    assert (cli_out / contract.EDM_ZIP).read_bytes() == (lib_out / contract.EDM_ZIP).read_bytes()

@@ -1,5 +1,5 @@
 """What a pipeline stores per sample, by Energon subflavor name: pre-encoded Flux, raw images, pre-encoded Wan and
-LTX-2 (video, and audio only), raw video, and datasets encoded elsewhere and ingested as stored."""
+LTX-2 (video, and audio only), raw video, captions only, and datasets encoded elsewhere and ingested as stored."""
 
 from diffprep import contract
 from diffprep.encodings.base import Encoding, SampleFields
@@ -7,6 +7,7 @@ from diffprep.encodings.ingested import Ingested
 from diffprep.encodings.ltx2 import Ltx2
 from diffprep.encodings.ltx2_audio import Ltx2Audio
 from diffprep.encodings.preencoded import Preencoded
+from diffprep.encodings.prompts import Prompts
 from diffprep.encodings.raw import Raw
 from diffprep.encodings.raw_video import RawVideo
 from diffprep.encodings.sd_vae import SdVaeLatents
@@ -16,13 +17,16 @@ from diffprep.errors import ConfigError
 # Ltx2 before Wan: encoding_of_sample asks in this order, and an LTX-2 sample also has Wan's latents field.
 ENCODINGS: dict[str, Encoding] = {encoding.name: encoding
                                   for encoding in (Preencoded(), Raw(), Ltx2Audio(), Ltx2(), Wan(), RawVideo(), Ingested(),
-                                                  SdVaeLatents())}
+                                                  SdVaeLatents(), Prompts())}
 
 
 def encoding_for(settings, kind: str, token: str | None = None) -> str:
     """The encoding a run of ``kind`` (``preencoded``, ``raw``) writes: a pre-encoded run writes its model
     family's (``--family``, or the model's ``model_index.json``), or the variant its settings ask for (LTX-2's
-    audio only); a raw run with ``--resolution-buckets`` stores clips (``raw_video``), without them images."""
+    audio only); a raw run with ``--prompts-only`` stores captions (``prompts``), with ``--resolution-buckets``
+    clips (``raw_video``), without them images."""
+    if kind == contract.ENCODING_RAW and settings.raw.prompts_only:
+        return contract.ENCODING_PROMPTS
     if kind == contract.ENCODING_RAW and settings.video.resolution_buckets:
         return contract.ENCODING_RAW_VIDEO
     if kind != contract.ENCODING_PREENCODED:
@@ -49,5 +53,5 @@ def get_encoding(name: str) -> Encoding:
         raise ConfigError(f"encoding must be one of {list(ENCODINGS)}, got {name!r}") from None
 
 
-__all__ = ["ENCODINGS", "Encoding", "Ingested", "Ltx2", "Ltx2Audio", "Preencoded", "Raw", "RawVideo", "SampleFields", "SdVaeLatents", "Wan",
+__all__ = ["ENCODINGS", "Encoding", "Ingested", "Ltx2", "Ltx2Audio", "Preencoded", "Prompts", "Raw", "RawVideo", "SampleFields", "SdVaeLatents", "Wan",
            "encoding_for", "encoding_of_sample", "get_encoding"]

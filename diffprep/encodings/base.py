@@ -58,9 +58,11 @@ def probe_in_parallel(source: Source, ids: Sequence[str], bucket_of: Callable[[S
 
 
 def with_caption_settings(byte: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """``byte`` with the settings that decide the captions (class-label template, class names), where any is set."""
+    """``byte`` with the settings that decide the captions (class-label template, class names) and the meta's score
+    fields (``--score-column``), where any is set."""
     captions = caption_settings(settings.source)
-    return byte | {"captions": captions} if captions else byte
+    byte = byte | {"captions": captions} if captions else byte
+    return byte | {"scores": list(settings.source.score_columns)} if settings.source.score_columns else byte
 
 
 # A batch -> the fields of each sample (a dict, or a Reject); samples kept but worth counting go in the Counter.
@@ -105,7 +107,7 @@ class Encoding(ABC):
         its fingerprint stay as they always were): what fetch plans and ranks compare."""
         byte, expected = self.plan_settings(settings, token)
         layout = layout_for(settings.output, settings.model.negative_prompt, self.name, self.layout_presets,
-                            self.required_fields(expected))
+                            self.required_fields(expected), scores=bool(settings.source.score_columns))
         return (byte if layout.is_default else byte | {"layout": layout.to_json()}), expected
 
     def byte_settings(self, settings: Settings, identity: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,15 @@ and F at least 1. A sample (Energon subflavor ``encoding: raw_video``) holds
 - ``txt``: the caption, UTF-8;
 - ``json``: source id, size, fps, frame indices and times, bucket, crop box, ``fps``.
 
+With ``--keep-audio`` the mp4 also holds the clip's own audio track, stereo AAC
+(``diffprep.media.mp4.AAC``) trimmed to the kept frames (``F / fps`` seconds from
+the clip's start, padded with silence where the track is shorter), and ``json``
+its ``audio`` (rate, source channels, seconds); a clip without an audio stream,
+or an image, is the reject ``no_audio_stream``.
+
 This is the layout FastGen's ``VideoWDSLoader`` (``key_map={"real": "mp4",
-"condition": "txt"}``) and other webdataset video loaders read. The same
+"condition": "txt"}``), its ``VideoAudioLoaderConfig`` (with ``--keep-audio``: the
+waveform decoded from the same mp4) and other webdataset video loaders read. The same
 frames and settings give the same bytes, whatever the machine or worker count.
 """
 
@@ -41,7 +48,7 @@ from diffprep.encodings.base import with_caption_settings
 from diffprep.encodings.base import SampleFields
 from diffprep.errors import ConfigError, DatasetValidationError
 from diffprep.media.buckets import Bucket
-from diffprep.media.mp4 import X264, mp4_bytes, mp4_frames
+from diffprep.media.mp4 import AAC, X264, mp4_bytes, mp4_frames
 from diffprep.media.video import ClipSpec
 from diffprep.output import Output
 from diffprep.plan import Plan
@@ -73,8 +80,9 @@ class RawClipWriter:
         for i in range(len(batch.keys)):
             meta = dict(batch.metas[i])
             meta["fps"] = meta.get("fps") or self.default_fps
+            audio = batch.audio[i] if batch.audio is not None else None
             samples.append({
-                contract.RAW_VIDEO: mp4_bytes(batch.pixels[i], meta["fps"], crf=self.crf),
+                contract.RAW_VIDEO: mp4_bytes(batch.pixels[i], meta["fps"], crf=self.crf, audio=audio),
                 contract.RAW_CAPTION: batch.captions[i],
                 contract.RAW_VIDEO_META: meta,
             })
@@ -101,16 +109,26 @@ class RawVideo(clips.ClipEncoding):
         if video.vae_tiling:
             raise ConfigError("--vae-tiling applies to a VAE; a raw run encodes nothing: remove it")
         spec = clips.clip_spec(video, video.resolution_buckets, 2, 1, why=WHY_EVEN)
+        keep_audio = settings.raw.keep_audio
+        if keep_audio:
+            spec = replace(spec, audio=True)  # ClipSpec refuses it with --split-scenes (frames only, so far)
+        raw = {"video": dict(X264, crf=settings.raw.video_crf)}
+        video_bytes = clips.video_settings(spec)
+        if keep_audio:  # only then: a run without audio keeps its fingerprint
+            raw["audio"] = dict(AAC)
+            video_bytes["audio"] = True
         byte = {
             "contract": contract.CONTRACT_VERSION,
             "encoding": self.name,
             "shard_size": settings.output.shard_size,
-            "video": clips.video_settings(spec),
-            "raw": {"video": dict(X264, crf=settings.raw.video_crf)},
+            "video": video_bytes,
+            "raw": raw,
         }
         byte = with_caption_settings(byte, settings)  # the txt member is the caption
         expected = {"fields": raw_video_fields(),
                     "buckets": {str(b): [b.frames, 3, b.height, b.width] for b in spec.buckets}}
+        if keep_audio:
+            expected["audio"] = {"codec": AAC["codec"], "channels": 2}
         return byte, expected
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
@@ -189,10 +207,12 @@ class RawVideo(clips.ClipEncoding):
 
 class RawVideoInspector:
     """Validation of loaded raw clips: every mp4 opens, holds one H.264 stream of its bucket's size and frame
-    count (from the container's index, no frame decoded), and its bucket is a planned one; counts per bucket."""
+    count (from the container's index, no frame decoded), and its bucket is a planned one; counts per bucket.
+    A plan that keeps audio: every mp4 has its stereo AAC track, as long as the clip (within a frame)."""
 
     def __init__(self, expected: dict[str, Any] | None) -> None:
         self.planned = (expected or {}).get("buckets")
+        self.audio = (expected or {}).get("audio")
         self.clips = Findings("clips")
         self.buckets: dict[str, int] = {}
 
@@ -207,12 +227,30 @@ class RawVideoInspector:
                 stream = container.streams.video[0]
                 frames = sum(1 for packet in container.demux(stream) if packet.size)
                 found = (stream.codec_context.name, stream.codec_context.width, stream.codec_context.height, frames)
+                sound = self._sound(container, stream, frames) if self.audio else ""
         except Exception as error:  # noqa: BLE001 - any unreadable clip is a finding
             self.clips.add(f"{key} {contract.RAW_VIDEO} does not open: {type(error).__name__}: {error}")
             return
         width, height, count = (int(v) for v in bucket.split("x"))
         if found != ("h264", width, height, count):
             self.clips.add(f"{key} holds {found[0]} {found[1]}x{found[2]}, {found[3]} frames; its bucket is {bucket}")
+        if sound:
+            self.clips.add(f"{key} {contract.RAW_VIDEO}: {sound}")
+
+    def _sound(self, container: Any, video: Any, frames: int) -> str:
+        """What is wrong with the clip's audio track ('' when it is the planned one, as long as the frames)."""
+        if not container.streams.audio:
+            return "has no audio track; the plan keeps every clip's audio (--keep-audio)"
+        stream = container.streams.audio[0]
+        if (stream.codec_context.name, stream.codec_context.channels) != (self.audio["codec"], self.audio["channels"]):
+            return (f"its audio is {stream.codec_context.name} with {stream.codec_context.channels} channels, planned "
+                    f"{self.audio['codec']} with {self.audio['channels']}")
+        seconds = frames / float(video.average_rate or video.guessed_rate or 1)
+        heard = float(stream.duration * stream.time_base) if stream.duration else 0.0
+        frame = 1 / float(video.average_rate or 1)
+        if abs(heard - seconds) > frame + 1024 / stream.codec_context.sample_rate:  # an AAC frame of slack
+            return f"its audio lasts {heard:.3f} s, the frames {seconds:.3f} s"
+        return ""
 
     def checks(self) -> list[Check]:
         return [self.clips.check("every clip opens as H.264 of its bucket's size and frame count")]

@@ -298,8 +298,8 @@ class ClipSpec:
                                   error.phase) from None
             return replace(clip, meta={**clip.meta, "reference": ref.meta}, reference=ref)
         if self.audio:
-            raise RejectError("no_audio_stream", "an image has no audio track; this run encodes audio with every "
-                              "sample (--skip-audio leaves it out)")
+            raise RejectError("no_audio_stream", "an image has no audio track; this run keeps audio with every "
+                              "sample (LTX-2: --skip-audio leaves it out; raw clips: without --keep-audio)")
         return prepare_image_clip(data, buckets)
 
     def bucket_of(self, data: bytes, *, video: bool) -> Bucket:

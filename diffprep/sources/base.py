@@ -119,6 +119,8 @@ class SourceSample:
     # "reference_audio", "video_mask", "audio_mask" -> (the path as written, the file's bytes).
     extras: Mapping[str, tuple[str, bytes]] = field(default_factory=dict)
     scene: Scene | None = None  # a posed scene's frames and cameras (--source-type scenes); image and video None
+    # Numbers of the source's score columns (--score-column), written as top-level fields of the sample's meta.
+    scores: Mapping[str, int | float] = field(default_factory=dict)
 
     @property
     def media(self) -> bytes | None:

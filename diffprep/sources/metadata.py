@@ -51,6 +51,10 @@ when the file has them (``extra_columns``; ``SourceSample.extras``): ``audio``
 ``audio_mask``. Each resolves as the media path; a row without one is
 ``missing_<role>``, a path to no file ``<role>_not_found``.
 
+``source.score_columns`` (``--score-column``) names columns of numbers copied
+into the sample's meta as top-level fields (``diffprep.sources.scores``: a row
+without a value leaves the field out, any other non-number is ``invalid_score``).
+
 A row is a reject, never dropped: no path (``missing_media``), a path that is
 not text (``invalid_media_path``), no file at the path (``media_not_found``),
 a file that cannot be read (``source_read_error``), no caption or a null one
@@ -89,6 +93,7 @@ from diffprep.sources.base import (
     rejected,
     unsupported,
 )
+from diffprep.sources.scores import check_score_columns, row_scores
 from diffprep.storage import (
     S3Url,
     StorageUnavailableError,
@@ -119,6 +124,7 @@ class _Row:
     caption: Any  # the caption column's value, _ABSENT when the record lacks it
     reference: Any = None  # the reference column's value (None: no such column), _ABSENT when the record lacks it
     extras: tuple = ()  # the values of the extra columns, in extra_columns' order (_ABSENT where missing)
+    scores: tuple = ()  # the values of the score columns, in score_columns' order (_ABSENT where missing)
 
 
 def _where_row(file: str, row: _Row) -> str:
@@ -209,7 +215,7 @@ class MetadataSource:
     def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
                  image_key: str | None = None, s3_endpoint_url: str | None = None,
                  s3_profile: str | None = None, reference_key: str | None = None,
-                 audio_key: str | None = None) -> None:
+                 audio_key: str | None = None, score_columns: Sequence[str] = ()) -> None:
         self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
         self._client = None
         fmt = posixpath.splitext(metadata_file)[1].lower()
@@ -262,6 +268,9 @@ class MetadataSource:
         # The trainer's reference columns the file has: an LTX-2 run refuses to leave them out unasked.
         self.reference_columns = [c for c in REFERENCE_COLUMNS if c in columns]
         self.columns = columns
+        self.score_columns = list(score_columns)
+        if self.score_columns and (records or columns):
+            check_score_columns(self.score_columns, columns, where)
         # Paths with neither an image nor a video extension are images only in an image column.
         self._column_is_image = not video_key and (bool(image_key) or self.media_key == IMAGE_COLUMN)
 
@@ -271,7 +280,8 @@ class MetadataSource:
         for number, (line, record) in enumerate(records, start=1):
             row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT),
                        record.get(self.reference_key, _ABSENT) if self.reference_key else None,
-                       tuple(record.get(c, _ABSENT) for c in self.extra_columns))
+                       tuple(record.get(c, _ABSENT) for c in self.extra_columns),
+                       tuple(record.get(c, _ABSENT) for c in self.score_columns))
             source_id = self._id_of(row)
             self._by_id[source_id] = len(self._rows)
             self._rows.append(row)
@@ -309,6 +319,7 @@ class MetadataSource:
             "video_key": None if self._column_is_image or self.audio_only else self.media_key,
             **({"audio_key": self.media_key} if self.audio_only else {}),
             **({"reference_key": self.reference_key} if self.reference_key else {}),
+            **({"score_columns": self.score_columns} if self.score_columns else {}),
             "s3_endpoint_url": self._endpoint_url,
             "s3_profile": self._profile,
         }
@@ -361,12 +372,18 @@ class MetadataSource:
             except RejectError as exc:
                 return SourceSample(source_id, None, None, exc)
 
+        try:
+            scores = row_scores(dict(zip(self.score_columns, row.scores)), where, _ABSENT)
+        except RejectError as exc:
+            return SourceSample(source_id, None, None, exc)
+
         def sample(caption: str | None, error: RejectError | None = None) -> SourceSample:
             if self.audio_only:
-                return SourceSample(source_id, None, caption, error, audio=data, extras=extras)
+                return SourceSample(source_id, None, caption, error, audio=data, extras=extras, scores=scores)
             if is_video:
-                return SourceSample(source_id, None, caption, error, video=data, reference=reference, extras=extras)
-            return SourceSample(source_id, data, caption, error, reference=reference, extras=extras)
+                return SourceSample(source_id, None, caption, error, video=data, reference=reference, extras=extras,
+                                    scores=scores)
+            return SourceSample(source_id, data, caption, error, reference=reference, extras=extras, scores=scores)
 
         caption_where = f"{where} column {self.caption_key!r}"
         if row.caption is _ABSENT:
@@ -386,7 +403,7 @@ class MetadataSource:
         if index is None:
             return "-"
         row = self._rows[index]
-        values = json.dumps([_plain(v) for v in (row.media, row.caption, row.reference, *row.extras)],
+        values = json.dumps([_plain(v) for v in (row.media, row.caption, row.reference, *row.extras, *row.scores)],
                             sort_keys=True, default=str)
         files = [v.strip() for v in (row.reference, *row.extras) if isinstance(v, str) and v.strip()]
         media = self._file_stamp(row.media) if isinstance(row.media, str) and row.media else "-"

@@ -5,7 +5,8 @@ dataset (``dataset.py``); each returns its findings as ``Check``s, nothing is
 only logged. This module runs them in order and is the only one that writes:
 ``.diffprep/validation.json``, and when every check passed the per-channel
 latent statistics (``.diffprep/latent_stats.pt``) the encoding's inspector
-gathered.
+gathered; where the units saved their moments (``--full-cov``), their merge
+instead (with the full covariance), checked against the inspector's pass.
 
 The summary also holds the reject counts of ``.diffprep/audit.json`` and
 previews: a few samples decoded (latents through the dataset's VAE, raw
@@ -117,11 +118,46 @@ def validate_dataset(
             if output.remote else _previews(output, previews))
     if inspector is not None and checks and all(check.ok for check in checks):
         passed_checks, passed_summary, files = inspector.passed()
+        unit_checks, unit_summary, unit_files = _unit_stats(output, files, max_load)
+        files |= unit_files
+        passed_checks += unit_checks
+        passed_summary |= unit_summary
         for name, data in files.items():
             output.state.write_bytes(name, data)
         checks += passed_checks
         summary.update(passed_summary)
     return _report(output, checks, summary)
+
+
+def _unit_stats(output: Output, files: dict[str, bytes], max_load: int | None
+                ) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
+    """The units' merged latent moments (``--full-cov``) as the statistics file, and a check that their mean and
+    std are those of validation's own pass over every stored latent (nothing when no unit saved moments)."""
+    import io
+
+    import torch
+
+    from diffprep.latent_stats import merged_unit_stats, summary as stats_summary
+    from diffprep.shards import torch_bytes
+
+    plan = output.state.plan()
+    merged = merged_unit_stats(output, plan) if plan is not None else None
+    if not merged or "mean" not in merged:
+        return [], {}, {}
+    line = stats_summary(merged)
+    checks = []
+    if contract.LATENT_STATS in files and max_load is None:
+        seen = torch.load(io.BytesIO(files[contract.LATENT_STATS]), map_location="cpu", weights_only=True)
+        same = all(torch.allclose(merged[k], seen[k], rtol=1e-6, atol=1e-9) for k in ("mean", "std"))
+        detail = (f"the units' merged moments ({line['samples']} samples, condition number "
+                  f"{line.get('condition', float('nan')):.3g}) give the mean and std of every stored latent; saved "
+                  f"with the full covariance to {contract.STATE_DIR}/{contract.LATENT_STATS}" if same else
+                  f"the units' merged mean/std differ from those of the stored latents: a unit's moments do not "
+                  f"match its shard; run `diffprep latent-stats OUT --full-cov` to recompute them")
+        checks.append(Check("latent stats from the units", same, detail))
+        if not same:
+            return checks, {}, {}
+    return checks, {"latent_stats_full": line}, {contract.LATENT_STATS: torch_bytes(merged)}
 
 
 def _encoding(name: str | None):

@@ -31,7 +31,8 @@ TENSOR_NAMES = tuple(contract.field_stem(name) for name in
 # "fields", the fields every sample must have (how a raw plan names its image and caption fields), for a
 # video plan "buckets", the latents' shape per resolution bucket ("WxHxF"), and where tensors differ in dtype
 # (LTX-2) "dtypes", one per tensor.
-EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "dtypes", "fields", "buckets")
+# "audio": a raw clip plan that keeps each clip's sound ({"codec": ..., "channels": ...}).
+EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "dtypes", "fields", "buckets", "audio")
 TENSOR_FIELD_STEMS = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)  # always in a plan
 
 
@@ -77,6 +78,12 @@ def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
         if not valid:
             raise ConfigError(f"expected buckets from {where} must map 'WxHxF' to a latents shape, got {buckets!r}")
         result["buckets"] = {name: list(shape) for name, shape in buckets.items()}
+    audio = expected.get("audio")
+    if audio is not None:
+        if not (isinstance(audio, dict) and isinstance(audio.get("codec"), str)
+                and isinstance(audio.get("channels"), int)):
+            raise ConfigError(f"expected audio from {where} must be {{'codec': name, 'channels': n}}, got {audio!r}")
+        result["audio"] = dict(audio)
     for name in TENSOR_NAMES:
         shape = expected.get(name)
         valid = isinstance(shape, (list, tuple)) and all(d is None or isinstance(d, int) for d in shape)
