@@ -86,7 +86,8 @@ def check_scene(key: str, video: bytes, c2w: np.ndarray, K: np.ndarray, meta: Ma
                         f"its metadata says {count} of {width}x{height}")
     if len(c2w) != frames.shape[0] or len(K) != frames.shape[0]:
         problems.append(f"{key}: {len(c2w)} poses and {len(K)} intrinsics for {frames.shape[0]} frames")
-    problems += [f"{key} {p}" for p in camera_problems(c2w, K, int(frames.shape[3]), int(frames.shape[2]))[:5]]
+    else:
+        problems += [f"{key} {p}" for p in camera_problems(c2w, K, int(frames.shape[3]), int(frames.shape[2]))[:5]]
     if depth is not None:
         if depth.dtype != np.uint16 or depth.ndim != 3 or len(depth) != frames.shape[0]:
             problems.append(f"{key}: depth {depth.dtype} {list(depth.shape)} for {frames.shape[0]} frames, expected "

@@ -1,0 +1,155 @@
+"""Posed scenes out: the raw scene shards (energon, fastgen), GAE's scene folders and the Wan scene encoding.
+
+Unit tests build ``PreparedScene``s with known cameras; the end-to-end tests render synthetic scenes with markers at
+known 3D points (``tests/scene_render.py``), run the pipeline and re-project every marker through the stored K and
+c2w onto the decoded stored frames.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from diffprep import contract
+from diffprep.camera_pictures import camera_views, frustum_points
+from diffprep.encodings import gae_layout
+from diffprep.encodings.scene_checks import camera_problems, check_scene, intrinsics_rows, load_npy
+from diffprep.encodings.scenes import SceneWriter, scene_meta
+from diffprep.encodings.scenes_wan import check_scene_shape, latent_frames
+from diffprep.errors import ConfigError
+from diffprep.media.mp4 import mp4_frames
+from diffprep.media.scene_frames import PreparedScene
+from diffprep.shards import Reject
+
+
+def _rotation_y(angle: float) -> np.ndarray:
+    c, s = np.cos(angle), np.sin(angle)
+    return np.array([[c, 0, s], [0, 1, 0], [-s, 0, c]])
+
+
+def _prepared(frames: int = 5, width: int = 32, height: int = 24, depth: bool = False,
+              caption: str = "a room") -> PreparedScene:
+    c2w = np.tile(np.eye(4), (frames, 1, 1))
+    for i in range(frames):
+        c2w[i, :3, :3] = _rotation_y(0.1 * i)
+        c2w[i, :3, 3] = [0.2 * i, 0.0, -1.0]
+    K = np.tile(np.array([[30.0, 0, width / 2], [0, 30.0, height / 2], [0, 0, 1]]), (frames, 1, 1))
+    y, x = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    pixels = torch.stack([torch.stack([(x * 7 + k * 9) % 256, (y * 9 + k * 5) % 256, (x + y) * 4 % 256])
+                          for k in range(frames)]).to(torch.uint8)
+    meta = {"scene_id": "train/000/s1", "num_frames": frames, "fps": 15.0, "height": height, "width": width,
+            "rgb_resolution": min(height, width), "source": "re10k", "caption": caption, "split": "train",
+            "sampling_mode": "uniform", "frames": [{"index": i, "name": str(i + 1), "original_idx": i}
+                                                   for i in range(frames)]}
+    maps = np.arange(frames * 8 * 8, dtype=np.uint16).reshape(frames, 8, 8) if depth else None
+    return PreparedScene(pixels=pixels, c2w=c2w, K=K, depth=maps, meta=meta)
+
+
+def test_camera_checks_pass_a_rig_and_name_each_broken_camera():
+    scene = _prepared()
+    assert camera_problems(scene.c2w, scene.K, 32, 24) == []
+    broken = scene.c2w.copy()
+    broken[1, :3, 1] *= -1  # a flipped axis: det -1
+    broken[2, 3] = [0, 0, 1, 1]
+    broken[3, 0, 0] = np.nan
+    K = scene.K.copy()
+    K[4, 0, 0] = -30.0
+    K[0, 0, 2] = 100.0  # principal point far outside the 32-wide frame
+    problems = camera_problems(broken, K, 32, 24)
+    assert [p.split(":")[0] for p in problems] == ["frame 0", "frame 1", "frame 2", "frame 3", "frame 4"]
+    assert "principal point" in problems[0] and "det -1" in problems[1] and "last row" in problems[2]
+    assert "non-finite" in problems[3] and "fx -30" in problems[4]
+    # Both forms of K: [N, 3, 3] and rows fx fy cx cy.
+    assert camera_problems(broken, intrinsics_rows(K), 32, 24) == problems
+
+
+def test_scene_fields_store_the_cameras_row_per_decoded_frame_and_refuse_a_bad_one():
+    scene = _prepared(depth=True)
+    writer = SceneWriter(crf=18, depth=True, fps=15.0)
+    fields = writer.fields(scene, "a room", "train/000/s1")
+    assert sorted(fields) == sorted(contract.SCENE_FIELDS + (contract.SCENE_DEPTH,))
+    poses = load_npy(fields[contract.SCENE_POSES], key="k", field="poses")
+    rows = load_npy(fields[contract.SCENE_INTRINSICS], key="k", field="K")
+    assert poses.dtype == np.float32 and poses.shape == (5, 4, 4) and np.allclose(poses, scene.c2w, atol=1e-7)
+    assert rows.dtype == np.float32 and rows.tolist() == [[30.0, 30.0, 16.0, 12.0]] * 5
+    assert mp4_frames(fields[contract.RAW_VIDEO]).shape == (5, 3, 24, 32)
+    assert load_npy(fields[contract.SCENE_DEPTH], key="k", field="d").dtype == np.uint16
+    assert check_scene("k", fields[contract.RAW_VIDEO], poses, rows, fields[contract.RAW_VIDEO_META],
+                       load_npy(fields[contract.SCENE_DEPTH], key="k", field="d"),
+                       {"frames": 5, "size": None, "depth": True}) == []
+    assert check_scene("k", fields[contract.RAW_VIDEO], poses[:4], rows, fields[contract.RAW_VIDEO_META], None,
+                       {"frames": 6, "depth": True}) == [
+        "k: 4 poses and 5 intrinsics for 5 frames", "k: no depth maps; the plan writes them",
+        "k: 5 frames, the plan keeps 6"]
+    scene.c2w[2, :3, 0] *= -1
+    rejected = writer.fields(scene, "a room", "train/000/s1")
+    assert isinstance(rejected, Reject) and rejected.reason == "bad_camera" and "frame 2" in rejected.detail
+
+
+def test_gae_meta_puts_every_scalar_before_frames_and_reads_as_gaes_index_reads_it(tmp_path):
+    caption = 'a "frames" word, and "frames": in the caption'
+    scene = _prepared(depth=True, caption=caption)
+    fields = SceneWriter(crf=18, depth=True, fps=15.0).fields(scene, caption, "train/000/s1")
+    files = gae_layout.scene_files(fields)
+    assert sorted(files) == sorted(gae_layout.FILES)
+    meta = json.loads(files[contract.GAE_META])
+    keys = list(meta)
+    assert keys[:7] == ["scene_id", "num_frames", "fps", "height", "width", "rgb_resolution", "source"]
+    assert keys[-1] == "frames" and "caption" in keys
+    assert list(meta["frames"][0]) == ["index", "name", "original_idx", "c2w", "K"]
+    prefix = gae_layout.gae_prefix(files[contract.GAE_META].decode())
+    assert prefix == {k: v for k, v in meta.items() if k != "frames"}
+    assert prefix["caption"] == caption and prefix["num_frames"] == 5 and prefix["rgb_resolution"] == 24
+    # depth.npz: np.load reads depth_mm as uint16, and the same maps give the same bytes (fixed zip dates).
+    with np.load(io.BytesIO(files[contract.GAE_DEPTH])) as archive:
+        assert archive[contract.GAE_DEPTH_KEY].dtype == np.uint16 and archive[contract.GAE_DEPTH_KEY].shape == (5, 8, 8)
+    assert gae_layout.depth_npz(scene.depth) == files[contract.GAE_DEPTH]
+    assert zipfile.ZipFile(io.BytesIO(files[contract.GAE_DEPTH])).infolist()[0].date_time == (1980, 1, 1, 0, 0, 0)
+    folder = tmp_path / "train" / "s1"
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    assert gae_layout.scene_problems(tmp_path, "train/s1", {"frames": 5, "depth": True}) == []
+    (folder / contract.GAE_CAPTION).write_text("another")
+    assert gae_layout.scene_problems(tmp_path, "train/s1", None) == ["train/s1/caption.txt differs from meta.json's "
+                                                                      "caption"]
+
+
+def test_gae_folders_follow_gaes_packers_and_refuse_unsafe_ids():
+    assert gae_layout.folder_of("train/000/abc", "re10k") == "train/abc"
+    assert gae_layout.folder_of("train/000/abc/chunk_001", "re10k") == "train/abc/chunk_001"
+    assert gae_layout.folder_of("1K/xyz", "dl3dv") == "xyz"
+    assert gae_layout.folder_of("site/scan_2/chunk_000", "scannetpp") == "site/scan_2/chunk_000"
+    assert gae_layout.folder_of("a%25b", "colmap") == "a%b"
+    for bad in ("../x", "a/.diffprep/b", ".hidden"):
+        assert gae_layout.folder_of(bad, "colmap") is None
+
+
+def test_wan_scene_shapes_and_latent_frame_coverage():
+    assert latent_frames(9, 4) == [[0], [1, 2, 3, 4], [5, 6, 7, 8]]
+    assert latent_frames(1, 4) == [[0]]
+    check_scene_shape(17, 64, 8, 4)
+    with pytest.raises(ConfigError, match=r"--scene-frames 20: Wan encodes 1 \+ 4k frames; use 17 or 21"):
+        check_scene_shape(20, 64, 8, 4)
+    with pytest.raises(ConfigError, match="--scene-resolution 60: Wan needs a multiple of 8; use 56 or 64"):
+        check_scene_shape(17, 60, 8, 4)
+    with pytest.raises(ConfigError, match="needs --scene-frames"):
+        check_scene_shape(None, 64, 8, 4)
+
+
+def test_camera_drawing_puts_each_frustum_where_its_camera_looks():
+    scene = _prepared(frames=4)
+    rows = intrinsics_rows(scene.K)
+    points = frustum_points(scene.c2w, rows, 32, 24, depth=1.0)
+    # The corners lie in front of the camera along its +z axis (OpenCV), at depth 1.
+    forward = scene.c2w[0, :3, 2]
+    assert np.allclose((points[0, 1:] - points[0, 0]) @ forward, 1.0)
+    picture = camera_views(scene.c2w, rows, 32, 24)
+    assert picture.dtype == torch.uint8 and picture.shape == (3, 256, 512)
+    assert len(torch.unique(picture.reshape(3, -1), dim=1).T) > 4  # drawn: more than the background and text
+    assert scene_meta(scene, "c", "train/000/s1", 15.0)["frames"][3]["c2w"] == scene.c2w[3].tolist()
