@@ -71,12 +71,17 @@ def camera_views(c2w: np.ndarray, intrinsics: np.ndarray, width: int, height: in
 
 
 def beside(frames: torch.Tensor, views: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[3, H, W]`` frames and the camera views side by side (the views scaled to the frames' height)."""
-    height = int(frames.shape[1])
-    image = Image.fromarray(views.permute(1, 2, 0).numpy())
-    image = image.resize((max(1, round(image.width * height / image.height)), height), Image.BILINEAR)
-    scaled = torch.from_numpy(np.array(image)).permute(2, 0, 1)
-    return torch.cat([frames, scaled], dim=2).contiguous()
+    """uint8 ``[3, H, W]`` frames and the camera views side by side, at the taller one's height (small frames
+    enlarged by whole pixels, nearest, so they stay sharp)."""
+    height = max(int(frames.shape[1]), int(views.shape[1]))
+
+    def at_height(picture: torch.Tensor, filter: int) -> torch.Tensor:
+        image = Image.fromarray(picture.permute(1, 2, 0).numpy())
+        if image.height != height:
+            image = image.resize((max(1, round(image.width * height / image.height)), height), filter)
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+    return torch.cat([at_height(frames, Image.NEAREST), at_height(views, Image.BILINEAR)], dim=2).contiguous()
 
 
 __all__ = ["beside", "camera_views", "frustum_points"]

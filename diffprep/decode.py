@@ -190,7 +190,8 @@ def source_media(plan: Plan, samples: Sequence[StoredSample], *, token: str | No
                 for s in samples}
     try:
         spec = get_encoding(plan.encoding).media_spec(None, plan)
-        source = open_source(source_config(plan.source), token=token)
+        source = open_source(source_config(plan.source), token=token,
+                             **get_encoding(plan.encoding).source_options(plan.settings))
     except (DiffprepError, KeyError, TypeError, OSError) as error:
         return {s.key: f"source not reachable: {error}" for s in samples}
     result: dict[str, SourceMedia | str] = {}
@@ -206,7 +207,7 @@ def source_media(plan: Plan, samples: Sequence[StoredSample], *, token: str | No
             read = next(iter(read_clips(source, [source_id]) if scenes else source.read([source_id])))
             if read.reject is not None:
                 raise read.reject
-            if read.media is None:
+            if read.media is None and getattr(read, "scene", None) is None:
                 raise RejectError("missing_image", "the source gave no image")
             prepared = _prepare(read, spec, meta)
         except RejectError as error:
@@ -229,8 +230,12 @@ def _prepare(read: Any, spec: ImageSpec | ClipSpec | AudioSpec, meta: dict
              ) -> tuple[SourceMedia, list[int] | None, list[int] | None]:
     """A re-read source sample prepared as it was encoded: (its media, original size, crop box).
 
-    A clip is prepared in the bucket its meta.json records, an audio file in its duration bucket.
+    A clip is prepared in the bucket its meta.json records, an audio file in its duration bucket, a posed scene
+    by the plan's ``SceneSpec`` (its chunk included).
     """
+    if getattr(read, "scene", None) is not None:
+        scene = spec.prepare(read.scene)
+        return SourceMedia(scene.pixels), scene.meta.get("original_size"), scene.meta.get("crop_box")
     if isinstance(spec, AudioSpec):
         if read.audio is None:
             raise RejectError("missing_audio", "the source gave no audio file")

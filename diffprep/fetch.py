@@ -44,7 +44,7 @@ def fetch(
     encoding = encoding_for(settings, encoding, token)
     byte, expected = get_encoding(encoding).planned(settings, token)
     fp = fingerprint(byte)
-    source = open_source(settings.source, token=token)
+    source = open_source(settings.source, token=token, **get_encoding(encoding).source_options(byte))
     previous = output.state.plan() if output.local.is_dir() else None
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do

@@ -133,7 +133,8 @@ def sanity_phase(settings: Settings, output: Output, plan: Plan, units_left: lis
     encoding = get_encoding(plan.encoding)
     loaded = encoding.load(settings, token)
     share_text_encodings(loaded, output, plan)
-    source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
+    source = open_source(settings.source, token=token, **encoding.source_options(plan.settings))
+    spec = encoding.media_spec(settings, plan)
     return with_smaller_batches_on_oom(
         lambda batch_size: encoding.sanity(output, plan, loaded, source, spec, settings=settings,
                                            batch_size=batch_size, units_left=units_left, workers=1,
@@ -168,7 +169,8 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     loaded = encoding.load(settings, token)
     share_text_encodings(loaded, output, plan)
     fields = encoding.sample_fields(settings, loaded)
-    source, spec = open_source(settings.source, token=token), encoding.media_spec(settings, plan)
+    source = open_source(settings.source, token=token, **encoding.source_options(plan.settings))
+    spec = encoding.media_spec(settings, plan)
     start = min(_WORKING_BATCH.get(loaded, encoding.batch_size(settings)), encoding.batch_size(settings))
 
     writer = encoding.unit_writer(output, plan)

@@ -264,7 +264,7 @@ def check_shapes(output: Any, plan: Plan, manifests: Mapping[int, UnitManifest])
     """verify-existing: the first scene of one finished unit, read and checked against the plan."""
     for manifest in manifests.values():
         for folder in _scene_folders(manifest)[:1]:
-            problems = scene_problems(output.local, folder, plan.expected)
+            problems = scene_problems(output.local, folder, plan.expected.get("scene"))
             return problems[0] if problems else None
     return None
 
@@ -321,7 +321,7 @@ def validate(output: Any, plan: Plan) -> Any:
     scenes = Findings("scenes")
     frames = 0
     for folder in committed:
-        for problem in scene_problems(output.local, folder, plan.expected):
+        for problem in scene_problems(output.local, folder, plan.expected.get("scene")):
             scenes.add(problem)
         try:
             frames += int(json.loads((output.local / folder / contract.GAE_META).read_text())["num_frames"])

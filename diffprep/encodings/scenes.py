@@ -172,12 +172,16 @@ class Scenes(Encoding):
                 "scenes": scenes, "raw": {"video": dict(X264, crf=settings.raw.video_crf)}}
         byte = with_caption_settings(byte, settings)
         size = scenes["resolution"]
-        expected = {"fields": scene_fields(scenes["depth"]), "frames": scenes["frames"],
-                    "size": [size, size] if size else None, "depth": scenes["depth"]}
+        expected = {"fields": scene_fields(scenes["depth"]),
+                    "scene": {"frames": scenes["frames"], "size": [size, size] if size else None,
+                              "depth": scenes["depth"]}}
         return byte, expected
 
     def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> Any:
         return scene_spec(plan.settings)
+
+    def source_options(self, plan_settings: Mapping[str, Any]) -> dict[str, Any]:
+        return {"scenes": scene_spec(plan_settings)}
 
     def bucketed(self, plan_settings: dict[str, Any]) -> bool:
         return False
@@ -277,7 +281,7 @@ class SceneInspector:
     """Validation of loaded scenes (``check_scene`` on each); counts scenes and frames."""
 
     def __init__(self, expected: dict[str, Any] | None) -> None:
-        self.expected = expected
+        self.expected = (expected or {}).get("scene")
         self.findings = Findings("scenes")
         self.scenes = 0
         self.frames = 0

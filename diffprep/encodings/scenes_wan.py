@@ -107,6 +107,9 @@ class WanScenes(Wan):
     def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> Any:
         return scene_spec(plan.settings)
 
+    def source_options(self, plan_settings: Mapping[str, Any]) -> dict[str, Any]:
+        return {"scenes": scene_spec(plan_settings)}
+
     def bucketed(self, plan_settings: dict[str, Any]) -> bool:
         return False  # one shape for the whole plan (check_scene_shape)
 
