@@ -48,7 +48,8 @@ from diffprep.config import ImageConfig
 from diffprep.media.buckets import Bucket, choose_bucket, cover_box, parse_image_buckets
 from diffprep.errors import ConfigError, RejectError
 
-__all__ = ["ImageSpec", "PreparedImage", "target_size", "prepare_image", "to_model_input", "to_uint8", "psnr"]
+__all__ = ["ImageSpec", "PreparedImage", "target_size", "prepare_image", "decode_rgb", "to_model_input", "to_uint8",
+           "psnr"]
 
 # Smallest output side in every mode: the VAE downsamples by 8 and Flux packs latents 2x2.
 MULTIPLE = 16
@@ -218,6 +219,23 @@ def prepare_image(data: bytes, spec: ImageSpec) -> PreparedImage:
     # [H, W, 3] -> [3, H, W]; ascontiguousarray makes the one (writable) copy torch needs.
     pixels = torch.from_numpy(np.ascontiguousarray(np.asarray(out).transpose(2, 0, 1)))
     return PreparedImage(pixels=pixels, original_size=(width, height), crop_box=box, notes=tuple(notes))
+
+
+def decode_rgb(data: bytes, spec: ImageSpec, *, exif_transpose: bool = True) -> tuple[Image.Image, tuple[str, ...]]:
+    """Steps 1-4 of ``prepare_image`` alone: ``data`` as an RGB Pillow image and its notes, no resizing.
+
+    ``exif_transpose=False`` keeps the pixels as stored (a posed frame's camera describes the stored pixel array).
+    The same rejects as ``prepare_image``; the caller owns (closes) the image.
+    """
+    if not data:
+        raise RejectError("empty_file", "the image file is 0 bytes", phase="decode")
+    notes: list[str] = []
+    with _open(data, spec) as img:
+        _load(img, notes)
+        if exif_transpose:
+            _exif_transpose(img, notes)
+        rgb = _to_rgb(img, spec.background, notes)
+        return (rgb if rgb is not img else img.copy()), tuple(notes)
 
 
 def to_model_input(pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,10 @@ a reason; it never stops the unit.
 ``spec`` says how: an ``ImageSpec`` (images, ``[B, 3, H, W]`` batches), a
 ``ClipSpec`` (clips in their unit's bucket, ``[B, F, 3, H, W]`` batches; an
 image is a one-frame clip) or an ``AudioSpec`` (audio files trimmed to their
-unit's duration bucket: the batch's ``audio``, and no pixels).
+unit's duration bucket: the batch's ``audio``, and no pixels) or a ``SceneSpec`` (posed scenes, each its frames
+``[N, 3, H, W]`` and cameras: ``[B, N, 3, H, W]`` batches of scenes of one shape, the ``PreparedScene``s in
+``Batch.scenes``; with ``scenes.frames`` unset scenes differ in N, so a batch holds the consecutive scenes of one
+frame count and size, down to one).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from diffprep.long_videos import prepare_clip_window, read_clips
 from diffprep.media.audio import AudioSpec, PreparedAudio
 from diffprep.media.clip_inputs import prepare_with_inputs
 from diffprep.media.buckets import parse_bucket
+from diffprep.media.scene_frames import PreparedScene, SceneSpec
 from diffprep.media.video import ClipSpec, PreparedClip
 from diffprep.plan import Plan, UnitPlan
 from diffprep.shards import Reject
@@ -51,15 +55,24 @@ class Batch:
     reference_audio: list[Any] | None = None
     video_masks: list[torch.Tensor] | None = None
     audio_masks: list[torch.Tensor] | None = None
+    scenes: list[PreparedScene] | None = None  # a scene batch's cameras, depth and meta per scene (SceneSpec)
 
 
-Spec = ImageSpec | ClipSpec | AudioSpec
-Prepared = PreparedImage | PreparedClip | PreparedAudio
+Spec = ImageSpec | ClipSpec | AudioSpec | SceneSpec
+Prepared = PreparedImage | PreparedClip | PreparedAudio | PreparedScene
 
 
 def _prepare(sample: SourceSample, spec: Spec, bucket: str | None = None) -> Prepared:
     if sample.reject is not None:
         raise sample.reject
+    if isinstance(spec, SceneSpec):
+        if sample.scene is None:
+            raise RejectError("missing_scene", "a scenes run needs a posed scene for every sample (--source-type "
+                              "scenes)", phase="read")
+        failpoint("decode")
+        return spec.prepare(sample.scene)
+    if sample.scene is not None:
+        raise RejectError("unexpected_scene", "a posed scene in a run that does not store scenes", phase="read")
     if sample.media is None:
         raise RejectError("missing_image", "the source gave no image for this sample", phase="read")
     if sample.caption is None:
@@ -94,7 +107,8 @@ def iter_prepared(
             except RejectError as exc:
                 return index, sample, exc
             except Exception as exc:  # noqa: BLE001 - a sample PIL chokes on is a reject, not a crash
-                kind = "video" if sample.video is not None else "audio" if sample.audio is not None else "image"
+                kind = ("scene" if sample.scene is not None else "video" if sample.video is not None
+                        else "audio" if sample.audio is not None else "image")
                 return index, sample, RejectError(f"{kind}_decode_error", f"{type(exc).__name__}: {exc}")
 
         count = 0
@@ -117,7 +131,7 @@ def iter_prepared(
 
 
 def _meta(sample: SourceSample, image: Prepared, spec: Spec) -> dict:
-    if isinstance(image, (PreparedClip, PreparedAudio)):
+    if isinstance(image, (PreparedClip, PreparedAudio, PreparedScene)):
         return {"source_id": sample.source_id, **image.meta}
     size = [int(image.pixels.shape[2]), int(image.pixels.shape[1])]
     meta = {
@@ -159,6 +173,7 @@ def iter_batches(
                         if getattr(spec, "reference_scale", None) else None),
             **{name: [getattr(img, attr) for _, _, img in items] for name, attr, role in _INPUTS
                if role in getattr(spec, "inputs", ())},
+            scenes=[img for _, _, img in items] if isinstance(spec, SceneSpec) else None,
         )
         items.clear()
         return batch

@@ -9,6 +9,8 @@ does the metadata-file reader, for the file and the media it names.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from diffprep.config import SourceConfig
 from diffprep.errors import SourceError
 from diffprep.sources.base import Source, SourceSample
@@ -17,13 +19,17 @@ from diffprep.sources.imagefolder import ImageFolderSource
 from diffprep.sources.metadata import MetadataSource
 from diffprep.sources.webdataset import WebDatasetSource
 
-SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10")
+if TYPE_CHECKING:
+    from diffprep.media.scene_frames import SceneSpec
+
+SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10", "scenes")
 
 
-def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
+def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneSpec | None = None) -> Source:
     """Open the source that ``cfg`` describes; a ``SourceError`` says what is missing.
 
-    ``token`` is a Hugging Face token, used by the huggingface source only.
+    ``token`` is a Hugging Face token, used by the huggingface source only. ``scenes`` is how scenes are sampled
+    and chunked (``SceneSpec.from_settings``), which decides a scenes source's ids; the other sources ignore it.
     """
     if cfg.type == "directory":
         if not cfg.input_dir:
@@ -63,6 +69,16 @@ def open_source(cfg: SourceConfig, *, token: str | None = None) -> Source:
         return MetadataSource(cfg.metadata_file, caption_key=cfg.caption_key, video_key=cfg.video_key,
                               reference_key=cfg.reference_key, audio_key=cfg.audio_key,
                               image_key=cfg.image_key, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
+    if cfg.type == "scenes":
+        from diffprep.sources.scenes import SceneSource
+
+        if not cfg.input_dir:
+            raise SourceError("source.input_dir is not set: give the folder of scenes (--input-dir) and its "
+                              "--scene-format")
+        if scenes is None:
+            raise SourceError("a scenes source is opened with its SceneSpec (how scenes are sampled and chunked "
+                              "decides its ids): open_source(cfg, scenes=SceneSpec.from_settings(settings))")
+        return SceneSource(cfg.input_dir, cfg.scene_format, scenes, pose_key=cfg.pose_key)
     raise SourceError(f"source.type is {cfg.type!r}; set it to one of {list(SOURCE_TYPES)}")
 
 

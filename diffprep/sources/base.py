@@ -19,9 +19,12 @@ import posixpath
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from diffprep.errors import RejectError, SourceError
+
+if TYPE_CHECKING:
+    from diffprep.sources.scenes.base import Scene
 
 READ_PHASE = "read"
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -115,6 +118,7 @@ class SourceSample:
     # A clip's other inputs by role (metadata source, LTX-2): "audio" (its sound as a file of its own),
     # "reference_audio", "video_mask", "audio_mask" -> (the path as written, the file's bytes).
     extras: Mapping[str, tuple[str, bytes]] = field(default_factory=dict)
+    scene: Scene | None = None  # a posed scene's frames and cameras (--source-type scenes); image and video None
 
     @property
     def media(self) -> bytes | None:

@@ -29,7 +29,9 @@ class SceneFrame:
 class Scene:
     scene_id: str  # the scene folder relative to the input (with the split where the format has one)
     source: str  # the scene format (re10k, dl3dv, ...): meta.json's "source"
-    frames: tuple[SceneFrame, ...]  # every frame of the scene (or of its chunk), in the source's order
+    frames: tuple[SceneFrame, ...]  # every frame of the scene, in the source's order (before any sampling)
     caption: str | None
     split: str | None = None  # the format's split (re10k: train/test), None where it has none
     info: Mapping[str, Any] = field(default_factory=dict)  # format facts for meta.json (applied_gl2cv, pose_key)
+    # A long scene's sample: which chunk (chunk_NNN) of its kept frames (media/scene_sampling.py); None: all of them.
+    chunk: int | None = None
