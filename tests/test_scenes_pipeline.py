@@ -153,3 +153,99 @@ def test_camera_drawing_puts_each_frustum_where_its_camera_looks():
     assert picture.dtype == torch.uint8 and picture.shape == (3, 256, 512)
     assert len(torch.unique(picture.reshape(3, -1), dim=1).T) > 4  # drawn: more than the background and text
     assert scene_meta(scene, "c", "train/000/s1", 15.0)["frames"][3]["c2w"] == scene.c2w[3].tolist()
+
+
+# --- end to end: rendered scenes through the pipeline, markers re-projected on the stored frames ----------------
+
+import hashlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import diffprep.flows.encode  # noqa: E402,F401  (Prefect's log handler must bind to pytest's session stream)
+from diffprep.config import load_settings  # noqa: E402
+from diffprep.decode import decode_dataset  # noqa: E402
+from diffprep.pipeline import run  # noqa: E402
+from scene_render import marker_error, render  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# The red, green and blue markers: inside the centre square, their colours survive H.264's 4:2:0 chroma (the white
+# marker's colour test also takes the desaturated fringe of its magenta neighbour once decoded).
+CHECKED = 3
+
+
+def _never(*args, **kwargs):
+    pytest.fail(f"asked {args}")
+
+
+def _scene_settings(inp: Path, out: Path, scene_format: str, **extra):
+    sections = {
+        "source": {"type": "scenes", "input_dir": str(inp), "scene_format": scene_format},
+        "output": {"output_dir": str(out), "shard_size": 2, "accept_rejects": 0.0},
+        "image": {"decode_workers": 1},
+        "scenes": {"frames": 5, "resolution": 48},
+        "finalize": {"train_split": 1.0},
+    }
+    for section, values in extra.items():
+        sections[section] = sections.get(section, {}) | values
+    return load_settings(overrides=sections)
+
+
+def _reprojects(c2w, K, frames, rendered) -> float:
+    return marker_error(np.asarray(c2w), np.asarray(K), np.asarray(frames), rendered.points[:CHECKED])
+
+
+def _gae_files(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*"))
+            if p.is_file() and contract.STATE_DIR not in p.relative_to(out).parts}
+
+
+@pytest.fixture(scope="module")
+def re10k_scenes(tmp_path_factory) -> tuple[Path, list]:
+    """RE10K in both of its forms: GAE's transforms.json (OpenCV c2w, K for a larger w h) and the release's txt
+    (world-to-camera, normalized intrinsics); 8 frames each."""
+    inp = tmp_path_factory.mktemp("re10k") / "in"
+    scenes = [render(inp, "re10k", scene="s0", frames=8, caption="a hall"),
+              render(inp, "re10k", scene="s1", frames=8, caption="a kitchen"),
+              render(inp, "re10k-txt", scene="clip0", frames=8, caption="a stair")]
+    return inp, scenes
+
+
+def test_gae_layout_end_to_end_chunks_and_reprojection(prefect_server, re10k_scenes, tmp_path):
+    inp, scenes = re10k_scenes
+    out = tmp_path / "re10k_packed"
+    # Every frame kept, chunks of 4: each 8-frame scene is two chunk folders of its own.
+    settings = _scene_settings(inp, out, "re10k", output={"layout": "gae"},
+                               scenes={"frames": None, "chunk_frames": 4})
+    result = run(settings, "raw", ask=_never)
+    assert (result.samples, result.rejected, result.validation["ok"]) == (6, 0, True)
+    folders = sorted(p.parent.relative_to(out).as_posix() for p in out.rglob(contract.GAE_META)
+                     if contract.STATE_DIR not in p.parts)
+    assert folders == ["test/clip0/chunk_000", "test/clip0/chunk_001", "train/s0/chunk_000", "train/s0/chunk_001",
+                       "train/s1/chunk_000", "train/s1/chunk_001"]
+    for rendered in scenes:
+        name = rendered.source_id.split("/")[-1]
+        split = rendered.source_id.split("/")[0]
+        for chunk in ("chunk_000", "chunk_001"):
+            folder = out / split / name / chunk
+            text = (folder / contract.GAE_META).read_text()
+            prefix = gae_layout.gae_prefix(text)
+            assert prefix["num_frames"] == 4 and prefix["rgb_resolution"] == 48 and prefix["chunk_index"] in (0, 1)
+            assert (folder / contract.GAE_CAPTION).read_text() == prefix["caption"] != ""
+            meta = json.loads(text)
+            frames = mp4_frames((folder / contract.GAE_VIDEO).read_bytes())
+            assert frames.shape == (4, 3, 48, 48)
+            error = _reprojects([f["c2w"] for f in meta["frames"]], [f["K"] for f in meta["frames"]], frames,
+                                rendered)
+            assert error < 1.0, (rendered.source_id, chunk, error)
+    # A flipped axis, a w2c taken for the c2w or a K left unscaled would not re-project (the check can fail).
+    meta = json.loads((out / "train/s0/chunk_000" / contract.GAE_META).read_text())
+    frames = mp4_frames((out / "train/s0/chunk_000" / contract.GAE_VIDEO).read_bytes())
+    c2w, K = np.array([f["c2w"] for f in meta["frames"]]), np.array([f["K"] for f in meta["frames"]])
+    assert _reprojects(c2w @ np.diag([1, -1, -1, 1]), K, frames, scenes[0]) > 1.0
+    assert _reprojects(np.linalg.inv(c2w), K, frames, scenes[0]) > 1.0
+    assert _reprojects(c2w, K * np.array([[2], [2], [1]]), frames, scenes[0]) > 1.0
+    # decode draws the cameras beside the frames.
+    report = decode_dataset(out, 1, to_dir=tmp_path / "decoded")
+    assert report.previews[0].psnr_db is not None and report.previews[0].psnr_db > 25
+    assert (tmp_path / "decoded" / f"{report.previews[0].key}.cameras.png").is_file()
