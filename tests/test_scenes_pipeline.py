@@ -249,3 +249,47 @@ def test_gae_layout_end_to_end_chunks_and_reprojection(prefect_server, re10k_sce
     report = decode_dataset(out, 1, to_dir=tmp_path / "decoded")
     assert report.previews[0].psnr_db is not None and report.previews[0].psnr_db > 25
     assert (tmp_path / "decoded" / f"{report.previews[0].key}.cameras.png").is_file()
+
+
+BUCKET = "diffprep-scenes"  # created by the admin fixture (conftest.py)
+
+
+def _bucket_objects(admin, prefix: str) -> dict[str, bytes]:
+    keys = [o["Key"] for page in admin.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
+            for o in page.get("Contents", ())]
+    return {key[len(prefix) + 1:]: admin.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys}
+
+
+def test_fastgen_layout_to_a_bucket_end_to_end_and_reprojection(prefect_server, re10k_scenes, admin, proxy,
+                                                                aws_env, capsys):
+    import tarfile
+
+    from diffprep.cli import main
+
+    inp, scenes = re10k_scenes
+    url = f"s3://{BUCKET}/re10k_fastgen"
+    assert main(["raw", "--source-type", "scenes", "--scene-format", "re10k", "--input-dir", str(inp),
+                 "--layout", "fastgen", "--scene-frames", "5", "--scene-resolution", "48", "--shard-size", "2",
+                 "--output-dir", url, "--output-s3-endpoint-url", proxy.url, "--decode-workers", "1"]) == 0
+    assert "validation: passed" in capsys.readouterr().out
+    stored = _bucket_objects(admin, "re10k_fastgen")
+    assert json.loads(stored[contract.SHARD_COUNTS_JSON]) == {"000000.tar": 2, "000001.tar": 1}
+    by_id = {rendered.source_id: rendered for rendered in scenes}
+    seen = []
+    for shard in ("000000.tar", "000001.tar"):
+        with tarfile.open(fileobj=io.BytesIO(stored[shard])) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar}
+        for key in sorted({name.split(".", 1)[0] for name in members}):
+            assert sorted(n.split(".", 1)[1] for n in members if n.startswith(key + ".")) == sorted(
+                contract.SCENE_FIELDS)
+            meta = json.loads(members[f"{key}.json"])
+            poses = np.load(io.BytesIO(members[f"{key}.poses.npy"]))
+            rows = np.load(io.BytesIO(members[f"{key}.intrinsics.npy"]))
+            frames = mp4_frames(members[f"{key}.mp4"])
+            assert (meta["fps"], meta["width"], meta["height"], meta["num_frames"]) == (15.0, 48, 48, 5)
+            assert poses.dtype == rows.dtype == np.float32 and poses.shape == (5, 4, 4) and rows.shape == (5, 4)
+            K = np.zeros((5, 3, 3))
+            K[:, 0, 0], K[:, 1, 1], K[:, 0, 2], K[:, 1, 2], K[:, 2, 2] = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], 1
+            assert _reprojects(poses, K, frames, by_id[meta["source_id"]]) < 1.0, meta["source_id"]
+            seen.append(meta["source_id"])
+    assert sorted(seen) == sorted(by_id)
