@@ -263,8 +263,10 @@ def _colmap(root, fmt, scene, split, c2w, K, size, images, caption):
     model.mkdir(parents=True, exist_ok=True)
     (model / "cameras.txt").write_text(
         "# Camera list with one line of data per camera:\n#   CAMERA_ID, MODEL, WIDTH, HEIGHT, PARAMS[]\n"
-        f"1 PINHOLE {size[0]} {size[1]} {K[0, 0]!r} {K[1, 1]!r} {K[0, 2]!r} {K[1, 2]!r}\n")
-    lines = ["# Image list with two lines of data per image:", "#   IMAGE_ID, QW, QX, QY, QZ, TX, TY, TZ, CAMERA_ID, NAME",
+        f"1 PINHOLE {size[0]} {size[1]} " + " ".join(repr(float(v)) for v in (K[0, 0], K[1, 1], K[0, 2], K[1, 2]))
+        + "\n")
+    lines = ["# Image list with two lines of data per image:",
+             "#   IMAGE_ID, QW, QX, QY, QZ, TX, TY, TZ, CAMERA_ID, NAME",
              "#   POINTS2D[] as (X, Y, POINT3D_ID)"]
     for index in reversed(range(len(names))):  # listed out of order: the reader sorts by name
         w2c = np.linalg.inv(c2w[index])

@@ -32,7 +32,8 @@ def test_opengl_to_opencv_keeps_the_centre_and_flips_y_and_z():
     gl = pose(rotation("y", 30), [1.0, 2.0, 3.0])
     cv = cameras.opengl_to_opencv(gl)
     assert np.allclose(cv[:3, 3], [1, 2, 3])
-    assert np.allclose(cv[:3, 0], gl[:3, 0]) and np.allclose(cv[:3, 1], -gl[:3, 1]) and np.allclose(cv[:3, 2], -gl[:3, 2])
+    assert np.allclose(cv[:3, 0], gl[:3, 0])
+    assert np.allclose(cv[:3, 1], -gl[:3, 1]) and np.allclose(cv[:3, 2], -gl[:3, 2])
     # A point straight ahead of an OpenGL camera (its -z) is straight ahead (+z) of the OpenCV one.
     ahead = gl[:3, 3] - 2.0 * gl[:3, 2]
     uv, z = cameras.project(cv, cameras.intrinsics(10, 10, 5, 5), ahead[None])

@@ -44,7 +44,7 @@ def rejected(src, source_id: str) -> tuple[str, str]:
     return rejects[0].reason, rejects[0].detail
 
 
-@pytest.mark.parametrize("fmt", ["re10k", "re10k-txt"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_reprojects_after_crop_and_resize(tmp_path, fmt):
     scene = render(tmp_path, fmt, frames=11, caption="a hall")
     src = source(tmp_path, scene.fmt)
@@ -230,3 +230,88 @@ def test_open_source_needs_the_format_and_the_spec(tmp_path):
         source(tmp_path, None)
     with pytest.raises(SourceError, match="SceneSpec"):
         open_source(SourceConfig(type="scenes", input_dir=str(tmp_path), scene_format="re10k"))
+
+
+def test_scannetpp_depth_follows_the_crop(tmp_path):
+    scene = render(tmp_path, "scannetpp", frames=4, size=(96, 72))  # depth maps 32x24, a third of the frames
+    spec = SceneSpec(resolution=36, depth_resolution=12)
+    sample = read_one(source(tmp_path, "scannetpp", spec), scene.source_id)
+    prepared = spec.prepare(sample.scene)
+    assert prepared.depth.dtype == np.uint16 and prepared.depth.shape == (4, 12, 12)
+    # Each stored depth pixel holds the source depth pixel under its centre: the frames' crop (x0 = 12 of 96, a
+    # side of 72) is x0 = 4, side 24 in the depth maps' pixels.
+    values = prepared.depth.astype(int) - 1
+    xs, ys = values % 64, values // 64
+    centres = 4 + (np.arange(12) + 0.5) * 2
+    assert np.all(np.abs(xs + 0.5 - centres[None, None, :]) <= 0.5)
+    assert np.all(np.abs(ys + 0.5 - (np.arange(12) + 0.5)[None, :, None] * 2) <= 0.5)
+    meta = prepared.meta
+    assert meta["depth_resolution"] == 12 and meta["pose_key"] == "pose" and meta["frames_without_all_inputs"] == 1
+    assert [f["original_idx"] for f in meta["frames"]] == [0, 10, 20, 30]
+    assert marker_error(prepared.c2w, prepared.K, prepared.pixels.numpy()) < 1.0
+    # aligned_pose is the camera in another world: the markers re-project there, not in the first one.
+    aligned = spec.prepare(read_one(source(tmp_path, "scannetpp", spec, pose_key="aligned_pose"),
+                                    scene.source_id).scene)
+    assert marker_error(aligned.c2w, aligned.K, aligned.pixels.numpy(), scene.aligned_points) < 1.0
+    assert marker_error(aligned.c2w, aligned.K, aligned.pixels.numpy(), scene.points) > 1.0
+    # Without --scene-resolution the depth maps keep their own size.
+    assert SceneSpec().prepare(sample.scene).depth.shape == (4, 24, 32)
+
+
+def test_scannetpp_depth_rejects(tmp_path):
+    scene = render(tmp_path, "scannetpp-iphone", frames=3)
+    depth = tmp_path / "data" / "scene0" / "iphone" / "depth"
+    Image.new("L", (32, 21)).save(depth / "frame_000010.png")  # 8-bit
+    reason, detail = rejected(source(tmp_path, "scannetpp"), scene.source_id)
+    assert reason == "depth_unreadable" and "16-bit" in detail
+    (depth / "frame_000010.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 30)
+    assert rejected(source(tmp_path, "scannetpp"), scene.source_id)[0] == "depth_unreadable"
+    Image.fromarray(np.zeros((40, 32), np.uint16)).save(depth / "frame_000010.png")
+    assert rejected(source(tmp_path, "scannetpp"), scene.source_id)[0] == "depth_size_mismatch"
+
+
+def edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_distortion_is_refused_by_name_or_recorded(tmp_path):
+    ns = render(tmp_path / "ns", "nerfstudio", frames=3)
+    edit_json(tmp_path / "ns" / "scene0" / "transforms.json", lambda d: d.update(k1=0.01))
+    reason, detail = rejected(source(tmp_path / "ns", "nerfstudio"), ns.source_id)
+    assert reason == "unsupported_camera_model" and "k1=0.01" in detail
+    edit_json(tmp_path / "ns" / "scene0" / "transforms.json", lambda d: d.update(k1=0, camera_model="OPENCV_FISHEYE"))
+    assert "OPENCV_FISHEYE" in rejected(source(tmp_path / "ns", "nerfstudio"), ns.source_id)[1]
+    cm = render(tmp_path / "cm", "colmap", frames=3)
+    cameras_txt = tmp_path / "cm" / "scene0" / "sparse" / "0" / "cameras.txt"
+    cameras_txt.write_text(cameras_txt.read_text().replace("PINHOLE 96 64", "OPENCV 96 64") + "")
+    text = cameras_txt.read_text().rstrip("\n") + " 0.01 0 0 0\n"
+    cameras_txt.write_text(text)
+    reason, detail = rejected(source(tmp_path / "cm", "colmap"), cm.source_id)
+    assert reason == "unsupported_camera_model" and "OPENCV" in detail and "image_undistorter" in detail
+    # DL3DV: GAE ignores its small distortion; so does diffprep, saying so in meta.json.
+    dl = render(tmp_path / "dl", "dl3dv", frames=3, caption="a street")
+    edit_json(tmp_path / "dl" / "1K" / "scene0" / "nerfstudio" / "transforms.json", lambda d: d.update(k1=0.02))
+    sample = read_one(source(tmp_path / "dl", "dl3dv"), dl.source_id)
+    assert sample.caption == "a street" and sample.scene.split == "1K"
+    meta = SPEC.prepare(sample.scene).meta
+    assert meta["distortion_ignored"] == {"k1": 0.02} and meta["applied_gl2cv"] is True
+
+
+def test_mvssynth_missing_pose_and_colmap_missing_image(tmp_path):
+    mv = render(tmp_path / "mv", "mvssynth", frames=3)
+    (tmp_path / "mv" / "scene0" / "poses" / "0001.json").unlink()
+    reason, detail = rejected(source(tmp_path / "mv", "mvssynth"), mv.source_id)
+    assert reason == "missing_pose" and "0001" in detail
+    cm = render(tmp_path / "cm", "colmap", frames=3)
+    (tmp_path / "cm" / "scene0" / "images" / "img_001.png").unlink()
+    assert rejected(source(tmp_path / "cm", "colmap"), cm.source_id)[0] == "missing_frame"
+
+
+def test_two_frames_of_one_name_are_a_reject_not_one_kept(tmp_path):
+    scene = render(tmp_path, "re10k", frames=3)
+    edit_json(tmp_path / scene.source_id / "transforms.json",
+              lambda d: d["frames"].append({**d["frames"][0], "file_path": "other/" + d["frames"][0]["file_path"]}))
+    reason, detail = rejected(source(tmp_path, "re10k"), scene.source_id)
+    assert reason == "scene_unreadable" and "two frames" in detail

@@ -51,7 +51,7 @@ class PreparedScene:
     c2w: np.ndarray  # float64 [N, 4, 4]: OpenCV camera-to-world of each stored frame
     K: np.ndarray  # float64 [N, 3, 3]: intrinsics in pixels of the stored frames
     depth: np.ndarray | None  # uint16 [N, d, d] millimetres (depth sources), else None
-    meta: dict  # meta.json's scalars (scene_id, num_frames, fps, height, width, ...) and frames[{index, name, original_idx}]
+    meta: dict  # meta.json's scalars (scene_id, num_frames, fps, height, width, ...), then frames[{index, name, ...}]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from diffprep.errors import RejectError, SourceError
 from diffprep.media.scene_sampling import chunk_name, chunk_ranges, kept_indices
 from diffprep.sources.base import SourceSample, reject
-from diffprep.sources.scenes import re10k
+from diffprep.sources.scenes import colmap, dl3dv, mvssynth, nerfstudio, re10k, scannetpp
 from diffprep.sources.scenes.base import Scene, SceneFrame
 from diffprep.sources.scenes.common import SceneDir, SceneFormat, split_chunk, stamps_of
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from diffprep.media.scene_frames import SceneSpec
 
 FORMATS: dict[str, SceneFormat] = {module.NAME: module.FORMAT
-                                   for module in (re10k,)}
+                                   for module in (re10k, dl3dv, scannetpp, mvssynth, nerfstudio, colmap)}
 
 
 def chunks_of(scene: Scene, spec: SceneSpec) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from diffprep.errors import RejectError
 from diffprep.media.cameras import CameraError, intrinsics_problem, pose_problem
@@ -97,6 +97,18 @@ def frame_order(stems: Iterable[str], *, numeric: bool = True) -> list[str]:
     return sorted(stems)
 
 
+def by_stem(items: Iterable[tuple[str, Any]], where: str) -> dict[str, Any]:
+    """``{stem: item}`` of ``(name, item)`` pairs; two frames of one stem are ``scene_unreadable`` (never one
+    silently kept)."""
+    found: dict[str, Any] = {}
+    for name, item in items:
+        stem = Path(name).stem
+        if stem in found:
+            raise reject("scene_unreadable", f"{where}: two frames are named {stem} ({name} and another)")
+        found[stem] = item
+    return found
+
+
 def read_json(path: Path, what: str) -> Any:
     try:
         with open(path, "rb") as handle:
@@ -133,7 +145,7 @@ def image_size(path: Path, frame: str) -> tuple[int, int]:
             return img.size
     except FileNotFoundError:
         raise reject("missing_frame", f"frame {frame}: its image {path.name} does not exist") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - Pillow's header parsers raise many types (a bomb too): the reject
         raise reject("frame_decode_error", f"frame {frame}: {path.name} does not read as an image: "
                      f"{type(error).__name__}: {error}") from None
 
@@ -152,12 +164,12 @@ def own_caption(folder: Path) -> str | None:
     return decode_caption_bytes(path.read_bytes(), f"{folder.name}/{CAPTION_FILE}")
 
 
-def camera(frame: str, build: Callable[[], np.ndarray]) -> np.ndarray:
-    """A frame's matrix from ``build``; a CameraError or a bad value becomes the frame's named reject."""
+def camera(frame: str, build: Callable[[], np.ndarray], reason: str = "invalid_pose") -> np.ndarray:
+    """A frame's matrix from ``build``; a CameraError becomes the frame's ``reason`` reject."""
     try:
         return build()
     except CameraError as error:
-        raise reject("invalid_pose", f"frame {frame}: {error}") from None
+        raise reject(reason, f"frame {frame}: {error}") from None
 
 
 def make_frame(name: str, image: str, c2w: np.ndarray, K: np.ndarray, original_idx: int,

@@ -31,7 +31,7 @@ import numpy as np
 from diffprep.media import cameras
 from diffprep.sources.base import normalize_caption, reject
 from diffprep.sources.scenes.base import Scene
-from diffprep.sources.scenes.common import (SceneDir, SceneFormat, camera, frame_order, image_size, inside,
+from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, image_size, inside,
                                             make_frame, make_scene, number, read_json, read_text, relative_id)
 
 NAME = "re10k"
@@ -65,7 +65,8 @@ def _walk(base: Path, folder: Path) -> Iterator[SceneDir]:
             elif entry.name + ".txt" not in names:  # a clip's frames folder is yielded with its txt
                 yield from _walk(base, path)
         elif entry.name.endswith(".txt") and folder != base:  # camera files live in a split folder
-            yield _scene(base, path)
+            if not (folder / entry.name[:-4] / TRANSFORMS).is_file():  # that folder is a scene of its own
+                yield _scene(base, path)
 
 
 def _scene(base: Path, path: Path) -> SceneDir:
@@ -102,22 +103,21 @@ def _load_transforms(found: SceneDir, caption: str | None) -> Scene:
     data = read_json(folder / TRANSFORMS, "the camera file")
     if not isinstance(data, dict) or not isinstance(data.get("frames"), list):
         raise reject("scene_unreadable", f"{TRANSFORMS} holds no frames list")
-    by_stem: dict[str, dict] = {}
     for entry in data["frames"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file_path"), str):
             raise reject("scene_unreadable", f"{TRANSFORMS}: a frame without a file_path: {entry!r:.80}")
-        by_stem[Path(entry["file_path"]).stem] = entry
-    stems = frame_order(by_stem)
+    entries = by_stem(((entry["file_path"], entry) for entry in data["frames"]), TRANSFORMS)
+    stems = frame_order(entries)
     if not stems:
         raise reject("too_few_frames", f"{TRANSFORMS} lists no frames; a scene needs at least 2")
     size = image_size(folder / f"{stems[0]}.png", stems[0])
     K = cameras.intrinsics(*(number(data.get(key), f"{TRANSFORMS} {key}") for key in ("fl_x", "fl_y", "cx", "cy")))
     if data.get("w") is not None or data.get("h") is not None:
         stated = (number(data.get("w"), f"{TRANSFORMS} w"), number(data.get("h"), f"{TRANSFORMS} h"))
-        K = camera("(all)", lambda: cameras.rescale(K, stated, size))
+        K = camera("(all)", lambda: cameras.rescale(K, stated, size), "invalid_intrinsics")
     frames = []
     for index, stem in enumerate(stems):
-        entry = by_stem[stem]
+        entry = entries[stem]
         if entry.get("transform_matrix") is None:
             raise reject("missing_pose", f"frame {stem}: {TRANSFORMS} gives it no transform_matrix")
         c2w = camera(stem, lambda: cameras.as_4x4(entry["transform_matrix"], "transform_matrix"))
