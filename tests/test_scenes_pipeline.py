@@ -260,19 +260,21 @@ def _bucket_objects(admin, prefix: str) -> dict[str, bytes]:
     return {key[len(prefix) + 1:]: admin.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys}
 
 
-def test_fastgen_layout_to_a_bucket_end_to_end_and_reprojection(prefect_server, re10k_scenes, admin, proxy,
-                                                                aws_env, capsys):
+def test_fastgen_layout_to_a_bucket_end_to_end_and_reprojection(prefect_server, admin, proxy, aws_env, capsys,
+                                                                tmp_path):
+    """DL3DV (nerfstudio's OpenGL axes, K for a 4x larger w h) as FastGen's camera video shards, in a bucket."""
     import tarfile
 
     from diffprep.cli import main
 
-    inp, scenes = re10k_scenes
-    url = f"s3://{BUCKET}/re10k_fastgen"
-    assert main(["raw", "--source-type", "scenes", "--scene-format", "re10k", "--input-dir", str(inp),
+    inp = tmp_path / "dl3dv"
+    scenes = [render(inp, "dl3dv", scene=f"s{i}", frames=6, caption=f"a street {i}") for i in range(3)]
+    url = f"s3://{BUCKET}/dl3dv_fastgen"
+    assert main(["raw", "--source-type", "scenes", "--scene-format", "dl3dv", "--input-dir", str(inp),
                  "--layout", "fastgen", "--scene-frames", "5", "--scene-resolution", "48", "--shard-size", "2",
                  "--output-dir", url, "--output-s3-endpoint-url", proxy.url, "--decode-workers", "1"]) == 0
     assert "validation: passed" in capsys.readouterr().out
-    stored = _bucket_objects(admin, "re10k_fastgen")
+    stored = _bucket_objects(admin, "dl3dv_fastgen")
     assert json.loads(stored[contract.SHARD_COUNTS_JSON]) == {"000000.tar": 2, "000001.tar": 1}
     by_id = {rendered.source_id: rendered for rendered in scenes}
     seen = []
@@ -287,6 +289,7 @@ def test_fastgen_layout_to_a_bucket_end_to_end_and_reprojection(prefect_server, 
             rows = np.load(io.BytesIO(members[f"{key}.intrinsics.npy"]))
             frames = mp4_frames(members[f"{key}.mp4"])
             assert (meta["fps"], meta["width"], meta["height"], meta["num_frames"]) == (15.0, 48, 48, 5)
+            assert meta["applied_gl2cv"] is True
             assert poses.dtype == rows.dtype == np.float32 and poses.shape == (5, 4, 4) and rows.shape == (5, 4)
             K = np.zeros((5, 3, 3))
             K[:, 0, 0], K[:, 1, 1], K[:, 0, 2], K[:, 1, 2], K[:, 2, 2] = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], 1
