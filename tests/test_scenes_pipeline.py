@@ -296,3 +296,41 @@ def test_fastgen_layout_to_a_bucket_end_to_end_and_reprojection(prefect_server, 
             assert _reprojects(poses, K, frames, by_id[meta["source_id"]]) < 1.0, meta["source_id"]
             seen.append(meta["source_id"])
     assert sorted(seen) == sorted(by_id)
+
+
+def test_wan_scenes_end_to_end_cameras_match_the_encoded_frames(prefect_server, tiny_wan, tmp_path):
+    """MVS-Synth (world-to-camera extrinsics) through the tiny Wan set: latents, umT5, and a camera per source frame
+    that re-projects every marker onto the frames the VAE encoded (the tiny VAE cannot reconstruct them)."""
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    from diffprep.decode import read_samples, source_media
+    from diffprep.plan import read_plan
+    from diffprep.scene_cooker import WanSceneTaskEncoder
+
+    inp = tmp_path / "mvssynth"
+    scenes = {r.source_id: r for r in (render(inp, "mvssynth", scene=f"s{i}", frames=6) for i in range(2))}
+    out = tmp_path / "out"
+    settings = _scene_settings(inp, out, "mvssynth", scenes={"resolution": 32},
+                               model={"model_path": str(tiny_wan), "precision": "fp32", "min_psnr": 0,
+                                      "batch_size": 2, "t5_max_length": 16})
+    result = run(settings, "preencoded", ask=_never)
+    assert (result.samples, result.rejected, result.validation["ok"]) == (2, 0, True)
+    dataset = get_train_dataset(str(out), batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                                task_encoder=WanSceneTaskEncoder(), repeat=False,
+                                worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    loaded = {sample.meta["source_id"]: sample for sample in get_loader(dataset)}
+    assert sorted(loaded) == sorted(scenes)
+    plan = read_plan(out)
+    stored = read_samples(out, 2)
+    prepared = source_media(plan, stored)
+    for sample in stored:
+        scene = loaded[sample.meta["source_id"]]
+        assert scene.latents.shape == (16, 2, 4, 4) and scene.c2w.shape == (5, 4, 4) and scene.intrinsics.shape == (
+            5, 3, 3)
+        assert scene.latent_frames == [[0], [1, 2, 3, 4]] and scene.bucket == "32x32x5"
+        frames = prepared[sample.key].pixels
+        assert _reprojects(scene.c2w.numpy(), scene.intrinsics.numpy(), frames, scenes[sample.meta["source_id"]]) < 1.0
+    # Wan's frame count rule is the plan's, named with the values that work.
+    with pytest.raises(ConfigError, match="use 5 or 9"):
+        run(_scene_settings(inp, tmp_path / "other", "mvssynth", scenes={"frames": 6, "resolution": 32},
+                            model={"model_path": str(tiny_wan)}), "preencoded", ask=_never)
