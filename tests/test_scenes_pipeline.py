@@ -334,3 +334,52 @@ def test_wan_scenes_end_to_end_cameras_match_the_encoded_frames(prefect_server, 
     with pytest.raises(ConfigError, match="use 5 or 9"):
         run(_scene_settings(inp, tmp_path / "other", "mvssynth", scenes={"frames": 6, "resolution": 32},
                             model={"model_path": str(tiny_wan)}), "preencoded", ask=_never)
+
+
+def _raw_args(inp: Path, out: Path) -> list[str]:
+    return ["raw", "--source-type", "scenes", "--scene-format", "scannetpp", "--input-dir", str(inp), "--layout",
+            "gae", "--scene-frames", "5", "--scene-resolution", "48", "--depth-resolution", "16", "--shard-size", "2",
+            "--output-dir", str(out), "--decode-workers", "1"]
+
+
+def _prefect_env() -> dict[str, str]:
+    import os
+
+    from prefect.settings import PREFECT_API_URL
+
+    return os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.slow
+def test_gae_scenes_killed_then_rerun_give_the_same_folders_and_an_append_adds_only_new_scenes(prefect_server,
+                                                                                                 tmp_path):
+    """ScanNet++ (depth) as GAE folders: SIGKILL after a unit's files are written but before its manifest, a re-run
+    gives the bytes of an uninterrupted run; a scene added later is a new unit, the others stay as they are."""
+    import signal
+
+    from diffprep.cli import main
+    from diffprep.failpoints import ENV as FAILPOINT_ENV
+
+    inp = tmp_path / "scannetpp"
+    scenes = [render(inp, "scannetpp", scene=f"scan{i}", frames=6) for i in range(3)]
+    reference = tmp_path / "reference"
+    assert main(_raw_args(inp, reference)) == 0
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-m", "diffprep.cli", *_raw_args(inp, out)], capture_output=True,
+                            text=True, timeout=300, env=_prefect_env() | {FAILPOINT_ENV: "before-manifest@2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert main(_raw_args(inp, out)) == 0
+    files = _gae_files(out)
+    assert files == _gae_files(reference)
+    assert sorted(files) == sorted(f"scan{i}/{name}" for i in range(3) for name in gae_layout.FILES)
+    depth = np.load(out / "scan0" / contract.GAE_DEPTH)[contract.GAE_DEPTH_KEY]
+    assert depth.dtype == np.uint16 and depth.shape == (5, 16, 16)
+    meta = json.loads((out / "scan0" / contract.GAE_META).read_text())
+    frames = mp4_frames((out / "scan0" / contract.GAE_VIDEO).read_bytes())
+    assert _reprojects([f["c2w"] for f in meta["frames"]], [f["K"] for f in meta["frames"]], frames, scenes[0]) < 1.0
+    # An append: one more scene, one more unit; the folders written stay byte for byte.
+    render(inp, "scannetpp", scene="scan3", frames=6)
+    assert main(_raw_args(inp, out)) == 0
+    after = _gae_files(out)
+    assert {k: v for k, v in after.items() if not k.startswith("scan3/")} == files
+    assert sorted(k for k in after if k.startswith("scan3/")) == [f"scan3/{name}" for name in sorted(gae_layout.FILES)]
