@@ -383,3 +383,22 @@ def test_gae_scenes_killed_then_rerun_give_the_same_folders_and_an_append_adds_o
     after = _gae_files(out)
     assert {k: v for k, v in after.items() if not k.startswith("scan3/")} == files
     assert sorted(k for k in after if k.startswith("scan3/")) == [f"scan3/{name}" for name in sorted(gae_layout.FILES)]
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_write_the_gae_folders_of_one_process(prefect_server, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+    from test_ranks import _env, _torchrun
+
+    from diffprep.cli import main
+
+    inp = tmp_path / "scannetpp"
+    for i in range(4):  # 2 units of 2: one per rank
+        render(inp, "scannetpp", scene=f"scan{i}", frames=6)
+    reference = tmp_path / "reference"
+    assert main(_raw_args(inp, reference)) == 0
+    out = tmp_path / "out"
+    done = _torchrun(2, ["-m", "diffprep", *_raw_args(inp, out)], _env(PREFECT_API_URL=PREFECT_API_URL.value()))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rank 1: encoded units 000001" in done.stdout and "validation: passed" in done.stdout
+    assert _gae_files(out) == _gae_files(reference) and len(_gae_files(out)) == 16
