@@ -219,6 +219,9 @@ def test_gae_layout_end_to_end_chunks_and_reprojection(prefect_server, re10k_sce
                                scenes={"frames": None, "chunk_frames": 4})
     result = run(settings, "raw", ask=_never)
     assert (result.samples, result.rejected, result.validation["ok"]) == (6, 0, True)
+    # The sanity check wrote one scene into the state folder, as the layout stores it.
+    assert sorted(p.name for p in (out / contract.STATE_DIR / contract.SANITY_DIR / "scene").iterdir()) == sorted(
+        gae_layout.FILES[:3])
     folders = sorted(p.parent.relative_to(out).as_posix() for p in out.rglob(contract.GAE_META)
                      if contract.STATE_DIR not in p.parts)
     assert folders == ["test/clip0/chunk_000", "test/clip0/chunk_001", "train/s0/chunk_000", "train/s0/chunk_001",
