@@ -350,10 +350,10 @@ def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, d
     from diffprep.shards import read_manifests
 
     picked = []
+    names = folders(plan)
     for _, manifest in sorted(read_manifests(root).items()):
         if manifest.fingerprint == plan.fingerprint:
             by_folder = _scene_folders(manifest)
-            names = folders(plan)
             for key, source_id in zip(manifest.keys, manifest.source_ids):
                 if names.get(source_id) in by_folder:
                     picked.append((key, names[source_id], source_id))
