@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import os
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -598,6 +598,12 @@ def check_runnable(settings: Settings) -> None:
     if not getattr(src, needed):
         flag = "--" + needed.replace("_", "-")
         raise ConfigError(f"source.type is {src.type!r} but source.{needed} is not set (pass {flag})")
+    if src.type == "scenes" and src.scene_format is None:
+        raise ConfigError("source.type is 'scenes' but source.scene_format is not set (pass --scene-format "
+                          f"{'|'.join(get_args(SceneFormat))})")
+    if settings.video.frame_sampling == "progressive" and src.type != "scenes":
+        raise ConfigError("--frame-sampling progressive follows the camera poses of posed scenes (--source-type "
+                          "scenes); clips take head or uniform")
     if not settings.output.output_dir:
         raise ConfigError("output.output_dir is not set (pass --output-dir)")
     if settings.output.layout == "ltx":

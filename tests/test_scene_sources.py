@@ -315,3 +315,36 @@ def test_two_frames_of_one_name_are_a_reject_not_one_kept(tmp_path):
               lambda d: d["frames"].append({**d["frames"][0], "file_path": "other/" + d["frames"][0]["file_path"]}))
     reason, detail = rejected(source(tmp_path, "re10k"), scene.source_id)
     assert reason == "scene_unreadable" and "two frames" in detail
+
+
+def test_settings_need_a_format_and_keep_progressive_to_scenes(tmp_path):
+    from diffprep.config import check_runnable, load_settings
+    from diffprep.errors import ConfigError
+
+    out = {"output_dir": str(tmp_path / "out")}
+    with pytest.raises(ConfigError, match="--scene-format re10k|dl3dv"):
+        check_runnable(load_settings(overrides={"source": {"type": "scenes", "input_dir": str(tmp_path)},
+                                                "output": out}))
+    with pytest.raises(ConfigError, match="progressive"):
+        check_runnable(load_settings(overrides={"source": {"type": "directory", "input_dir": str(tmp_path)},
+                                                "video": {"frame_sampling": "progressive"}, "output": out}))
+    settings = load_settings(overrides={"source": {"type": "scenes", "input_dir": str(tmp_path),
+                                                   "scene_format": "colmap"},
+                                        "video": {"frame_sampling": "progressive"}, "scenes": {"frames": 8},
+                                        "output": out})
+    check_runnable(settings)
+    assert SceneSpec.from_settings(settings) == SceneSpec(frames=8, sampling="progressive")
+
+
+def test_chunked_listing_with_progressive_sampling_and_a_broken_scene(tmp_path):
+    scene = render(tmp_path, "colmap", scene="a", frames=11)
+    broken = render(tmp_path, "colmap", scene="b", frames=11)
+    (tmp_path / "b" / "sparse" / "0" / "images.txt").write_text("1 not numbers\n\n")
+    src = source(tmp_path, "colmap", chunked(spec_frames=10, sampling="progressive"))
+    ids = list(src.list_ids())
+    # Progressive keeps 10 of 11 (the camera moves a tenth of its extent a frame: each is taken until 10): chunks
+    # 4 + 4 + 2; the scene that does not read is listed once, and reading it is its reject.
+    assert ids == [f"{scene.source_id}/chunk_{i:03d}" for i in range(3)] + [broken.source_id]
+    last = src.spec.prepare(read_one(src, ids[2]).scene)
+    assert [f["original_idx"] for f in last.meta["frames"]] == [8, 9]
+    assert rejected(src, broken.source_id)[0] == "scene_unreadable"
