@@ -252,6 +252,13 @@ def test_gae_layout_end_to_end_chunks_and_reprojection(prefect_server, re10k_sce
     report = decode_dataset(out, 1, to_dir=tmp_path / "decoded")
     assert report.previews[0].psnr_db is not None and report.previews[0].psnr_db > 25
     assert (tmp_path / "decoded" / f"{report.previews[0].key}.cameras.png").is_file()
+    # Validation reads every camera: a mirrored rotation in one frame fails it, naming the scene and the frame.
+    from diffprep.validate import validate_dataset
+
+    meta["frames"][2]["c2w"] = (c2w[2] @ np.diag([-1.0, 1, 1, 1])).tolist()
+    (out / "train/s0/chunk_000" / contract.GAE_META).write_text(json.dumps(meta))
+    checked = validate_dataset(out)
+    assert not checked.ok and "train/s0/chunk_000 frame 2: not a rotation" in checked.to_markdown()
 
 
 BUCKET = "diffprep-scenes"  # created by the admin fixture (conftest.py)
