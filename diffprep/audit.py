@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
-from diffprep.encodings import get_encoding, ltx_layout
+from diffprep.encodings import get_encoding, unit_files_layout
 from diffprep.layouts import Layout
 from diffprep.long_videos import discarded_frames
 from diffprep.output import Output, as_output
@@ -150,7 +150,7 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     rejected_ids: list[dict] = []
     inputs = written = rejected = superseded = 0
     digest = hashlib.sha256()
-    ltx, audited = ltx_layout.is_ltx(plan), []
+    files_layout, audited = unit_files_layout(plan), []  # a layout whose units write files (LTX, GAE)
     encoding = get_encoding(plan.encoding)
     for unit in wanted:
         manifest = manifests.get(unit.unit)
@@ -175,8 +175,8 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
             )
         if manifest.count != len(manifest.keys):
             problems.append(f"unit {unit.unit:06d}: manifest count {manifest.count} != {len(manifest.keys)} keys")
-        if ltx:  # the trainer's record files instead of a shard
-            problems += ltx_layout.audit_unit(output, manifest, plan)
+        if files_layout is not None:  # the trainer's own files instead of a shard
+            problems += files_layout.audit_unit(output, manifest, plan)
             audited.append(manifest)
         elif output.size(manifest.shard) is None:
             problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} is missing")
@@ -205,8 +205,8 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
             if len(rejected_ids) < REJECT_PREVIEW:
                 rejected_ids.append({"source_id": reject.source_id, "reason": reject.reason, "detail": reject.detail})
         notes.update(manifest.notes)
-    if ltx and units is None:  # every folder as a whole: one file per written sample, nothing else
-        problems += ltx_layout.audit_folders(output, plan, audited)
+    if files_layout is not None and units is None:  # every folder as a whole: the written samples, nothing else
+        problems += files_layout.audit_folders(output, plan, audited)
     report = AuditReport(
         units=len(wanted),
         inputs=inputs - superseded,

@@ -236,8 +236,9 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
         if settings.workers.num_shards is not None or settings.workers.devices or settings.workers.deployment:
             raise ConfigError(f"{ranks.launcher} starts {ranks.world_size} ranks, which share the units themselves: "
                               "remove --num-shards/--shard-index, --devices and --encode-deployment")
-        device = launch.rank_device(settings.model.device, ranks)
-        overrides = overrides | {"model": overrides.get("model", {}) | {"device": device}}
+        if not raw:  # a raw run loads no encoder (and its parameters have no model section)
+            device = launch.rank_device(settings.model.device, ranks)
+            overrides = overrides | {"model": overrides.get("model", {}) | {"device": device}}
         group = launch.join(ranks, timeout_s=settings.output.approval_timeout + 3600)
         try:
             if ranks.rank != 0:

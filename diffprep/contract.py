@@ -50,6 +50,26 @@ RAW_VIDEO = "mp4"
 RAW_VIDEO_META = "json"
 RAW_VIDEO_FIELDS = (RAW_VIDEO, RAW_CAPTION, RAW_VIDEO_META)
 
+# A raw posed-scene shard (--source-type scenes, diffprep raw; FastGen's documented camera-video contract): the
+# scene's frames as an H.264 mp4, its caption, OpenCV camera-to-world float32 [T, 4, 4] and fx fy cx cy float32
+# [T, 4] in pixels of the stored mp4 (row i = decoded frame i), its metadata (fps, width, height, num_frames...), and
+# for depth sources the depth maps, uint16 millimetres [T, d, d].
+SCENE_POSES = "poses.npy"
+SCENE_INTRINSICS = "intrinsics.npy"
+SCENE_DEPTH = "depth.npy"
+SCENE_FIELDS = (RAW_VIDEO, RAW_CAPTION, SCENE_POSES, SCENE_INTRINSICS, RAW_VIDEO_META)
+# A pre-encoded scene (Wan) adds to VIDEO_FIELDS each source frame's camera-to-world [F, 4, 4] and K [F, 3, 3].
+SCENE_C2W = "c2w.pth"
+SCENE_K = "intrinsics.pth"
+WAN_SCENE_FIELDS = (*VIDEO_FIELDS, SCENE_C2W, SCENE_K)
+# --layout gae (GAE's scene packers' schema): <out>/[<split>/]<scene>/ holding these; a chunk of a long scene is a
+# chunk_NNN folder inside its scene's.
+GAE_VIDEO = "video.mp4"
+GAE_META = "meta.json"
+GAE_CAPTION = "caption.txt"
+GAE_DEPTH = "depth.npz"
+GAE_DEPTH_KEY = "depth_mm"
+
 # An ingested MLPerf Flux sample (``diffprep ingest``, Primus's ``encoding: preencoded_numpy``): the stored
 # arrays as they came, each an ``.npy`` of uint16 words that are bfloat16 values (T5 sequence [L, 4096], CLIP
 # pooled [768], the VAE posterior's mean and logvar [16, H/8, W/8]), and a JSON record of where the row came from.
@@ -79,6 +99,7 @@ LAYOUT_ENERGON = "energon"
 LAYOUT_FASTGEN = "fastgen"
 LAYOUT_LTX = "ltx"
 LAYOUT_EDM_ZIP = "edm-zip"
+LAYOUT_GAE = "gae"
 # NVIDIA FastGen's latent loaders: the latents and the text condition (Flux: the tuple (pooled, t5)).
 FASTGEN_LATENT = "latent.pth"
 FASTGEN_TXT_EMB = "txt_emb.pth"
@@ -126,8 +147,10 @@ ENCODING_LTX2_AUDIO = "ltx2_audio"  # LTX-2 audio only (T2A): audio latents and 
 ENCODING_PREENCODED_NUMPY = "preencoded_numpy"  # already encoded elsewhere, ingested as stored (MLPerf Flux)
 ENCODING_SD_VAE = "sd_vae"  # the SD VAE's posterior (mean, std) per image, written as an edm-zip archive
 ENCODING_PROMPTS = "prompts"  # captions only (FastGen's PromptLoaderConfig): txt + json, no media stored
+ENCODING_SCENES = "scenes"  # posed scenes stored raw: mp4 + per-frame cameras (shards, or GAE's scene folders)
+ENCODING_WAN_SCENES = "wan_scenes"  # posed scenes pre-encoded with a Wan 2.x model, with per-frame cameras
 ENCODINGS = (ENCODING_PREENCODED, ENCODING_RAW, ENCODING_WAN, ENCODING_LTX2, ENCODING_RAW_VIDEO, ENCODING_LTX2_AUDIO,
-             ENCODING_PREENCODED_NUMPY, ENCODING_SD_VAE, ENCODING_PROMPTS)
+             ENCODING_PREENCODED_NUMPY, ENCODING_SD_VAE, ENCODING_PROMPTS, ENCODING_SCENES, ENCODING_WAN_SCENES)
 # An sd_vae sample's posterior: float32 [8, H/8, W/8], the mean then the std, as a .npy (the archive's bytes).
 SD_VAE_POSTERIOR = "mean_std.npy"
 

@@ -111,10 +111,11 @@ def read_samples(out_dir: str | os.PathLike, count: int) -> list[StoredSample]:
         raise ConfigError(f"the number of samples to decode must be >= 1, got {count}")
     out = Path(out_dir)
     plan = read_plan(out)
-    from diffprep.encodings.ltx_layout import is_ltx, stored_samples
+    from diffprep.encodings import unit_files_layout
 
-    if is_ltx(plan):
-        return [StoredSample(*found) for found in stored_samples(out, plan, count)]
+    files_layout = unit_files_layout(plan)
+    if files_layout is not None:  # the LTX trainer's records, GAE's scene folders
+        return [StoredSample(*found) for found in files_layout.stored_samples(out, plan, count)]
     manifests = [m for _, m in sorted(read_manifests(out).items()) if m.keys]
     total = sum(len(m.keys) for m in manifests)
     if not total:
@@ -189,7 +190,8 @@ def source_media(plan: Plan, samples: Sequence[StoredSample], *, token: str | No
                 for s in samples}
     try:
         spec = get_encoding(plan.encoding).media_spec(None, plan)
-        source = open_source(source_config(plan.source), token=token)
+        source = open_source(source_config(plan.source), token=token,
+                             **get_encoding(plan.encoding).source_options(plan.settings))
     except (DiffprepError, KeyError, TypeError, OSError) as error:
         return {s.key: f"source not reachable: {error}" for s in samples}
     result: dict[str, SourceMedia | str] = {}
@@ -205,7 +207,7 @@ def source_media(plan: Plan, samples: Sequence[StoredSample], *, token: str | No
             read = next(iter(read_clips(source, [source_id], spec.scenes) if scenes else source.read([source_id])))
             if read.reject is not None:
                 raise read.reject
-            if read.media is None:
+            if read.media is None and getattr(read, "scene", None) is None:
                 raise RejectError("missing_image", "the source gave no image")
             prepared = _prepare(read, spec, meta)
         except RejectError as error:
@@ -228,8 +230,12 @@ def _prepare(read: Any, spec: ImageSpec | ClipSpec | AudioSpec, meta: dict
              ) -> tuple[SourceMedia, list[int] | None, list[int] | None]:
     """A re-read source sample prepared as it was encoded: (its media, original size, crop box).
 
-    A clip is prepared in the bucket its meta.json records, an audio file in its duration bucket.
+    A clip is prepared in the bucket its meta.json records, an audio file in its duration bucket, a posed scene
+    by the plan's ``SceneSpec`` (its chunk included).
     """
+    if getattr(read, "scene", None) is not None:
+        scene = spec.prepare(read.scene)
+        return SourceMedia(scene.pixels), scene.meta.get("original_size"), scene.meta.get("crop_box")
     if isinstance(spec, AudioSpec):
         if read.audio is None:
             raise RejectError("missing_audio", "the source gave no audio file")
@@ -336,6 +342,10 @@ def decode_dataset(
                 atomic_write_bytes(folder / f"{preview.key}.wav", wav_bytes(audio))
             if preview.source is not None:
                 atomic_write_bytes(folder / f"{preview.key}.source.png", png_bytes(preview.source))
+            cameras = getattr(encoding, "cameras", None)  # posed scenes: the path and frustums beside the frames
+            if cameras is not None:
+                atomic_write_bytes(folder / f"{preview.key}.cameras.png", png_bytes(camera_picture(
+                    preview.decoded, *cameras(sample), sample.meta)))
         sheet = sheet or folder / CONTACT_SHEET
     if sheet is not None:
         report.contact_sheet = str(write_contact_sheet(sheet, previews))
@@ -344,3 +354,12 @@ def decode_dataset(
 
 
 # --- pictures --------------------------------------------------------------------------------------
+
+
+def camera_picture(strip: torch.Tensor, c2w: Any, intrinsics: Any, meta: dict) -> torch.Tensor:
+    """A scene's decoded frames (side by side) with its cameras' top and side views beside them."""
+    from diffprep.camera_pictures import beside, camera_views
+
+    width = int(meta.get("width") or strip.shape[2])
+    height = int(meta.get("height") or strip.shape[1])
+    return beside(strip, camera_views(c2w, intrinsics, width, height))

@@ -193,9 +193,10 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         bytes_on_disk=output.total_bytes(),
     )
     if same:
-        from diffprep.encodings.ltx_layout import check_shapes, is_ltx
+        from diffprep.encodings import unit_files_layout
 
-        check = check_shapes if is_ltx(plan) else _check_shapes
+        files_layout = unit_files_layout(plan)
+        check = files_layout.check_shapes if files_layout is not None else _check_shapes
         inspection.shape_problem = check(output, plan, {u: committed[u] for u in done})
     return inspection
 

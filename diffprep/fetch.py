@@ -22,7 +22,6 @@ from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import SourceError
 from diffprep.output import Output, as_output
 from diffprep.encodings.clips import planned_spec
-from diffprep.media.scene_frames import SceneSpec
 from diffprep.long_videos import plan_clips, resplit_sources, source_of
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
@@ -48,7 +47,7 @@ def fetch(
     encoding = encoding_for(settings, encoding, token)
     byte, expected = get_encoding(encoding).planned(settings, token)
     fp = fingerprint(byte)
-    source = open_source(settings.source, token=token, scenes=SceneSpec.from_settings(settings))
+    source = open_source(settings.source, token=token, **get_encoding(encoding).source_options(byte))
     previous = output.state.plan() if output.local.is_dir() else None
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do

@@ -107,12 +107,11 @@ def data_files(manifests: dict[int, UnitManifest], plan: Plan | None) -> set[str
 
 def planned_files(plan: Plan) -> list[str]:
     """Every data file a run of ``plan`` writes: its shards and their indexes, or its layout's files."""
-    from diffprep.encodings import edm_zip
-    from diffprep.encodings.ltx_layout import is_ltx
-    from diffprep.encodings.ltx_layout import planned_files as ltx_files
+    from diffprep.encodings import edm_zip, unit_files_layout
 
-    if is_ltx(plan):
-        return ltx_files(plan)
+    files_layout = unit_files_layout(plan)
+    if files_layout is not None:  # the LTX trainer's records, GAE's scene folders
+        return files_layout.planned_files(plan)
     shards = [contract.shard_name(unit.unit) for unit in plan.units]
     archive = edm_zip.planned_files(plan) if edm_zip.is_edm_zip(plan) else []  # dataset.zip, assembled at finalize
     return shards + [contract.index_name(name) for name in shards] + archive
@@ -120,10 +119,11 @@ def planned_files(plan: Plan) -> list[str]:
 
 def read_as_data(path: str, plan: Plan) -> bool:
     """Whether the trainer of ``plan``'s layout reads the file at ``path`` as a sample (the LTX trainer globs its
-    record folders; Energon reads only the shards its metadata names)."""
-    from diffprep.encodings.ltx_layout import is_ltx, read_by_trainer
+    record folders, GAE its scene folders; Energon reads only the shards its metadata names)."""
+    from diffprep.encodings import unit_files_layout
 
-    return is_ltx(plan) and read_by_trainer(path)
+    files_layout = unit_files_layout(plan)
+    return files_layout is not None and files_layout.read_by_trainer(path)
 
 
 def classify(files: list[str], manifests: dict[int, UnitManifest], plan: Plan | None) -> Ownership:

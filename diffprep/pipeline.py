@@ -43,7 +43,6 @@ from diffprep.existing import Decision, Inspection, decide, inspect_output
 from diffprep.fetch import fetch
 from diffprep.launch import Group, my_units
 from diffprep.long_videos import confirm_discarded, scenes_summary
-from diffprep.media.scene_frames import SceneSpec
 from diffprep.output import Output, OutputRef, ref_of
 from diffprep.ownership import ownership
 from diffprep.plan import Plan, fingerprint
@@ -135,7 +134,7 @@ def sanity_phase(settings: Settings, output: Output, plan: Plan, units_left: lis
     encoding = get_encoding(plan.encoding)
     loaded = encoding.load(settings, token)
     share_text_encodings(loaded, output, plan)
-    source = open_source(settings.source, token=token, scenes=SceneSpec.from_settings(settings))
+    source = open_source(settings.source, token=token, **encoding.source_options(plan.settings))
     spec = encoding.media_spec(settings, plan)
     return with_smaller_batches_on_oom(
         lambda batch_size: encoding.sanity(output, plan, loaded, source, spec, settings=settings,
@@ -171,7 +170,7 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     loaded = encoding.load(settings, token)
     share_text_encodings(loaded, output, plan)
     fields = encoding.sample_fields(settings, loaded)
-    source = open_source(settings.source, token=token, scenes=SceneSpec.from_settings(settings))
+    source = open_source(settings.source, token=token, **encoding.source_options(plan.settings))
     spec = encoding.media_spec(settings, plan)
     start = min(_WORKING_BATCH.get(loaded, encoding.batch_size(settings)), encoding.batch_size(settings))
 

@@ -147,6 +147,11 @@ class Encoding(ABC):
             return ImageSpec(**plan.settings["image"])
         return ImageSpec.from_config(settings.image)
 
+    def source_options(self, plan_settings: Mapping[str, Any]) -> dict[str, Any]:
+        """What opening the source takes besides its settings (``open_source(cfg, **options)``), from a plan's byte
+        settings: a scene encoding's ``SceneSpec``, which decides a scenes source's ids (its chunks)."""
+        return {}
+
     def bucketed(self, plan_settings: dict[str, Any]) -> bool:
         """Whether the plan puts each sample in a bucket (``probe_buckets``), one bucket per unit: images with
         ``image.buckets``."""

@@ -45,6 +45,7 @@ from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.shards import Reject, ShardInfo, UnitManifest, atomic_write_bytes, torch_bytes
 from diffprep.sources.base import unescape_id
 
+UNIT_FILES = True  # its units write files, not shards (diffprep.encodings.unit_files_layout)
 _NAMES: dict[str, dict[str, PurePosixPath | str]] = {}  # plan fingerprint -> source id -> name (or first owner)
 
 

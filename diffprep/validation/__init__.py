@@ -84,7 +84,8 @@ def validate_dataset(
     # A trainer's own folders (the LTX layout) or archive (edm-zip), read as that trainer reads them. (A plan.json
     # may hold only the ``expected`` shapes: the layout decides whether it must be a whole plan.)
     recorded = output.state.read_json(contract.PLAN_JSON) or {}
-    if Layout.of_plan(recorded.get("settings")).name in (contract.LAYOUT_LTX, contract.LAYOUT_EDM_ZIP):
+    if Layout.of_plan(recorded.get("settings")).name in (contract.LAYOUT_LTX, contract.LAYOUT_EDM_ZIP,
+                                                          contract.LAYOUT_GAE):
         plan = output.state.plan()
         return get_encoding(plan.encoding).own_folders(plan).validate(output, plan)
     summary: dict[str, Any] = {"max_load": max_load} if max_load is not None else {}

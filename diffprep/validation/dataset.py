@@ -26,13 +26,14 @@ from diffprep.output import Output
 from diffprep.shards import UnitManifest
 
 TENSOR_NAMES = tuple(contract.field_stem(name) for name in
-                     contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS + contract.LTX2_TENSOR_FIELDS)
+                     contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS + contract.LTX2_TENSOR_FIELDS
+                     + (contract.SCENE_C2W, contract.SCENE_K))
 # plan.json's "expected": a shape per tensor (None for a free dimension), the dtype, and optionally
 # "fields", the fields every sample must have (how a raw plan names its image and caption fields), for a
 # video plan "buckets", the latents' shape per resolution bucket ("WxHxF"), and where tensors differ in dtype
-# (LTX-2) "dtypes", one per tensor.
+# (LTX-2) "dtypes", one per tensor; a raw scene plan's "scene": its frames per scene, stored size and depth.
 # "audio": a raw clip plan that keeps each clip's sound ({"codec": ..., "channels": ...}).
-EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "dtypes", "fields", "buckets", "audio")
+EXPECTED_KEYS = (*TENSOR_NAMES, "dtype", "dtypes", "fields", "buckets", "audio", "scene")
 TENSOR_FIELD_STEMS = tuple(contract.field_stem(name) for name in contract.TENSOR_FIELDS)  # always in a plan
 
 
@@ -84,6 +85,8 @@ def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
                 and isinstance(audio.get("channels"), int)):
             raise ConfigError(f"expected audio from {where} must be {{'codec': name, 'channels': n}}, got {audio!r}")
         result["audio"] = dict(audio)
+    if isinstance(expected.get("scene"), dict):
+        result["scene"] = dict(expected["scene"])
     for name in TENSOR_NAMES:
         shape = expected.get(name)
         valid = isinstance(shape, (list, tuple)) and all(d is None or isinstance(d, int) for d in shape)
