@@ -25,6 +25,7 @@ from diffprep.long_videos import plan_clips
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
+from diffprep.threads import record
 
 
 def fetch(
@@ -84,6 +85,8 @@ def fetch(
         retried=retried,
         retrying=len(retry),
         scenes=records,
+        # The planned bits' CPU facts: a resume or an append keeps the first run's (diffprep/threads.py).
+        cpu=previous.cpu if previous is not None and previous.cpu else record(settings.workers.encoder_threads).to_json(),
     )
     return plan, source
 

@@ -55,6 +55,9 @@ class Plan:
     # Long videos (--split-scenes): per source id, its shots, windows and discarded frames (diffprep/long_videos.py),
     # found once: a re-run or an append reads them here.
     scenes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The CPU kernels and the encoders' intra-op thread count the latents' last bits depend on (diffprep/threads.py),
+    # kept by resumes and appends; not fingerprinted. None in plans written before it was recorded.
+    cpu: dict[str, Any] | None = None
 
     def superseded(self, unit: int, source_id: str) -> bool:
         """Whether ``source_id``'s outcome in ``unit`` gave way to a retry in a later unit."""
@@ -75,7 +78,7 @@ class Plan:
         for unit in data["units"]:
             if unit["bucket"] is None:  # image runs: plan.json exactly as before buckets existed
                 del unit["bucket"]
-        for name in ("retried", "retrying", "scenes"):  # the same for plans that never retried
+        for name in ("retried", "retrying", "scenes", "cpu"):  # the same for plans that never retried
             if not data[name]:
                 del data[name]
         return data
