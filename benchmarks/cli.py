@@ -10,6 +10,9 @@ batch 8, shard size 64, t5_max_length 512, ``--no-finalize``:
   stops at the end);
 - ``embedded``: ``diffprep encode`` with no API URL: Prefect starts its
   temporary server inside the command, and that start is in the time;
+- ``embedded-fresh``: the same in a new, empty ``PREFECT_HOME`` every run (what
+  a CI job, a container or a first-time user has: the database is created and
+  migrated inside the command);
 - ``server-untuned``: ``server`` with ``DIFFPREP_MALLOC_TUNING=0`` (glibc's defaults);
 - ``serial``: ``benchmarks/serial_reference.py`` (decode all, encode batch by
   batch, torch.save, tar) with glibc's defaults, as a hand-written script runs;
@@ -62,7 +65,7 @@ from diffprep import contract
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.5
 MIB = 1024 * 1024
-SIDES = ("server", "embedded", "server-untuned", "serial", "serial-tuned")
+SIDES = ("server", "embedded", "embedded-fresh", "server-untuned", "serial", "serial-tuned")
 SETTINGS = {"image_size": 256, "precision": "fp32", "batch_size": 8, "shard_size": 64, "t5_max_length": 512}
 
 # Log lines of `diffprep encode` that mark the start-up phases, in the order they happen.
@@ -273,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
             if side.startswith("serial"):
                 run = run_command(serial_command(source, model, out, n, side == "serial-tuned"), child_env(), out)
             else:
-                env = child_env(PREFECT_HOME=str(embedded_home if side == "embedded" else scratch / "server-home"))
-                if side != "embedded":
+                home = {"embedded": embedded_home, "embedded-fresh": scratch / f"fresh-home-{n}-{tag}"}.get(
+                    side, scratch / "server-home")
+                home.mkdir(exist_ok=True)
+                env = child_env(PREFECT_HOME=str(home))
+                if not side.startswith("embedded"):
                     env["PREFECT_API_URL"] = server.url
                 if side == "server-untuned":
                     env["DIFFPREP_MALLOC_TUNING"] = "0"
@@ -328,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"      units {run['units_pace']:.1f} samples/s against sanity batch {run['sanity_pace']:.1f}: "
                       f"{run['units_pace'] / run['sanity_pace']:.2f}")
         if "serial" in best:
-            for side in ("server", "embedded", "server-untuned"):
+            for side in ("server", "embedded", "embedded-fresh", "server-untuned"):
                 if side in best:
                     ratio = best["serial"]["seconds"] / best[side]["seconds"]
                     print(f"    {side} / serial: {ratio:.2f}x")
@@ -337,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
             if "serial-tuned" in best and "server" in best:
                 print(f"    server / serial-tuned (same allocator): "
                       f"{best['serial-tuned']['seconds'] / best['server']['seconds']:.2f}x")
+        if "embedded" in best and "embedded-fresh" in best:
+            extra = best["embedded-fresh"]["seconds"] - best["embedded"]["seconds"]
+            print(f"    a fresh PREFECT_HOME costs {extra:+.1f} s over a used one "
+                  f"({best['embedded-fresh']['seconds'] / best['embedded']['seconds'] - 1:+.0%}; target <= +10%)")
     if "server" in results[args.sizes[0]] and len(args.sizes) > 1:
         rss = [f"{n}: {min(r['peak_rss'] for r in results[n]['server']) / MIB:.0f} MiB" for n in args.sizes]
         print(f"\n  peak RSS of diffprep (server side) by size: {', '.join(rss)}")

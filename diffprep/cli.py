@@ -111,6 +111,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--chunks": ("workers", "chunks"),
     "--num-shards": ("workers", "num_shards"),
     "--shard-index": ("workers", "shard_index"),
+    "--encoder-threads": ("workers", "encoder_threads"),
 }
 SCENE_FLAGS: dict[str, tuple[str, str]] = {
     "--scene-frames": ("scenes", "frames"),

@@ -481,6 +481,11 @@ class WorkersConfig(_Section):
         "u % num_shards == shard_index, then stops; a later plain run audits and finalizes.",
     )
     shard_index: int | None = Field(None, ge=0, description="This run's index, 0 <= shard_index < num_shards.")
+    encoder_threads: int | None = Field(
+        None, ge=1, le=4096, description="CPU encoding: torch's intra-op threads every encoding process uses "
+        "(a latent's last bits depend on it), recorded in the plan; a resume keeps the plan's. "
+        "Unset: the planning machine's physical cores.",
+    )
 
     @model_validator(mode="after")
     def _shards_together(self) -> WorkersConfig:

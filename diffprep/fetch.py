@@ -26,6 +26,7 @@ from diffprep.long_videos import plan_clips, resplit_sources, source_of
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
+from diffprep.threads import record
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ def fetch(
         retrying=len(retry) + len(gone),
         scenes=records,
         changed_units=changed_inputs(output, previous, source) if previous is not None else [],
+        # The planned bits' CPU facts: a resume or an append keeps the first run's (diffprep/threads.py).
+        cpu=previous.cpu if previous is not None and previous.cpu else record(settings.workers.encoder_threads).to_json(),
     )
     if plan.changed_units:
         log.warning("%d written units hold samples whose input files (a mask, a sound file, the clip) changed since "

@@ -48,6 +48,7 @@ from diffprep.ownership import ownership
 from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
 from diffprep.sources import open_source
+from diffprep.threads import CpuRecord, encoding_device, planned_threads
 from diffprep.unit_progress import UnitProgress
 from diffprep.units import UnitResult, encode_unit
 from diffprep.validation import ValidationReport, validate_dataset
@@ -136,12 +137,13 @@ def sanity_phase(settings: Settings, output: Output, plan: Plan, units_left: lis
     share_text_encodings(loaded, output, plan)
     source = open_source(settings.source, token=token, **encoding.source_options(plan.settings))
     spec = encoding.media_spec(settings, plan)
-    return with_smaller_batches_on_oom(
-        lambda batch_size: encoding.sanity(output, plan, loaded, source, spec, settings=settings,
-                                           batch_size=batch_size, units_left=units_left, workers=1,
-                                           staged_samples=staged_samples(settings, output)),
-        encoding.batch_size(settings), what="the sanity check", advice=encoding.oom_advice(settings, loaded),
-    )
+    with planned_threads(CpuRecord.from_json(plan.cpu), encoding_device(settings)):  # it fills the caption cache
+        return with_smaller_batches_on_oom(
+            lambda batch_size: encoding.sanity(output, plan, loaded, source, spec, settings=settings,
+                                               batch_size=batch_size, units_left=units_left, workers=1,
+                                               staged_samples=staged_samples(settings, output)),
+            encoding.batch_size(settings), what="the sanity check", advice=encoding.oom_advice(settings, loaded),
+        )
 
 
 def share_text_encodings(loaded: Any, output: Output, plan: Plan) -> None:
@@ -184,8 +186,10 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
         _WORKING_BATCH[loaded] = batch_size
         return result
 
-    result = with_smaller_batches_on_oom(attempt, start, what=f"unit {unit}",
-                                         advice=encoding.oom_advice(settings, loaded))
+    # The plan's thread count around the encoders, said first when this CPU cannot give its bits (diffprep/threads.py).
+    with planned_threads(CpuRecord.from_json(plan.cpu), encoding_device(settings), what=f"unit {unit:06d}"):
+        result = with_smaller_batches_on_oom(attempt, start, what=f"unit {unit}",
+                                             advice=encoding.oom_advice(settings, loaded))
     cache = getattr(loaded, "text_cache", None)
     if cache is not None and not result.skipped:
         stats = cache.stats

@@ -58,6 +58,9 @@ class Plan:
     # Committed units of which a written sample's input files (a mask, a sound file) changed since it was read
     # (UnitManifest.stamps): verify-existing counts them damaged and this run encodes them again.
     changed_units: list[int] = field(default_factory=list)
+    # The CPU kernels and the encoders' intra-op thread count the latents' last bits depend on (diffprep/threads.py),
+    # kept by resumes and appends; not fingerprinted. None in plans written before it was recorded.
+    cpu: dict[str, Any] | None = None
 
     def superseded(self, unit: int, source_id: str) -> bool:
         """Whether ``source_id``'s outcome in ``unit`` gave way to a retry in a later unit."""
@@ -78,7 +81,7 @@ class Plan:
         for unit in data["units"]:
             if unit["bucket"] is None:  # image runs: plan.json exactly as before buckets existed
                 del unit["bucket"]
-        for name in ("retried", "retrying", "scenes", "changed_units"):  # the same for plans that never retried
+        for name in ("retried", "retrying", "scenes", "changed_units", "cpu"):  # the same for plans that never retried
             if not data[name]:
                 del data[name]
         return data

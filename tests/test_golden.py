@@ -10,6 +10,8 @@ recorded per kernel family, and a run must equal one of them.
 Some files hold the run's own paths, and the fingerprint computed from them,
 or the random id Energon gives an index (``index.uuid``): those are compared
 after replacing them with placeholders, ``index.sqlite`` by its SQL dump.
+plan.json's record of the machine (its CPU kernels and thread count) is a
+placeholder too: the shards compared per kernel family are what depends on it.
 Files that record the run itself (timings, free disk space) are left out and
 listed in ``VOLATILE``. To record new values after a deliberate format
 change: ``RECORD_GOLDEN_OUTPUTS=1 pytest tests/test_golden.py``.
@@ -71,6 +73,14 @@ def sqlite_dump(data: bytes) -> bytes:
             db.close()
 
 
+def machine(plan_json: bytes) -> dict[str, str]:
+    """plan.json's record of the machine (its CPU kernels and thread count, diffprep/threads.py) as placeholders:
+    the shards' bytes are what depends on them, and they are compared per kernel family."""
+    cpu = json.loads(plan_json)["cpu"]
+    return {f'"capability": "{cpu["capability"]}"': '"capability": "<cpu>"',
+            f'"threads": {cpu["threads"]}': '"threads": "<threads>"'}
+
+
 def local_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -108,8 +118,10 @@ def test_demo_dataset_to_a_folder_is_byte_identical(prefect_server, tiny_model, 
     result = encode_dataset(parameters(data, tiny_model, out, output={"shard_size": 8},
                                        image={"image_size": 64}, finalize={"train_split": 0.8}))
     assert result["validation"]["ok"]
-    replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", result["fingerprint"]: "<fingerprint>"}
-    check("demo-folder", normalized_digests(local_files(out), replace))
+    files = local_files(out)
+    replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", result["fingerprint"]: "<fingerprint>",
+               **machine(files[".diffprep/plan.json"])}
+    check("demo-folder", normalized_digests(files, replace))
 
 
 @pytest.mark.slow
@@ -125,5 +137,5 @@ def test_demo_dataset_to_a_bucket_is_byte_identical(prefect_server, tiny_model, 
             for o in page.get("Contents", ())]
     files = {key[len(prefix):]: admin.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys}
     replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", url: "<url>", proxy.url: "<endpoint>",
-               result["fingerprint"]: "<fingerprint>"}
+               result["fingerprint"]: "<fingerprint>", **machine(files[".diffprep/plan.json"])}
     check("demo-bucket", normalized_digests(files, replace))

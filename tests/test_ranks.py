@@ -7,9 +7,9 @@ the ranks take together (tests/rank_scenarios.py) are tested with units that
 sleep: a rank that raises, a rank killed, rank 0 failing before or after the
 units, a rank alone. Torch's CPU kernels sum in an order
 that depends on the thread count, and torchrun gives each rank one thread
-(``OMP_NUM_THREADS=1``), so the single-process reference runs with one thread
-too: the same settings and threads give the same bytes whatever the number of
-ranks.
+(``OMP_NUM_THREADS=1``) where a single process has one per core: the plan fixes
+the count every rank encodes with (diffprep/threads.py), so the reference is a
+plain single process at its default count, and the ranks write its bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from diffprep import contract
 from diffprep.demo import write_demo_dataset
 from diffprep.errors import ConfigError
 from diffprep.launch import Ranks, array_shard, detect_ranks, my_units, rank_device
+from diffprep.plan import read_plan
 from diffprep.shards import read_manifests
+from diffprep.threads import default_threads
 
 REPO = Path(__file__).resolve().parents[1]
 DIFFPREP = shutil.which("diffprep", path=os.path.dirname(sys.executable))
@@ -160,7 +162,8 @@ def _hashes(out: Path) -> dict[str, str]:
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_",
                                                                          "MASTER_", "DIFFPREP_"))}
-    return env | {"OMP_NUM_THREADS": "1"} | extra
+    env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 for each rank; a single process has one thread per core
+    return env | extra
 
 
 def _free_port() -> int:
@@ -183,7 +186,7 @@ def data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(prefect_server, data, tiny_model, tmp_path_factory) -> dict[str, str]:
-    """Shard hashes of one process with one thread, as each rank has."""
+    """Shard hashes of one process at its default thread count (torchrun gives each rank one thread)."""
     out = tmp_path_factory.mktemp("reference") / "out"
     done = subprocess.run([DIFFPREP, *_args(data, tiny_model, out, "--no-finalize")], env=_env(),
                           capture_output=True, text=True, timeout=TIMEOUT)
@@ -200,6 +203,7 @@ def test_torchrun_two_ranks_encode_finalize_and_validate_in_one_command(prefect_
     done = _torchrun(2, ["-m", "diffprep", *_args(data, tiny_model, out)], _env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _hashes(out) == reference
+    assert read_plan(out).cpu["threads"] == default_threads()  # not torchrun's 1
     assert "rank 1: encoded units 000001, 000003" in done.stdout
     assert "validation: passed" in done.stdout and "samples written: 20" in done.stdout
     assert (out / contract.NV_META / contract.INFO_JSON).is_file()
