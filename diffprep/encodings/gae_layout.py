@@ -28,7 +28,6 @@ is written: GAE's loader then takes the ``chunk_*`` folders.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -41,8 +40,9 @@ import numpy as np
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.layouts import Layout
+from diffprep.encodings.unit_files import UnitFilesWriter
 from diffprep.plan import Plan
-from diffprep.shards import Reject, ShardInfo, UnitManifest, atomic_write_bytes
+from diffprep.shards import Reject, UnitManifest
 from diffprep.sources.base import unescape_id
 
 UNIT_FILES = True  # its units write files, not shards (diffprep.encodings.unit_files_layout)
@@ -139,17 +139,13 @@ def scene_files(fields: Mapping[str, Any]) -> dict[str, bytes]:
     return files
 
 
-class SceneFolderWriter:
+class SceneFolderWriter(UnitFilesWriter):
     """Writes one unit's scenes as folders; ``commit()`` returns the files written (for the manifest)."""
 
     def __init__(self, root: Path, plan: Plan) -> None:
-        self.root = Path(root)
+        super().__init__(root)
         self.format = plan.settings["scenes"]["format"]
         self.folders = folders(plan)
-        self.files: dict[str, int] = {}
-        self._digest = hashlib.sha256()
-        self._count = 0
-        self._done = False
 
     def refuse(self, source_id: str) -> Reject | None:
         if self.folders.get(source_id):
@@ -166,30 +162,8 @@ class SceneFolderWriter:
         folder = self.folders[fields[contract.RAW_VIDEO_META]["source_id"]]
         for name, data in scene_files(fields).items():
             relative = f"{folder}/{name}"
-            path = self.root / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, data)
-            self.files[relative] = len(data)
-            self._digest.update(f"{relative}\0{hashlib.sha256(data).hexdigest()}\n".encode())
-        self._count += 1
-
-    def commit(self) -> ShardInfo:
-        self._done = True
-        return ShardInfo(name="", count=self._count, bytes=sum(self.files.values()),
-                         sha256=self._digest.hexdigest(), files=dict(sorted(self.files.items())))
-
-    def abort(self) -> None:
-        """Remove what this unit wrote: without its manifest, none of it is data."""
-        self._done = True
-        for relative in self.files:
-            (self.root / relative).unlink(missing_ok=True)
-
-    def __enter__(self) -> SceneFolderWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._done:
-            self.abort()
+            self.put(relative, data)
+        self.sample_done()
 
 
 # --- reading a scene as GAE does ----------------------------------------------------------------------------------

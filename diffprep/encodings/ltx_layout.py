@@ -29,7 +29,6 @@ There is no Energon metadata to finalize.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from pathlib import Path, PurePosixPath
@@ -41,8 +40,9 @@ from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.layouts import Layout
 from diffprep.media.windows import parse_clip_id
+from diffprep.encodings.unit_files import UnitFilesWriter
 from diffprep.plan import Plan, dtype_name, shape_matches
-from diffprep.shards import Reject, ShardInfo, UnitManifest, atomic_write_bytes, torch_bytes
+from diffprep.shards import Reject, UnitManifest, torch_bytes
 from diffprep.sources.base import unescape_id
 
 UNIT_FILES = True  # its units write files, not shards (diffprep.encodings.unit_files_layout)
@@ -131,18 +131,14 @@ def read_by_trainer(path: str) -> bool:
     return folder in contract.PRECOMPUTED_DIRS and rest.endswith(contract.PRECOMPUTED_SUFFIX)
 
 
-class PrecomputedWriter:
+class PrecomputedWriter(UnitFilesWriter):
     """Writes one unit's samples as trainer records; ``commit()`` returns the files written (for the manifest)."""
 
     def __init__(self, root: Path, plan: Plan) -> None:
-        self.root = Path(root)
+        super().__init__(root)
         self.plan = plan
         self.kinds = folders(plan)
         self.names = sample_names(plan)
-        self.files: dict[str, int] = {}
-        self._digest = hashlib.sha256()
-        self._count = 0
-        self._done = False
 
     def refuse(self, source_id: str) -> Reject | None:
         """A sample whose name another sample of the plan owns: a reject naming the owner."""
@@ -162,30 +158,8 @@ class PrecomputedWriter:
                 continue
             data = torch_bytes(record)
             relative = f"{kind}/{name}"
-            path = self.root / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, data)
-            self.files[relative] = len(data)
-            self._digest.update(f"{relative}\0{hashlib.sha256(data).hexdigest()}\n".encode())
-        self._count += 1
-
-    def commit(self) -> ShardInfo:
-        self._done = True
-        return ShardInfo(name="", count=self._count, bytes=sum(self.files.values()),
-                         sha256=self._digest.hexdigest(), files=dict(sorted(self.files.items())))
-
-    def abort(self) -> None:
-        """Remove what this unit wrote: without its manifest, none of it is data."""
-        self._done = True
-        for relative in self.files:
-            (self.root / relative).unlink(missing_ok=True)
-
-    def __enter__(self) -> PrecomputedWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._done:
-            self.abort()
+            self.put(relative, data)
+        self.sample_done()
 
 
 def records(fields: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
