@@ -321,7 +321,9 @@ def print_summary(result: dict) -> None:
         if splits:
             print(f"  splits: {splits}")
         else:  # a trainer's own folders: read as they are
-            print(f"  no splits: the trainer reads {', '.join(p + '/' for p in finalize.get('parts', []))} as they are")
+            parts = [p + "/" for p in finalize.get("parts", [])]
+            shown = ", ".join(parts[:8]) + (f", ... ({len(parts)} in all)" if len(parts) > 8 else "")
+            print(f"  no splits: the trainer reads {shown} as they are")
     validation = result.get("validation")
     if validation:
         summary = validation["summary"]

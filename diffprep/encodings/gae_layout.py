@@ -282,7 +282,8 @@ def finalize(output: Any, plan: Plan) -> Any:
     from diffprep.energon import FinalizeResult
 
     written = sum(m.count for m in _committed(output, plan))
-    return FinalizeResult(splits={}, counts={"train": written}, parts=list(files_of(plan)), changed=False)
+    tops = sorted({folder.split("/", 1)[0] for folder in folders(plan).values() if folder})  # splits, or scenes
+    return FinalizeResult(splits={}, counts={"train": written}, parts=tops, changed=False)
 
 
 def validate(output: Any, plan: Plan) -> Any:
