@@ -1,5 +1,6 @@
 """Which files diffprep wrote (``diffprep.ownership``), and every answer to the existing-output question keeping the
-files it did not write byte for byte, in every layout: energon, fastgen, raw, and the LTX trainer's .precomputed/."""
+files it did not write byte for byte, in every layout: energon, fastgen, raw, edm-zip, the LTX trainer's .precomputed/
+and GAE's scene folders."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from flow_runs import tree
+from scene_render import render
 from test_ltx2_pipeline import settings_for as ltx_settings
 from test_ltx2_pipeline import write_dataset
 
@@ -16,6 +18,7 @@ from diffprep import contract
 from diffprep.demo import write_demo_dataset
 from diffprep.errors import ExistingOutputError
 from diffprep.ownership import classify
+from diffprep.config import load_settings
 from diffprep.pipeline import run
 
 PLANTED = "planted-by-user.txt"
@@ -183,3 +186,27 @@ def test_every_answer_keeps_foreign_files_in_the_ltx_layout(tiny_ltx2, tmp_path)
     with pytest.raises(ExistingOutputError, match=r"cannot overwrite .*`latents/a.pt`"):
         run(settings("overwrite"), "preencoded", ask=never_ask)
     assert tree(root) == official
+
+
+def test_every_answer_keeps_foreign_files_in_the_gae_layout(tmp_path) -> None:
+    inp, out = tmp_path / "in", tmp_path / "out"
+    for scene in ("s0", "s1"):
+        render(inp, "mvssynth", scene=scene, frames=6)
+
+    def settings(on_existing, resolution=32):
+        return load_settings(overrides={
+            "source": {"type": "scenes", "input_dir": str(inp), "scene_format": "mvssynth"},
+            "output": {"output_dir": str(out), "layout": "gae", "on_existing": on_existing},
+            "scenes": {"frames": 5, "resolution": resolution}, "image": {"decode_workers": 1}})
+
+    assert run(settings(None), "raw", ask=never_ask).samples == 2
+    planted = plant(out, {"s0/notes.json": b"{}"})
+    # A scene folder diffprep did not write: GAE's loader would read it beside the new scenes, so overwrite is refused.
+    (out / "s9").mkdir()
+    (out / "s9" / "video.mp4").write_bytes(b"a scene of someone else's")
+    with pytest.raises(ExistingOutputError, match=r"cannot overwrite .*`s9/video.mp4`.*new-dir"):
+        run(settings("overwrite", resolution=48), "raw", ask=never_ask)
+    shutil.rmtree(out / "s9")
+    answers_keep_foreign_files(out, lambda answer: run(settings(answer, resolution=48), "raw", ask=never_ask),
+                               planted, tmp_path / "out-v2")
+    assert (out / "s0" / "meta.json").is_file() and (out / "s1" / "video.mp4").is_file()
