@@ -40,7 +40,7 @@ import numpy as np
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.layouts import Layout
-from diffprep.encodings.unit_files import UnitFilesWriter
+from diffprep.encodings.unit_files import UnitFilesWriter, save_report
 from diffprep.plan import Plan
 from diffprep.shards import Reject, UnitManifest
 from diffprep.sources.base import unescape_id
@@ -288,8 +288,6 @@ def finalize(output: Any, plan: Plan) -> Any:
 
 def validate(output: Any, plan: Plan) -> Any:
     """Every committed scene read as GAE reads it and checked; the report (``.diffprep/validation.json``)."""
-    from diffprep.validation.report import ValidationReport
-
     audit = output.state.read_json(contract.AUDIT_JSON)
     written = audit.get("written") if audit else None
     committed = [folder for m in _committed(output, plan) for folder in _scene_folders(m)]
@@ -311,11 +309,7 @@ def validate(output: Any, plan: Plan) -> Any:
                                          "reads it, every camera valid, every mp4 decodes to num_frames")]
     summary = {"encoding": plan.encoding, "layout": contract.LAYOUT_GAE, "samples": written, "scenes": len(committed),
                "frames": frames}
-    if audit:
-        summary["rejects"] = {key: audit[key] for key in ("inputs", "rejected", "by_reason")}
-    report = ValidationReport(out_dir=output.uri, ok=all(c.ok for c in checks), checks=checks, summary=summary)
-    output.state.write_json(contract.VALIDATION_JSON, report.to_json())
-    return report
+    return save_report(output, checks, summary, audit)
 
 
 def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, dict[str, bytes]]]:

@@ -40,7 +40,7 @@ from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.layouts import Layout
 from diffprep.media.windows import parse_clip_id
-from diffprep.encodings.unit_files import UnitFilesWriter
+from diffprep.encodings.unit_files import UnitFilesWriter, save_report
 from diffprep.plan import Plan, dtype_name, shape_matches
 from diffprep.shards import Reject, UnitManifest, torch_bytes
 from diffprep.sources.base import unescape_id
@@ -360,18 +360,12 @@ def finalize(output: Any, plan: Plan) -> Any:
 
 def validate(output: Any, plan: Plan) -> Any:
     """The validation report of an LTX-layout output (``.diffprep/validation.json``), as for a shard dataset."""
-    from diffprep.validation.report import ValidationReport
-
     audit = output.state.read_json(contract.AUDIT_JSON)
     written = audit.get("written") if audit else None
     checks = check_folders(output, plan, written)
     summary = {"encoding": plan.encoding, "layout": contract.LAYOUT_LTX, "samples": written,
                "folders": {kind: len(on_disk(output.local / kind)) for kind in folders(plan)}}
-    if audit:
-        summary["rejects"] = {key: audit[key] for key in ("inputs", "rejected", "by_reason")}
-    report = ValidationReport(out_dir=output.uri, ok=all(c.ok for c in checks), checks=checks, summary=summary)
-    output.state.write_json(contract.VALIDATION_JSON, report.to_json())
-    return report
+    return save_report(output, checks, summary, audit)
 
 
 def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, dict[str, bytes]]]:

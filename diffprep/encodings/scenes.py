@@ -156,7 +156,21 @@ def scene_fields(depth: bool) -> list[str]:
 # --- the encoding -----------------------------------------------------------------------------------------------
 
 
-class Scenes(Encoding):
+class ScenePlanned:
+    """What every scene encoding shares: its source and reader take the plan's ``SceneSpec``; no buckets (one
+    scene shape per plan)."""
+
+    def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> Any:
+        return scene_spec(plan.settings)
+
+    def source_options(self, plan_settings: Mapping[str, Any]) -> dict[str, Any]:
+        return {"scenes": scene_spec(plan_settings)}
+
+    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
+        return False
+
+
+class Scenes(ScenePlanned, Encoding):
     """Posed scenes as mp4 + cameras; nothing is encoded. Layouts: energon, fastgen (shards), gae (folders)."""
 
     name = contract.ENCODING_SCENES
@@ -176,15 +190,6 @@ class Scenes(Encoding):
                     "scene": {"frames": scenes["frames"], "size": [size, size] if size else None,
                               "depth": scenes["depth"]}}
         return byte, expected
-
-    def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> Any:
-        return scene_spec(plan.settings)
-
-    def source_options(self, plan_settings: Mapping[str, Any]) -> dict[str, Any]:
-        return {"scenes": scene_spec(plan_settings)}
-
-    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
-        return False
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
         return tuple(expected["fields"])

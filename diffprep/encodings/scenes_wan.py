@@ -35,7 +35,7 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.encodings.base import SampleFields, encoded_samples, with_caption_settings
 from diffprep.encodings.scene_checks import camera_problems
-from diffprep.encodings.scenes import scene_meta, scene_settings, scene_spec
+from diffprep.encodings.scenes import ScenePlanned, scene_meta, scene_settings
 from diffprep.encodings.wan import VideoInspector, Wan
 from diffprep.errors import ConfigError
 from diffprep.families.base import DTYPES
@@ -71,7 +71,7 @@ def check_scene_shape(frames: int | None, size: int | None, spatial: int, tempor
                           f"{low + spatial}")
 
 
-class WanScenes(Wan):
+class WanScenes(ScenePlanned, Wan):  # one scene shape for the whole plan (check_scene_shape)
     """Wan 2.x over posed scenes: latents and umT5 as for clips, plus each source frame's camera."""
 
     name = contract.ENCODING_WAN_SCENES
@@ -103,15 +103,6 @@ class WanScenes(Wan):
             "dtype": dtype_name(DTYPES[model.precision]),
         }
         return byte, expected
-
-    def media_spec(self, settings: Settings | None, plan: Plan | None = None) -> Any:
-        return scene_spec(plan.settings)
-
-    def source_options(self, plan_settings: Mapping[str, Any]) -> dict[str, Any]:
-        return {"scenes": scene_spec(plan_settings)}
-
-    def bucketed(self, plan_settings: dict[str, Any]) -> bool:
-        return False  # one shape for the whole plan (check_scene_shape)
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
         return contract.WAN_SCENE_FIELDS

@@ -3,6 +3,7 @@
 ``UnitFilesWriter`` writes each file atomically under the output's root, remembers what it wrote, and commits
 the list (with sizes and one digest over names and contents) as the unit's ``ShardInfo`` for its manifest, the
 commit point. A unit that does not commit removes its files: without a manifest none of them is data.
+``save_report`` is how such a layout's validation report is kept, as a shard dataset's is.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from typing import Any
+
+from diffprep import contract
 from diffprep.shards import ShardInfo, atomic_write_bytes
 
 
@@ -51,3 +55,15 @@ class UnitFilesWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self._done:
             self.abort()
+
+
+def save_report(output: Any, checks: list, summary: dict[str, Any], audit: dict[str, Any] | None) -> Any:
+    """The validation report of an output written as files (``.diffprep/validation.json``): ``checks``, and the
+    ``summary`` with the audit's rejects when there was an audit."""
+    from diffprep.validation.report import ValidationReport
+
+    if audit:
+        summary["rejects"] = {key: audit[key] for key in ("inputs", "rejected", "by_reason")}
+    report = ValidationReport(out_dir=output.uri, ok=all(c.ok for c in checks), checks=checks, summary=summary)
+    output.state.write_json(contract.VALIDATION_JSON, report.to_json())
+    return report
