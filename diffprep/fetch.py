@@ -22,7 +22,7 @@ from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import SourceError
 from diffprep.output import Output, as_output
 from diffprep.encodings.clips import planned_spec
-from diffprep.long_videos import plan_clips, resplit_sources, source_of
+from diffprep.long_videos import given_way, plan_long_videos
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
@@ -55,18 +55,12 @@ def fetch(
     scenes = SceneSettings.from_json(byte.get("video", {}).get("scenes"))
     # Long videos: retried rejects are whole sources, re-split as new ones (below; clip ids have no stamps).
     retry = changed_rejects(output, previous, source) if previous is not None and scenes is None else []
-    records: dict = {}
-    resplit: list[str] = []
+    long = None
     if scenes is not None:
-        # A source none of whose clips was written, its file changed since (fixed): split again, as a new one.
-        if previous is not None:
-            resplit = resplit_sources(previous, output.state.manifests(), getattr(source, "stamps", None))
-        known = {sid: r for sid, r in previous.scenes.items() if sid not in resplit} if previous is not None else {}
-        ids, bucket_of, records = plan_clips(source, list(source.list_ids()), planned_spec(byte), known,
-                                             workers=settings.image.decode_workers)
-        if resplit:
-            before, split_again = {sid for unit in previous.units for sid in unit.source_ids}, set(resplit)
-            retry = [cid for cid in ids if cid in before and source_of(cid) in split_again]
+        long = plan_long_videos(source, planned_spec(byte), previous,
+                                output.state.manifests() if previous is not None else {},
+                                workers=settings.image.decode_workers)
+        ids, bucket_of, retry = long.ids, long.bucket_of, long.retry
     else:
         ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
     units, missing, missing_count = plan_units(
@@ -81,17 +75,14 @@ def fetch(
     first_new = len(previous.units) if previous is not None else 0
     again = set(retry)
     retried |= {sid: unit.unit for unit in units[first_new:] for sid in unit.source_ids if sid in again}
-    gone: set[str] = set()  # the re-split sources' earlier ids no new unit plans again
-    if resplit:  # they give way to their source's new units: the audit counts the new outcome only
-        last = {source_of(sid): unit.unit for unit in units[first_new:] for sid in unit.source_ids}
-        split_again = set(resplit)
-        gone = {sid for unit in previous.units for sid in unit.source_ids
-                if source_of(sid) in split_again and source_of(sid) in last and sid not in again}
-        retried |= {sid: last[source_of(sid)] for sid in gone}
+    gone: dict[str, int] = {}
+    if long is not None and long.resplit:
+        gone = given_way(previous, units[first_new:], long.resplit, again)
+        retried |= gone
         missing = [sid for sid in missing if sid not in gone]
         missing_count -= len(gone)
         log.info("split %d sources again whose files changed since every clip of theirs was rejected: %s",
-                 len(resplit), ", ".join(resplit[:10]))
+                 len(long.resplit), ", ".join(long.resplit[:10]))
     if not units:
         raise SourceError(f"the source holds no samples: {json.dumps(source.describe())}")
     plan = Plan(
@@ -105,7 +96,7 @@ def fetch(
         missing_count=missing_count,
         retried=retried,
         retrying=len(retry) + len(gone),
-        scenes=records,
+        scenes=long.records if long is not None else {},
         changed_units=changed_inputs(output, previous, source) if previous is not None else [],
         # The planned bits' CPU facts: a resume or an append keeps the first run's (diffprep/threads.py).
         cpu=previous.cpu if previous is not None and previous.cpu else record(settings.workers.encoder_threads).to_json(),

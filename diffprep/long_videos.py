@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 CHUNK = 16  # sources read at a time while planning
 
-__all__ = ["ShortShots", "changed_sources", "confirm_discarded", "discard_question", "discarded_frames",
-           "plan_clips", "prepare_clip_window", "read_clips", "resplit_sources", "scene_record", "scenes_markdown",
+__all__ = ["LongVideoPlan", "ShortShots", "changed_sources", "given_way", "confirm_discarded", "discard_question", "discarded_frames",
+           "plan_clips", "plan_long_videos", "prepare_clip_window", "read_clips", "resplit_sources", "scene_record", "scenes_markdown",
            "scenes_summary", "scenes_table", "short_shots", "source_of"]
 
 
@@ -162,6 +162,41 @@ def discarded_frames(scenes: dict[str, dict[str, Any]]) -> dict[str, int]:
         for reason, count in record.get("discarded", {}).items():
             total[reason] = total.get(reason, 0) + count
     return total
+
+
+@dataclass(frozen=True)
+class LongVideoPlan:
+    """What fetch plans for a ``--split-scenes`` run: the clip ids and their buckets, the ``scenes`` records, the
+    sources split again (fixed files whose every clip was rejected) and their earlier clip ids planned again."""
+
+    ids: list[str]
+    bucket_of: Callable[[str], str | None]
+    records: dict[str, dict[str, Any]]
+    resplit: list[str]
+    retry: list[str]
+
+
+def plan_long_videos(source: Source, spec: ClipSpec, previous: Any, manifests: dict[int, Any], *,
+                     workers: int) -> LongVideoPlan:
+    """The clips of every source (``previous``: the earlier plan of the same settings, or None): its sources keep
+    their shots and windows, except those to split again (``resplit_sources``), which are planned as new ones."""
+    resplit = resplit_sources(previous, manifests, getattr(source, "stamps", None)) if previous is not None else []
+    known = {sid: r for sid, r in previous.scenes.items() if sid not in resplit} if previous is not None else {}
+    ids, bucket_of, records = plan_clips(source, list(source.list_ids()), spec, known, workers=workers)
+    retry: list[str] = []
+    if resplit:
+        before, split_again = {sid for unit in previous.units for sid in unit.source_ids}, set(resplit)
+        retry = [cid for cid in ids if cid in before and source_of(cid) in split_again]
+    return LongVideoPlan(ids, bucket_of, records, resplit, retry)
+
+
+def given_way(previous: Any, new_units: Sequence[Any], resplit: Sequence[str], again: set[str]) -> dict[str, int]:
+    """The earlier ids of the re-split sources that no new unit plans again -> the unit of their source's new
+    clips: they give way to it, so the audit counts the new outcome only."""
+    last = {source_of(sid): unit.unit for unit in new_units for sid in unit.source_ids}
+    split_again = set(resplit)
+    return {sid: last[source_of(sid)] for unit in previous.units for sid in unit.source_ids
+            if source_of(sid) in split_again and source_of(sid) in last and sid not in again}
 
 
 def source_of(planned_id: str) -> str:
