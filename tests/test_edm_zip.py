@@ -169,6 +169,10 @@ def test_edm_zip_settings_are_checked(tmp_path: Path) -> None:
     bad.raw.image_format = "jpg"
     with pytest.raises(ConfigError, match="stores PNG"):
         fetch(bad, encoding="raw")
+    scored = edm_settings(source, tmp_path / "o2")
+    scored.source.score_columns = ["aesthetic_score"]  # the archive has nowhere to keep them: refused, not dropped
+    with pytest.raises(ConfigError, match="remove --score-column aesthetic_score"):
+        fetch(scored, encoding="raw")
     plain = fetch(edm_settings(source, tmp_path / "o3"), encoding="raw")[0]
     counted = fetch(load_settings(overrides={**edm_settings(source, tmp_path / "o3").model_dump(),
                                              "source": {**source, "num_classes": 1000}}), encoding="raw")[0]

@@ -72,6 +72,10 @@ def check_settings(settings: Any, *, image_files: bool = True) -> None:
                           f"got {size}: 32, 64, 128, 256, 512 ...")
     if settings.output.key_map:
         raise ConfigError("--layout edm-zip names its files itself (NNNNN/imgNNNNNNNN.png): remove --key-map")
+    if settings.source.score_columns:
+        raise ConfigError("--layout edm-zip stores images and labels only (FastGen's ImageFolderDataset reads no "
+                          f"per-sample json): remove --score-column {','.join(settings.source.score_columns)}, or "
+                          "use --layout fastgen")
 
 
 def class_count(settings: Any) -> dict[str, int]:
