@@ -178,6 +178,10 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
         if files_layout is not None:  # the trainer's own files instead of a shard
             problems += files_layout.audit_unit(output, manifest, plan)
             audited.append(manifest)
+        elif not manifest.has_shard:  # every sample rejected: no shard, and none may claim samples
+            if manifest.count:
+                problems.append(f"unit {unit.unit:06d}: the manifest counts {manifest.count} samples but names no "
+                                "shard")
         elif output.size(manifest.shard) is None:
             problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} is missing")
         else:

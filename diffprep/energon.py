@@ -239,6 +239,9 @@ def split_question(output: Output | str | os.PathLike, *, train_split: float, se
 def committed_shards(output: Output | str | os.PathLike) -> tuple[dict[str, UnitManifest], list[str], list[str]]:
     """(shard -> manifest for committed shards with samples, empty shards, foreign tar files).
 
+    Empty shards are those of outputs written before a unit whose every sample was rejected stopped writing a tar
+    (its manifest now names no shard); they stay, and ``shard_counts.json`` names them with 0.
+
     A committed shard whose tar is missing or has another size than its
     manifest records is an error: the data changed after the commit.
     """
@@ -247,6 +250,8 @@ def committed_shards(output: Output | str | os.PathLike) -> tuple[dict[str, Unit
     shards: dict[str, UnitManifest] = {}
     empty: list[str] = []
     for unit, manifest in sorted(output.state.manifests().items()):
+        if not manifest.has_shard:  # every sample rejected: the unit wrote no shard
+            continue
         path = f"{output.uri}/{manifest.shard}"
         size = output.size(manifest.shard)
         if size is None:

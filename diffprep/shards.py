@@ -207,7 +207,11 @@ class ShardWriter:
         self._keys.append(key)
 
     def commit(self) -> ShardInfo:
-        """Close the tar, fsync it and rename it into ``<out>/``."""
+        """Close the tar, fsync it and rename it into ``<out>/``. A unit whose every sample was rejected writes no
+        tar (``ShardInfo`` named ''): a loader that lists every ``.tar`` (FastGen) must never find an empty one."""
+        if not self._keys:
+            self.abort()
+            return ShardInfo("", 0, 0, hashlib.sha256().hexdigest())
         self._tar.close()
         self._handle.flush()
         os.fsync(self._handle.fileno())
@@ -326,6 +330,11 @@ class UnitManifest:
     @property
     def inputs(self) -> int:
         return self.count + len(self.rejects)
+
+    @property
+    def has_shard(self) -> bool:
+        """Whether the unit wrote a shard (not when every sample was rejected, nor a unit written as files)."""
+        return bool(self.shard)
 
     def to_json(self) -> dict:
         data = asdict(self)

@@ -326,6 +326,21 @@ def test_a_sync_by_another_process_mid_commit_keeps_the_unit(admin, proxy, make_
     assert output.state.manifests() == {0: manifest}  # the staged copy is there, and the bucket agrees
 
 
+def test_a_unit_whose_every_sample_was_rejected_commits_its_manifest_alone(admin, proxy, make_plan,
+                                                                          write_unit) -> None:
+    url = prefix_url()
+    output = open_output(url, endpoint_url=proxy.url)
+    plan = make_plan(sizes=(2,))
+    manifest = write_unit(output.local, plan, 0, rejects={"img0000.png": "image_truncated",
+                                                          "img0001.png": "image_truncated"})
+    assert (manifest.shard, manifest.count) == ("", 0)
+    output.commit_unit(manifest, output.shard_sink(0))
+    stored = objects(admin, url)
+    assert not [name for name in stored if name.endswith(".tar")]  # no shard object, and no upload left open
+    assert json.loads(stored[".diffprep/units/000000.json"])["rejects"][1]["source_id"] == "img0001.png"
+    assert open_output(url, endpoint_url=proxy.url).committed_unit(0, plan.fingerprint) == manifest
+
+
 def test_shard_goes_up_while_it_is_written(admin, proxy, make_plan, monkeypatch) -> None:
     import diffprep.output.upload
     from diffprep.shards import ShardWriter

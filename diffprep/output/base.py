@@ -108,6 +108,8 @@ class Output:
         unit written as files (the LTX layout): every file at its size."""
         if manifest.files is not None:
             return all(self.size(name) == size for name, size in manifest.files.items())
+        if not manifest.has_shard:  # every sample rejected: nothing was written
+            return manifest.count == 0
         return self.size(manifest.shard) == manifest.bytes
 
     def committed_units(self, fingerprint: str, manifests: dict[int, UnitManifest] | None = None) -> CommittedUnits:

@@ -143,6 +143,8 @@ class S3Output(Output):
         if recorded_etag is None:
             head = self._head(contract.unit_manifest_path(manifest.unit))
             recorded_etag = (head or {}).get("Metadata", {}).get(SHARD_ETAG_METADATA)
+        if not manifest.has_shard:  # every sample rejected: no shard object
+            return manifest.count == 0
         shard = self._head(manifest.shard)
         return (shard is not None and recorded_etag is not None
                 and int(shard.get("ContentLength", -1)) == manifest.bytes and etag_of(shard) == recorded_etag)
@@ -179,6 +181,13 @@ class S3Output(Output):
         shard = self.local / manifest.shard
         # An older manifest object would vouch for the shard being replaced: remove it before the shard changes.
         self.request("DeleteObject", manifest_rel)
+        if not manifest.has_shard:  # every sample rejected: the manifest alone (its writer aborted the upload)
+            if sink is not None:
+                sink.abort()
+            self._put_bytes(json_file_bytes(manifest.to_json()), manifest_rel, {})
+            super().commit_unit(manifest)
+            self._objects = None
+            return
         if isinstance(sink, ObjectUpload) and (sink.size, sink.sha256) == (manifest.bytes, manifest.sha256):
             etag = sink.finish()
         else:

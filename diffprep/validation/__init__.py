@@ -106,7 +106,7 @@ def validate_dataset(
                                 progress)
         summary.update(inspector.summary())
 
-    ours = set(dataset.info or {}) | {m.shard for m in dataset.manifests.values()}
+    ours = set(dataset.info or {}) | {m.shard for m in dataset.manifests.values() if m.has_shard}
     foreign = sorted(name for name in output.entries() if name.endswith((".tar", ".tgz")) and name not in ours)
     if foreign:
         summary["foreign"] = foreign

@@ -197,7 +197,7 @@ def check_layout_files(ds: Dataset, output: Output) -> list[Check]:
             problems.add(f"{name} is {array.dtype} {list(array.shape)}, expected float32 {want} (one sample of "
                          f"{field_name}, no batch dimension)")
     if layout.shard_counts:
-        counts = {m.shard: m.count for m in ds.manifests.values()} or dict(ds.info or {})
+        counts = {m.shard: m.count for m in ds.manifests.values() if m.has_shard} or dict(ds.info or {})
         tars = {n for n in output.entries() if n.endswith(contract.SHARD_SUFFIX)}
         try:
             with output.open(contract.SHARD_COUNTS_JSON) as stream:
