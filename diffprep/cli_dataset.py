@@ -1,5 +1,5 @@
-"""The commands over a dataset already written: ``diffprep decode``, ``finalize``, ``validate`` and
-``latent-stats`` (each takes an output folder, an ``s3://`` prefix where it can, or an LTX layout's
+"""The commands over a dataset already written: ``diffprep decode``, ``finalize``, ``validate``,
+``latent-stats`` and ``ignore-list`` (each takes an output folder, an ``s3://`` prefix where it can, or an LTX layout's
 ``--output-dir``)."""
 
 from __future__ import annotations
@@ -108,6 +108,23 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ignore_list(args: argparse.Namespace) -> int:
+    from diffprep.output import OutputRef
+    from diffprep.validation.ignore_list import scan_output, write_ignore_list
+
+    output = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
+    scan = scan_output(output)
+    print(scan.to_markdown())
+    if args.check:
+        print("--check: nothing written")
+    else:
+        where = write_ignore_list(output, scan, args.output)
+        print(f"ignore list ({scan.found} keys) written to {where}; every key's reasons in "
+              f"{output.uri}/{contract.STATE_DIR}/{contract.IGNORE_REPORT_JSON}. FastGen: "
+              f"ignore_index_paths=[\"{where}\"], shard_count_file unchanged")
+    return 1 if scan.found else 0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """The four commands' parsers, on the ``diffprep`` command's subparsers."""
     decode = sub.add_parser("decode", help="decode samples back to images next to their sources and print the PSNR")
@@ -148,3 +165,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help=f"where to write the statistics (default: OUT/{contract.STATE_DIR}/{contract.LATENT_STATS})")
     _s3_arguments(stats)
     stats.set_defaults(func=cmd_latent_stats)
+
+    ignore = sub.add_parser("ignore-list", help="read every sample of a finished dataset and write FastGen's "
+                            f"ignore list ({contract.IGNORE_INDEX_JSON}) of the broken ones (exit 1 when any)")
+    ignore.add_argument("out", help="the output folder or s3://bucket/prefix")
+    ignore.add_argument("--output", default=None, metavar="FILE",
+                        help=f"a local path for the list (default: OUT/{contract.IGNORE_INDEX_JSON}, beside the tars)")
+    ignore.add_argument("--check", action="store_true", help="scan and report only; write nothing")
+    _s3_arguments(ignore)
+    ignore.set_defaults(func=cmd_ignore_list)

@@ -110,9 +110,10 @@ FASTGEN_TXT_EMB = "txt_emb.pth"
 NEG_PROMPT_EMB = "neg_prompt_emb.npy"
 NEG_POOLED_PROMPT_EMB = "neg_pooled_prompt_emb.npy"
 SHARD_COUNTS_JSON = "shard_counts.json"
+IGNORE_INDEX_JSON = "ignore_index.json"  # FastGen's ignore_index_paths file (diffprep ignore-list)
 # With --score-column, the fastgen layout writes meta.json as this member: FastGen's presets_filter reads it.
 SCORE_JSON = "json"
-LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON)
+LAYOUT_FILES = (NEG_PROMPT_EMB, NEG_POOLED_PROMPT_EMB, SHARD_COUNTS_JSON, IGNORE_INDEX_JSON)
 
 # --layout edm-zip: the archive EDM's and EDM2's dataset_tool write and FastGen's ImageFolderDataset reads, at the
 # output's top; assembled at finalize from the committed shards (the units' commit points, kept for resume).
@@ -198,6 +199,7 @@ AUDIT_JSON = "audit.json"
 REJECTS_ANSWER_JSON = "rejects_answer.json"
 DISCARD_ANSWER_JSON = "discard_answer.json"  # long videos: the accepted frames in shots shorter than every bucket
 VALIDATION_JSON = "validation.json"
+IGNORE_REPORT_JSON = "ignore_report.json"  # diffprep ignore-list: every broken key with its reasons
 SPLITS_JSON = "splits.json"
 LATENT_STATS = "latent_stats.pt"
 EMPTY_PROMPT = "empty_prompt.pth"

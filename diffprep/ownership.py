@@ -35,7 +35,8 @@ NV_META_FILES = frozenset({contract.DATASET_YAML, contract.SPLIT_YAML, contract.
 EMPTY_ENCODINGS = frozenset({contract.T5_EMPTY, contract.CLIP_EMPTY, contract.PROMPT_EMBEDS_EMPTY})
 STATE_FILES = frozenset({contract.PLAN_JSON, contract.T2I_PLAN_JSON, contract.AUDIT_JSON, contract.VALIDATION_JSON,
                          contract.SPLITS_JSON, contract.REJECTS_ANSWER_JSON, contract.DISCARD_ANSWER_JSON,
-                         contract.LATENT_STATS, contract.EMPTY_PROMPT, contract.MSC_CONFIG, CONTACT_SHEET})
+                         contract.LATENT_STATS, contract.EMPTY_PROMPT, contract.MSC_CONFIG, CONTACT_SHEET,
+                         contract.IGNORE_REPORT_JSON})
 SANITY_FILES = frozenset({contract.SANITY_REPORT, contract.SANITY_SAMPLE, CONTACT_SHEET})
 _MANIFEST_RE = re.compile(r"\d{6,}\.json")
 _TEMP_SHARD_RE = re.compile(r"\d{6,}\.tar\..+\.\d+" + re.escape(TEMP_SUFFIX))  # ShardWriter's, in tmp/
