@@ -59,6 +59,9 @@ class IgnoreScan:
 
     def to_markdown(self) -> str:
         lines = [f"# Ignore list: {self.found} broken of {self.samples} samples in {self.shards} shards", ""]
+        if self.samples and self.found >= self.samples:
+            lines += ["Every sample is broken: FastGen's deterministic resume would loop forever on the counts this "
+                      "list leaves (all 0). Encode the dataset again.", ""]
         if self.broken:
             lines += ["| shard | key | reasons |", "|---|---|---|"]
             for shard, keys in sorted(self.broken.items()):
