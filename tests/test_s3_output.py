@@ -140,6 +140,15 @@ def test_flow_to_bucket_equals_local_and_loads_from_the_bucket(prefect_server, t
         assert proxy.requests("GET", path_of(url, name)), f"{name} was not read back"
     no_secrets(cli.stdout, cli.stderr)
 
+    # `diffprep ignore-list s3://...`: every sample read from the bucket, the (empty) list written beside the tars.
+    from diffprep.validation.ignore_list import scan_output, write_ignore_list
+
+    scanned = open_output(url, endpoint_url=proxy.url)
+    scan = scan_output(scanned)
+    assert (scan.shards, scan.samples, scan.found) == (3, 12, 0)
+    assert write_ignore_list(scanned, scan) == f"{url}/ignore_index.json"
+    assert json.loads(objects(admin, url)["ignore_index.json"]) == {}
+
 
 @pytest.mark.slow
 def test_interrupted_upload_is_redone_not_trusted(prefect_server, tiny_model, admin, proxy, tmp_path) -> None:
