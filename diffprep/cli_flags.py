@@ -21,6 +21,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--video-key": ("source", "video_key"),
     "--audio-column": ("source", "audio_key"),
     "--reference-column": ("source", "reference_key"),
+    "--depth-column": ("source", "depth_key"),
     "--caption-template": ("source", "caption_template"),
     "--class-names": ("source", "class_names"),
     "--input-path": ("source", "input_path"),

@@ -82,6 +82,10 @@ class SourceConfig(_Section):
         None, description="metadata: the column naming each clip's IC-LoRA reference clip (LTX-2); default "
         "reference_video or ref_media_path when the file has one.",
     )
+    depth_key: str | None = Field(
+        None, description="metadata: the column naming each clip's depth clip (Wan: depth_latent.pth, FastGen's VACE "
+        "v2v depth_latent), e.g. depth_path; decoded with the clip's frames, crop and size.",
+    )
     caption_template: str | None = Field(
         None, description="huggingface, imagefolder: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
         "the class name). Unset: the class name alone. Text captions are kept as they are.",

@@ -21,6 +21,9 @@ PREENCODED_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS, CAPTION, META
 TENSOR_FIELDS = (LATENTS, PROMPT_EMBEDS, POOLED_PROMPT_EMBEDS)
 # A video family's sample (Wan): latents [C, F', H/s, W/s] and the text sequence [L, D]; no pooled embedding.
 VIDEO_FIELDS = (LATENTS, PROMPT_EMBEDS, CAPTION, META)
+# A Wan clip's depth clip (--depth-column) through the same VAE: shaped and normalized as its latents (FastGen's
+# key_map["depth_latent"], VACE v2v).
+DEPTH_LATENT = "depth_latent.pth"
 # An LTX-2 sample (Energon layout): video latents [128, F', H/32, W/32] bf16, the clip's audio latents [8, T, 16]
 # float32 (not with --skip-audio), the Gemma feature extractor's output [1024, D] bf16 (prompt_embeds; the audio
 # one only where the checkpoint projects it separately, LTX-2.3) and its left-padded mask [1024] int64, and an

@@ -182,6 +182,8 @@ class VideoPreencodedSample(Sample):
     meta: dict
     #: "WxHxF": the resolution bucket (samples of one bucket batch together).
     bucket: str
+    #: --depth-column: the depth clip's latents, shaped and normalized as ``latents``; else None.
+    depth_latent: torch.Tensor | None = None
 
 
 @edataclass
@@ -191,6 +193,7 @@ class VideoPreencodedBatch(Batch):
     caption: list[str]
     meta: list[dict]
     bucket: list[str]
+    depth_latent: torch.Tensor | None = None
 
 
 def _meta_of(sample: dict, name: str = contract.META) -> dict:
@@ -224,6 +227,7 @@ def cook_video(sample: dict) -> VideoPreencodedSample:
         caption=_text(sample, contract.CAPTION),
         meta=meta,
         bucket=bucket,
+        depth_latent=_tensor(sample, contract.DEPTH_LATENT) if contract.DEPTH_LATENT in sample else None,
     )
 
 
@@ -455,7 +459,8 @@ class VideoPreencodedTaskEncoder(_OneBucketPerBatch, VideoSampleTaskEncoder):
 
     @stateless
     def batch(self, samples: list[VideoPreencodedSample]) -> VideoPreencodedBatch:
-        return _bucket_batch(VideoPreencodedBatch, samples, "latents", "prompt_embeds")
+        depth = ("depth_latent",) if samples[0].depth_latent is not None else ()
+        return _bucket_batch(VideoPreencodedBatch, samples, "latents", "prompt_embeds", *depth)
 
 
 class Ltx2SampleTaskEncoder(DefaultTaskEncoder[Ltx2Sample, Ltx2Sample, Any, Any]):

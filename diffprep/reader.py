@@ -56,6 +56,7 @@ class Batch:
     reference_audio: list[Any] | None = None
     video_masks: list[torch.Tensor] | None = None
     audio_masks: list[torch.Tensor] | None = None
+    depths: list[torch.Tensor] | None = None  # Wan: each clip's depth clip, uint8 [F, 3, H, W] (media/depth_video.py)
     scenes: list[PreparedScene] | None = None  # a scene batch's cameras, depth and meta per scene (SceneSpec)
 
 
@@ -208,7 +209,7 @@ def iter_batches(
 
 
 _INPUTS = (("reference_audio", "reference_audio", "reference_audio"), ("video_masks", "video_mask", "video_mask"),
-           ("audio_masks", "audio_mask", "audio_mask"))  # Batch field, PreparedClip field, ClipSpec.inputs role
+           ("audio_masks", "audio_mask", "audio_mask"), ("depths", "depth", "depth"))  # Batch field, PreparedClip field, ClipSpec.inputs role
 
 
 def _reference_shape(prepared: Prepared) -> tuple[int, ...] | None:

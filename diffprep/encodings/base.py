@@ -92,6 +92,8 @@ class Encoding(ABC):
     #: Named output layouts (``output.layout``) besides energon's own names: a trainer's member names for this
     #: encoding's fields (``diffprep.layouts``). None: the member names are fixed (no layout, no key map).
     layout_presets: Mapping[str, LayoutPreset] | None = {}
+    #: Whether --depth-column gives this encoding a field (Wan's depth_latent.pth); refused by name otherwise.
+    reads_depth = False
 
     def variant(self, settings: Settings) -> str:
         """The encoding a run of this family with ``settings`` writes (its own name, or a variant's)."""
@@ -105,6 +107,10 @@ class Encoding(ABC):
     def planned(self, settings: Settings, token: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """``plan_settings``, with the output layout when it is not energon's own names (so an energon plan and
         its fingerprint stay as they always were): what fetch plans and ranks compare."""
+        if not self.reads_depth:
+            from diffprep.encodings.wan_depth import refuse_depth
+
+            refuse_depth(settings, self.name)
         byte, expected = self.plan_settings(settings, token)
         layout = layout_for(settings.output, settings.model.negative_prompt, self.name, self.layout_presets,
                             self.required_fields(expected), scores=bool(settings.source.score_columns))

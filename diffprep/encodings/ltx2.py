@@ -90,6 +90,7 @@ class Ltx2(Wan):
     # ltx: the trainer's .precomputed/ folders (diffprep.encodings.ltx_layout), made from the same fields under
     # their own names; no FastGen names (FastGen reads no LTX-2 data: reference/consumer-formats.md B1).
     layout_presets = {contract.LAYOUT_LTX: LayoutPreset(members={})}
+    reads_depth = False
     video = True  # clips: the video VAE (False: the audio-only encoding, ltx2_audio)
 
     def variant(self, settings: Settings) -> str:

@@ -35,6 +35,7 @@ from diffprep.families.base import DTYPES
 from diffprep.encodings import clips
 from diffprep.encodings.base import SampleFields, encoded_samples, with_caption_settings
 from diffprep.encodings.preencoded import PreencodedInspector
+from diffprep.encodings.wan_depth import depth_inputs, encode_clips, plans_depth
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
 from diffprep.images import to_uint8
@@ -67,6 +68,7 @@ class Wan(clips.ClipEncoding):
     """Wan 2.x: clips (and images as one-frame clips) through AutoencoderKLWan, captions through umT5."""
 
     name = contract.ENCODING_WAN
+    reads_depth = True  # --depth-column: depth_latent.pth (encodings/wan_depth.py)
     layout_presets = {contract.LAYOUT_FASTGEN: LayoutPreset(
         members={contract.FASTGEN_LATENT: (contract.LATENTS,), contract.FASTGEN_TXT_EMB: (contract.PROMPT_EMBEDS,)},
         negative={contract.NEG_PROMPT_EMB: contract.PROMPT_EMBEDS},
@@ -91,6 +93,9 @@ class Wan(clips.ClipEncoding):
             "shard_size": settings.output.shard_size,
             "video": clips.video_settings(spec),
         }
+        inputs = depth_inputs(settings)
+        if inputs:  # only then: runs without depth keep their fingerprints
+            byte["video"]["inputs"] = inputs
         byte = with_caption_settings(byte, settings)
         text_config = json.loads((parts["text_encoder"].path / "config.json").read_text(encoding="utf-8"))
         channels, s, t = identity["latent_channels"], identity["spatial_factor"], identity["temporal_factor"]
@@ -104,14 +109,16 @@ class Wan(clips.ClipEncoding):
             "dtype": dtype_name(DTYPES[model.precision]),
             "buckets": shapes,
         }
+        if inputs:  # depth_latent.pth: shaped as the latents (encodings/wan_depth.py)
+            expected[contract.field_stem(contract.DEPTH_LATENT)] = latents
         return byte, expected
 
     def required_fields(self, expected: dict[str, Any]) -> tuple[str, ...]:
-        return contract.VIDEO_FIELDS
+        return contract.VIDEO_FIELDS + ((contract.DEPTH_LATENT,) if plans_depth(expected) else ())
 
     def field_problem(self, fields: Sequence[str], expected: dict[str, Any] | None) -> str:
         problem = super().field_problem(fields, expected)
-        missing = [f for f in contract.VIDEO_FIELDS if f not in fields]
+        missing = [f for f in self.required_fields(expected or {}) if f not in fields]
         return problem or (f"missing {missing}" if missing else "")
 
     # --- encoding ---------------------------------------------------------------------------------------------
@@ -133,11 +140,12 @@ class Wan(clips.ClipEncoding):
 
     def sample_fields(self, settings: Settings, loaded: WanEncoders) -> SampleFields:
         def fields(batch: Batch, notes: Counter) -> list[dict | Reject]:
-            latents = loaded.encode_video(batch.pixels, batch.keys)
+            latents, depth = encode_clips(loaded, batch)  # and its depth clips (--depth-column)
             text = loaded.encode_text(batch.captions)
             return encoded_samples(batch, latents, text.truncated, notes, "clip",
                                    lambda i: {contract.LATENTS: latents[i],
-                                              contract.PROMPT_EMBEDS: text.prompt_embeds[i]})
+                                              contract.PROMPT_EMBEDS: text.prompt_embeds[i],
+                                              **({contract.DEPTH_LATENT: depth[i]} if depth is not None else {})})
 
         return fields
 
@@ -160,7 +168,7 @@ class Wan(clips.ClipEncoding):
         device = loaded.device
         with MemoryWatch(device) as memory:
             start = time.perf_counter()
-            latents = loaded.encode_video(batch.pixels, batch.keys)
+            latents, depth = encode_clips(loaded, batch)  # and its depth clips (--depth-column)
             text = loaded.encode_text(batch.captions)
             seconds = time.perf_counter() - start
         bucket = Bucket(*batch.metas[0]["bucket"])
@@ -168,6 +176,8 @@ class Wan(clips.ClipEncoding):
         tensors = {contract.LATENTS: latents, contract.PROMPT_EMBEDS: text.prompt_embeds}
         wanted = {contract.LATENTS: plan.expected.get("buckets", {}).get(str(bucket)),
                   contract.PROMPT_EMBEDS: plan.expected.get(contract.field_stem(contract.PROMPT_EMBEDS))}
+        if depth is not None:
+            tensors[contract.DEPTH_LATENT], wanted[contract.DEPTH_LATENT] = depth, wanted[contract.LATENTS]
         problems = []
         for name, tensor in tensors.items():
             have = list(tensor.shape[1:])
@@ -261,3 +271,11 @@ class VideoInspector(PreencodedInspector):
                 "source": f"first sample {sample.__key__}",
             }
         super().inspect(sample)
+        depth = getattr(sample, "depth_latent", None)
+        if depth is None and plans_depth(self.expected):
+            self.shapes.add(f"{sample.__key__} has no {contract.DEPTH_LATENT} (the plan reads --depth-column)")
+        elif depth is not None and (depth.shape != sample.latents.shape or depth.dtype != sample.latents.dtype):
+            self.shapes.add(f"{sample.__key__} {contract.DEPTH_LATENT} is {list(depth.shape)} {depth.dtype}, its "
+                            f"latents {list(sample.latents.shape)} {sample.latents.dtype}")
+        elif depth is not None and not bool(torch.isfinite(depth).all()):
+            self.finite.add(f"{sample.__key__} {contract.DEPTH_LATENT} has NaN/Inf values")

@@ -14,6 +14,9 @@
   file whose amplitude envelope (the mean of the channels' absolute values) is the mask, fitted to the kept
   seconds as the sound is; ``audio_mask_decode_error`` when it does not load.
 
+- ``depth`` (Wan, ``--depth-column``): the clip's depth clip, read frame for frame with it
+  (``diffprep.media.depth_video``).
+
 The latent-grid masks are made at encoding (``diffprep.encodings.ltx2_masks``), where the latents' shapes are known.
 """
 
@@ -29,6 +32,7 @@ import torch
 from diffprep.errors import RejectError
 from diffprep.media import video
 from diffprep.media.audio import fit_duration, load_clip_audio
+from diffprep.media.depth_video import DEPTH, depth_frames
 
 SOUND = "audio"
 REFERENCE_AUDIO = "reference_audio"
@@ -81,6 +85,10 @@ def prepare_inputs(clip: Any, extras: Mapping[str, tuple[str, bytes]], roles: tu
         name, data = extras[VIDEO_MASK]
         changes["video_mask"] = video_mask_pixels(clip, name, data, max_pixels=max_pixels)
         meta["video_mask"] = name
+    if DEPTH in roles:  # Wan: the depth clip, frame for frame (media/depth_video.py)
+        name, data = extras[DEPTH]
+        changes["depth"] = depth_frames(clip, name, data, max_pixels=max_pixels)
+        meta["depth"] = name
     if AUDIO_MASK in roles:
         name, data = extras[AUDIO_MASK]
         changes["audio_mask"] = audio_mask_envelope(name, data, seconds)

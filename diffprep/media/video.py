@@ -136,6 +136,7 @@ class PreparedClip:
     reference_audio: ClipAudio | None = None  # its reference sound (ClipSpec.inputs, media/clip_inputs.py)
     video_mask: torch.Tensor | None = None  # float [F, H, W] in [0, 1], cropped as the clip (ClipSpec.inputs)
     audio_mask: torch.Tensor | None = None  # the audio mask's 1-D signal (ClipSpec.inputs)
+    depth: torch.Tensor | None = None  # uint8 [F, 3, H, W], its depth clip as the clip (media/depth_video.py)
 
 
 def probe(source: VideoSource) -> ClipInfo:

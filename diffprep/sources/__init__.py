@@ -35,6 +35,9 @@ def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneSpe
         raise SourceError(f"source.score_columns (--score-column {','.join(cfg.score_columns)}) reads the columns of "
                           f"a metadata file (--source-type metadata --metadata-file FILE); the {cfg.type} source "
                           "has none: remove it")
+    if cfg.depth_key and cfg.type != "metadata":
+        raise SourceError(f"source.depth_key (--depth-column {cfg.depth_key}) names a column of a metadata file "
+                          f"(--source-type metadata --metadata-file FILE); the {cfg.type} source has none: remove it")
     if cfg.type == "directory":
         if not cfg.input_dir:
             raise SourceError("source.input_dir is not set: give the folder holding images/ and captions/")
@@ -72,7 +75,7 @@ def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneSpe
             )
         return MetadataSource(cfg.metadata_file, caption_key=cfg.caption_key, video_key=cfg.video_key,
                               reference_key=cfg.reference_key, audio_key=cfg.audio_key,
-                              score_columns=cfg.score_columns or (),
+                              score_columns=cfg.score_columns or (), depth_key=cfg.depth_key,
                               image_key=cfg.image_key, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
     if cfg.type == "scenes":
         from diffprep.sources.scenes import SceneSource

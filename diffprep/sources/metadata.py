@@ -49,7 +49,8 @@ Beside a clip column, the trainer's other roles are read by their column names
 when the file has them (``extra_columns``; ``SourceSample.extras``): ``audio``
 (the clip's sound as a file of its own), ``reference_audio``, ``video_mask``,
 ``audio_mask``. Each resolves as the media path; a row without one is
-``missing_<role>``, a path to no file ``<role>_not_found``.
+``missing_<role>``, a path to no file ``<role>_not_found``. ``source.depth_key`` (``--depth-column``) names the
+column of each clip's depth clip (Wan, ``extras["depth"]``): ``missing_depth`` / ``depth_not_found`` likewise.
 
 ``source.score_columns`` (``--score-column``) names columns of numbers copied
 into the sample's meta as top-level fields (``diffprep.sources.scores``: a row
@@ -125,6 +126,7 @@ class _Row:
     reference: Any = None  # the reference column's value (None: no such column), _ABSENT when the record lacks it
     extras: tuple = ()  # the values of the extra columns, in extra_columns' order (_ABSENT where missing)
     scores: tuple = ()  # the values of the score columns, in score_columns' order (_ABSENT where missing)
+    depth: Any = None  # the depth column's value (None: no such column), _ABSENT when the record lacks it
 
 
 def _where_row(file: str, row: _Row) -> str:
@@ -215,7 +217,8 @@ class MetadataSource:
     def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
                  image_key: str | None = None, s3_endpoint_url: str | None = None,
                  s3_profile: str | None = None, reference_key: str | None = None,
-                 audio_key: str | None = None, score_columns: Sequence[str] = ()) -> None:
+                 audio_key: str | None = None, score_columns: Sequence[str] = (),
+                 depth_key: str | None = None) -> None:
         self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
         self._client = None
         fmt = posixpath.splitext(metadata_file)[1].lower()
@@ -265,6 +268,9 @@ class MetadataSource:
             raise SourceError(f"{where}: source.reference_key {reference_key!r} is not a column; the columns are "
                               f"{columns}")
         self.reference_key = reference_key
+        if depth_key and (records or columns) and depth_key not in columns:
+            raise SourceError(f"{where}: source.depth_key {depth_key!r} is not a column; the columns are {columns}")
+        self.depth_key = depth_key
         # The trainer's reference columns the file has: an LTX-2 run refuses to leave them out unasked.
         self.reference_columns = [c for c in REFERENCE_COLUMNS if c in columns]
         self.columns = columns
@@ -281,7 +287,8 @@ class MetadataSource:
             row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT),
                        record.get(self.reference_key, _ABSENT) if self.reference_key else None,
                        tuple(record.get(c, _ABSENT) for c in self.extra_columns),
-                       tuple(record.get(c, _ABSENT) for c in self.score_columns))
+                       tuple(record.get(c, _ABSENT) for c in self.score_columns),
+                       record.get(self.depth_key, _ABSENT) if self.depth_key else None)
             source_id = self._id_of(row)
             self._by_id[source_id] = len(self._rows)
             self._rows.append(row)
@@ -320,6 +327,7 @@ class MetadataSource:
             **({"audio_key": self.media_key} if self.audio_only else {}),
             **({"reference_key": self.reference_key} if self.reference_key else {}),
             **({"score_columns": self.score_columns} if self.score_columns else {}),
+            **({"depth_key": self.depth_key} if self.depth_key else {}),
             "s3_endpoint_url": self._endpoint_url,
             "s3_profile": self._profile,
         }
@@ -364,9 +372,11 @@ class MetadataSource:
                 return SourceSample(source_id, None, None, exc)
 
         extras = {}
-        for role, value in zip(self.extra_columns, row.extras):
+        roles = list(zip(self.extra_columns, row.extras)) + ([("depth", row.depth)] if self.depth_key else [])
+        for role, value in roles:
             if value is _ABSENT or not isinstance(value, str) or not value.strip():
-                return rejected(source_id, f"missing_{role}", f"{where}: no path in column {role!r}")
+                column = self.depth_key if role == "depth" else role
+                return rejected(source_id, f"missing_{role}", f"{where}: no path in column {column!r}")
             try:
                 extras[role] = (value.strip(), self._read_media(value.strip(), where, missing=f"{role}_not_found"))
             except RejectError as exc:
@@ -403,9 +413,10 @@ class MetadataSource:
         if index is None:
             return "-"
         row = self._rows[index]
-        values = json.dumps([_plain(v) for v in (row.media, row.caption, row.reference, *row.extras, *row.scores)],
+        values = json.dumps([_plain(v) for v in (row.media, row.caption, row.reference, *row.extras, *row.scores,
+                                                 *((row.depth,) if self.depth_key else ()))],
                             sort_keys=True, default=str)
-        files = [v.strip() for v in (row.reference, *row.extras) if isinstance(v, str) and v.strip()]
+        files = [v.strip() for v in (row.reference, *row.extras, row.depth) if isinstance(v, str) and v.strip()]
         media = self._file_stamp(row.media) if isinstance(row.media, str) and row.media else "-"
         digest = hashlib.sha256(values.encode("utf-8")).hexdigest()[:16]
         return " ".join([media, digest, *(self._file_stamp(f) for f in files)])

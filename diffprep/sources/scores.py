@@ -24,7 +24,7 @@ META_NAMES = frozenset({
     "source_id", "original_size", "crop_box", "size", "notes", "bucket", "label", "class_name", "container",
     "codec", "rotation", "source_fps", "source_frames", "variable_frame_rate", "frame_indices", "frame_times",
     "sample_aspect_ratio", "source_duration", "has_audio", "target_fps", "frame_sampling", "fps", "audio",
-    "audio_duration", "lora_trigger", "reference", "reference_audio", "video_mask", "audio_mask",
+    "audio_duration", "lora_trigger", "reference", "reference_audio", "video_mask", "audio_mask", "depth",
 })
 
 

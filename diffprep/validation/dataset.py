@@ -27,7 +27,7 @@ from diffprep.shards import UnitManifest
 
 TENSOR_NAMES = tuple(contract.field_stem(name) for name in
                      contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS + contract.LTX2_TENSOR_FIELDS
-                     + (contract.SCENE_C2W, contract.SCENE_K))
+                     + (contract.SCENE_C2W, contract.SCENE_K, contract.DEPTH_LATENT))
 # plan.json's "expected": a shape per tensor (None for a free dimension), the dtype, and optionally
 # "fields", the fields every sample must have (how a raw plan names its image and caption fields), for a
 # video plan "buckets", the latents' shape per resolution bucket ("WxHxF"), and where tensors differ in dtype
