@@ -16,7 +16,11 @@ batch 8, shard size 64, t5_max_length 512, ``--no-finalize``:
 - ``server-untuned``: ``server`` with ``DIFFPREP_MALLOC_TUNING=0`` (glibc's defaults);
 - ``serial``: ``benchmarks/serial_reference.py`` (decode all, encode batch by
   batch, torch.save, tar) with glibc's defaults, as a hand-written script runs;
-- ``serial-tuned``: the same with ``diffprep.allocator.tune_malloc()`` first.
+- ``serial-tuned``: the same with ``diffprep.allocator.tune_malloc()`` first;
+- ``primus``: AMD Primus's own ``primus data diffusion-encoded``, unmodified, from ``--primus-checkout DIR``
+  or ``--primus-git MIRROR`` (``benchmarks/primus_side.py``); skipped, with a line saying so, without either.
+  Before the rounds, 8 images through both with the posterior mean (diffprep ``--latent-mode mode``, Primus
+  ``--vae-latent-mode resample``) check that the tensors agree.
 
 The children get this process's environment without ``MALLOC_*`` and
 ``DIFFPREP_MALLOC_TUNING``: "default environment variables", so diffprep's own
@@ -58,6 +62,8 @@ import _common as c  # first: offline environment (this process only; see child_
 
 # isort: split
 
+import primus_side
+
 import torch
 
 from diffprep import contract
@@ -65,7 +71,7 @@ from diffprep import contract
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.5
 MIB = 1024 * 1024
-SIDES = ("server", "embedded", "embedded-fresh", "server-untuned", "serial", "serial-tuned")
+SIDES = ("server", "embedded", "embedded-fresh", "server-untuned", "serial", "serial-tuned", "primus")
 SETTINGS = {"image_size": 256, "precision": "fp32", "batch_size": 8, "shard_size": 64, "t5_max_length": 512}
 
 # Log lines of `diffprep encode` that mark the start-up phases, in the order they happen.
@@ -250,10 +256,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs per side and size, interleaved")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--source-px", type=int, default=512)
+    parser.add_argument("--primus-checkout", help="a Primus source tree, for the primus side")
+    parser.add_argument("--primus-git", help="a bare git mirror of Primus (HEAD:primus exported), for the primus side")
     args = parser.parse_args(argv)
 
     cache = c.cache_dir(args.cache_dir)
     scratch, cleanup = c.work_dir(args.work_dir)
+    primus_tree = primus_side.checkout(args.primus_checkout, args.primus_git, scratch)
+    if "primus" in args.sides and primus_tree is None:
+        print("  primus side skipped: no --primus-checkout DIR or --primus-git MIRROR given")
+        args.sides = [side for side in args.sides if side != "primus"]
+    elif primus_tree is not None:
+        print(f"  primus side: {primus_side.tree_revision(primus_tree, args.primus_git)}, run unmodified by "
+              f"{sys.executable} with PYTHONPATH at the tree, --device {primus_side.device()}")
     source = c.jpeg_source(cache, max(args.sizes), args.source_px)
     model = c.tiny_model(cache)
     print(f"cli: {os.cpu_count()} CPUs, torch {torch.__version__}; children run with MALLOC_* and "
@@ -275,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             out = scratch / f"out-{side}-{n}-{tag}"
             if side.startswith("serial"):
                 run = run_command(serial_command(source, model, out, n, side == "serial-tuned"), child_env(), out)
+            elif side == "primus":
+                command = primus_side.command(sys.executable, primus_tree, source,
+                                              primus_side.flux_named(model, scratch), out, n, SETTINGS)
+                run = run_command(command, primus_side.env(child_env(), primus_tree), out)
             else:
                 home = {"embedded": embedded_home, "embedded-fresh": scratch / f"fresh-home-{n}-{tag}"}.get(
                     side, scratch / "server-home")
@@ -287,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_command(diffprep_command(source, model, out, n), env, out)
                 run |= analyse(run)
             run |= disk_figures(out, n)
+            run["samples"] = primus_side.count_samples(out)
             shutil.rmtree(out, ignore_errors=True)
             run.pop("lines")
             return run
@@ -294,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         # One small run per kind first: Prefect's database, flow registration, file caches; not timed.
         for side in dict.fromkeys(s if not s.startswith("server") else "server" for s in args.sides):
             run_side(side, 16, "warmup")
+        if "primus" in args.sides:
+            same = {"diffprep": scratch / "same-diffprep", "primus": scratch / "same-primus"}
+            run_command([*diffprep_command(source, model, same["diffprep"], 8), "--latent-mode", "mode"],
+                        child_env(PREFECT_HOME=str(embedded_home)), same["diffprep"])
+            run_command(primus_side.command(sys.executable, primus_tree, source, primus_side.flux_named(
+                model, scratch), same["primus"], 8, SETTINGS, "resample"),
+                primus_side.env(child_env(), primus_tree), same["primus"])
+            print("  same tensors (8 images, posterior mean): "
+                  + primus_side.describe(primus_side.differences(same["diffprep"], same["primus"])))
         for n in args.sizes:
             for r in range(args.rounds):
                 order = args.sides if r % 2 == 0 else args.sides[::-1]
@@ -306,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{run['units_pace'] or 0:.1f} samples/s = "
                                  f"{(run['units_pace'] or 0) / (run['sanity_pace'] or 1):.2f} of sanity pace")
                     print(f"    {n:5d} round {r + 1}: {side:<15} {run['seconds']:7.1f} s, {n / run['seconds']:5.1f} "
-                          f"samples/s, peak RSS {run['peak_rss'] / MIB:6.0f} MiB{extra} (load {c.load_average()})",
+                          f"samples/s, {run['samples']} samples, peak RSS {run['peak_rss'] / MIB:6.0f} MiB{extra} (load {c.load_average()})",
                           flush=True)
     finally:
         if server is not None:
             server.stop()
         cleanup()
 
-    summary = []
+    summary, versus_primus = [], []
     for n in args.sizes:
         best = {side: min(runs, key=lambda run: run["seconds"]) for side, runs in results[n].items()}
         print(f"\n  {n} images:")
@@ -343,6 +372,16 @@ def main(argv: list[str] | None = None) -> int:
             if "serial-tuned" in best and "server" in best:
                 print(f"    server / serial-tuned (same allocator): "
                       f"{best['serial-tuned']['seconds'] / best['server']['seconds']:.2f}x")
+        if "primus" in best:
+            for side in ("server", "embedded", "embedded-fresh"):
+                if side in best:
+                    ratio = best["primus"]["seconds"] / best[side]["seconds"]
+                    print(f"    {side} / primus: {ratio:.2f}x samples/s (target >= {TARGET}x: "
+                          f"{c.verdict(ratio, TARGET)}), peak RSS {best[side]['peak_rss'] / MIB:.0f} against "
+                          f"{best['primus']['peak_rss'] / MIB:.0f} MiB, samples {best[side]['samples']} against "
+                          f"{best['primus']['samples']}")
+                    if side == "server":
+                        versus_primus.append(f"{n}: {ratio:.2f}x")
         if "embedded" in best and "embedded-fresh" in best:
             extra = best["embedded-fresh"]["seconds"] - best["embedded"]["seconds"]
             print(f"    a fresh PREFECT_HOME costs {extra:+.1f} s over a used one "
@@ -361,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         verdict = f"; at {largest} (target >= {TARGET}x at 4096): {c.verdict(ratio, TARGET)}"
     print(f"\nSUMMARY cli: diffprep (server) / serial samples/s {', '.join(summary) or 'n/a'}{verdict}; "
           f"FLUX.1-dev disk/payload {flux['ratio']:.4f}x [children: MALLOC_* unset]")
+    if versus_primus:
+        print(f"SUMMARY cli: diffprep (server) / Primus samples/s {', '.join(versus_primus)} (target >= {TARGET}x)")
     return 0
 
 
