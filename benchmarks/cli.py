@@ -11,8 +11,10 @@ batch 8, shard size 64, t5_max_length 512, ``--no-finalize``:
 - ``embedded``: ``diffprep encode`` with no API URL: Prefect starts its
   temporary server inside the command, and that start is in the time;
 - ``embedded-fresh``: the same in a new, empty ``PREFECT_HOME`` every run (what
-  a CI job, a container or a first-time user has: the database is created and
-  migrated inside the command);
+  a CI job, a container or a first-time user has: the database is copied from
+  the migrated template in the user's cache, ``flows/prefect_home.py``);
+- ``embedded-fresh-unseeded``: ``embedded-fresh`` with ``DIFFPREP_PREFECT_TEMPLATE=0``
+  (Prefect creates and migrates the database inside the command);
 - ``server-untuned``: ``server`` with ``DIFFPREP_MALLOC_TUNING=0`` (glibc's defaults);
 - ``serial``: ``benchmarks/serial_reference.py`` (decode all, encode batch by
   batch, torch.save, tar) with glibc's defaults, as a hand-written script runs;
@@ -33,6 +35,12 @@ reversed every round); seconds from start to the first committed unit
 command's own log lines; the units' pace against the sanity batch's pace;
 peak RSS of each command (``wait4``); bytes on disk per sample against the
 tensor payload, here and computed at FLUX.1-dev shapes.
+
+``--phases`` first breaks the embedded server's fixed cost down, each phase
+in fresh processes (``benchmarks/prefect_phases.py``): imports, database
+creation and migrations, block registration, the template's copy, the
+server's start to ``/health`` in a fresh home (unseeded, seeded) and a used
+one, a trivial flow run on it, its stop.
 
 Target: diffprep (server) >= 1.5x serial at 4,096 images under default environment variables.
 
@@ -71,7 +79,8 @@ from diffprep import contract
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.5
 MIB = 1024 * 1024
-SIDES = ("server", "embedded", "embedded-fresh", "server-untuned", "serial", "serial-tuned", "primus")
+SIDES = ("server", "embedded", "embedded-fresh", "embedded-fresh-unseeded", "server-untuned", "serial",
+         "serial-tuned", "primus")
 SETTINGS = {"image_size": 256, "precision": "fp32", "batch_size": 8, "shard_size": 64, "t5_max_length": 512}
 
 # Log lines of `diffprep encode` that mark the start-up phases, in the order they happen.
@@ -258,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source-px", type=int, default=512)
     parser.add_argument("--primus-checkout", help="a Primus source tree, for the primus side")
     parser.add_argument("--primus-git", help="a bare git mirror of Primus (HEAD:primus exported), for the primus side")
+    parser.add_argument("--phases", action="store_true", help="first, the embedded server's fixed cost by phase")
     args = parser.parse_args(argv)
 
     cache = c.cache_dir(args.cache_dir)
@@ -276,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
           f"(diffprep sets PASSIVE for itself); load average {c.load_average()}")
     print(f"== tiny encoders, {args.source_px} px JPEG -> {SETTINGS}, --no-finalize; sizes {args.sizes}; "
           f"sides {args.sides}; {args.rounds} rounds")
+    if args.phases:
+        import prefect_phases
+
+        prefect_phases.report(child_env(), scratch)
     server = None
     results: dict[int, dict[str, list[dict]]] = {n: {side: [] for side in args.sides} for n in args.sizes}
     try:
@@ -295,10 +309,13 @@ def main(argv: list[str] | None = None) -> int:
                                               primus_side.flux_named(model, scratch), out, n, SETTINGS)
                 run = run_command(command, primus_side.env(child_env(), primus_tree), out)
             else:
-                home = {"embedded": embedded_home, "embedded-fresh": scratch / f"fresh-home-{n}-{tag}"}.get(
+                fresh = scratch / f"fresh-home-{side}-{n}-{tag}"
+                home = {"embedded": embedded_home, "embedded-fresh": fresh, "embedded-fresh-unseeded": fresh}.get(
                     side, scratch / "server-home")
                 home.mkdir(exist_ok=True)
                 env = child_env(PREFECT_HOME=str(home))
+                if side == "embedded-fresh-unseeded":
+                    env["DIFFPREP_PREFECT_TEMPLATE"] = "0"
                 if not side.startswith("embedded"):
                     env["PREFECT_API_URL"] = server.url
                 if side == "server-untuned":
@@ -382,10 +399,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"{best['primus']['samples']}")
                     if side == "server":
                         versus_primus.append(f"{n}: {ratio:.2f}x")
-        if "embedded" in best and "embedded-fresh" in best:
-            extra = best["embedded-fresh"]["seconds"] - best["embedded"]["seconds"]
-            print(f"    a fresh PREFECT_HOME costs {extra:+.1f} s over a used one "
-                  f"({best['embedded-fresh']['seconds'] / best['embedded']['seconds'] - 1:+.0%}; target <= +10%)")
+        for fresh in ("embedded-fresh", "embedded-fresh-unseeded"):
+            if "embedded" in best and fresh in best:
+                extra = best[fresh]["seconds"] - best["embedded"]["seconds"]
+                print(f"    a fresh PREFECT_HOME ({fresh}) costs {extra:+.1f} s over a used one "
+                      f"({best[fresh]['seconds'] / best['embedded']['seconds'] - 1:+.0%}; target <= +10%)")
     if "server" in results[args.sizes[0]] and len(args.sizes) > 1:
         rss = [f"{n}: {min(r['peak_rss'] for r in results[n]['server']) / MIB:.0f} MiB" for n in args.sizes]
         print(f"\n  peak RSS of diffprep (server side) by size: {', '.join(rss)}")

@@ -13,7 +13,8 @@ after the last log lines and events have reached it.
 So that it never outlives the command (a closed terminal, a SIGKILL), the
 child asks Linux to send it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``)
 before it runs uvicorn: ``python -m diffprep.flows.embedded_server PID ARGS``
-is ``python -m uvicorn ARGS`` with that set.
+is ``python -m uvicorn ARGS`` with that set, after seeding a fresh
+``PREFECT_HOME``'s database from a migrated template (``prefect_home.py``).
 
 ``start_detached_server`` registers it as Prefect's default instance
 (``SubprocessASGIServer()`` is a per-port singleton), so every Prefect client
@@ -88,5 +89,8 @@ def _die_with_parent(parent: int) -> None:
 
 if __name__ == "__main__":
     _die_with_parent(int(sys.argv[1]))
+    from diffprep.flows.prefect_home import seed_database
+
+    seed_database()  # a fresh PREFECT_HOME's database copied from a migrated template (prefect_home.py)
     sys.argv = ["uvicorn", *sys.argv[2:]]
     runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
