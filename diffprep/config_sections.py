@@ -419,8 +419,8 @@ class FinalizeConfig(_Section):
     enabled: bool = Field(True, description="Finalize (Energon metadata + validation) after encoding.")
     full_cov: bool = Field(
         False, description="Latent statistics with the full channel covariance (cov, ZCA whiten/unwhiten, the "
-        "condition number) in .diffprep/latent_stats.pt: each unit accumulates its float64 moments while it "
-        "encodes, merged at finalize (no second pass). Unset: per-channel mean/std from validation's pass.",
+        "condition number) in .diffprep/latent_stats.pt: each unit also accumulates its float64 co-moments while "
+        "it encodes, merged at finalize (no second pass). Unset: per-channel mean/std, merged the same way.",
     )
     train_split: float = Field(
         1.0, gt=0.0, le=1.0, description="Share of shards for train; the rest is split evenly into val and test."

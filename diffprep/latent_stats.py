@@ -21,13 +21,15 @@ cast to the training dtype where it is applied (``(z - mean) / std``, or
 local or in a bucket, under any layout; or the LTX trainer's record folders)
 without re-encoding: ``diffprep latent-stats OUT``.
 
-With ``--full-cov`` every unit accumulates these moments while it encodes
-(``UnitStats``: per latent field, float64, with the co-moments) and saves them
+Every unit accumulates these moments while it encodes (``UnitStats``: per
+latent field, float64; the co-moments only with ``--full-cov``) and saves them
 beside its manifest, before the commit (``.diffprep/unit_stats/NNNNNN.pt``);
 ``merged_unit_stats`` folds the committed units' into the dataset's at
-finalize, so no second pass over the data is needed. A committed unit without
-its file (encoded by an earlier run without ``--full-cov``) is read from its
-shard instead, so a resumed or appended run still merges every sample.
+finalize, in unit order, so no second pass over the data is needed and the
+file's bytes do not depend on how the units were shared among workers, ranks or
+runs. A committed unit without its file (encoded by an earlier diffprep), or
+without the co-moments when another unit has them, is read from its shard
+instead, so a resumed or appended run still merges every sample.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ class LatentStats:
         self.comoment: torch.Tensor | None = None  # sum of (x - mean)(x - mean)^T, with full_cov
 
     def add(self, latents: torch.Tensor) -> None:
-        values = latents.detach().to(torch.float64).reshape(latents.shape[0], -1)
+        # A fresh contiguous copy first: a sample's view into its batch (other strides, another alignment) would
+        # sum in another order than the stored tensor, and the moments must be the stored latents' to the bit.
+        values = latents.detach().to("cpu").contiguous().clone().to(torch.float64).reshape(latents.shape[0], -1)
         n = values.shape[1]
         mean = values.mean(dim=1)
         centered = values - mean[:, None]
@@ -104,10 +108,12 @@ class LatentStats:
         return state
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> LatentStats:
-        stats = cls(full_cov="comoment" in state)
+    def from_state(cls, state: dict[str, Any], full_cov: bool | None = None) -> LatentStats:
+        """The saved moments; ``full_cov=False`` leaves out the co-moments they may hold."""
+        stats = cls(full_cov="comoment" in state if full_cov is None else full_cov)
         stats.count, stats.samples = int(state["count"]), int(state["samples"])
-        stats.mean, stats.m2, stats.comoment = state["mean"], state["m2"], state.get("comoment")
+        stats.mean, stats.m2 = state["mean"], state["m2"]
+        stats.comoment = state.get("comoment") if stats.full_cov else None
         return stats
 
     def result(self) -> dict[str, torch.Tensor]:
@@ -133,9 +139,11 @@ class LatentStats:
 
 
 class UnitStats:
-    """One unit's moments per latent field, accumulated as its samples are written (``--full-cov``)."""
+    """One unit's moments per latent field, accumulated as its samples are written (the co-moments with
+    ``full_cov``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, full_cov: bool = False) -> None:
+        self.full_cov = full_cov
         self.fields: dict[str, LatentStats] = {}
 
     def add(self, fields: Any) -> None:
@@ -143,7 +151,7 @@ class UnitStats:
         for name in LATENT_FIELDS:
             value = fields.get(name)
             if isinstance(value, torch.Tensor):
-                self.fields.setdefault(name, LatentStats(full_cov=True)).add(value.detach().cpu())
+                self.fields.setdefault(name, LatentStats(self.full_cov)).add(value.detach().cpu())
 
     def to_bytes(self, fingerprint: str) -> bytes:
         from diffprep.shards import torch_bytes
@@ -158,9 +166,9 @@ def unit_stats_path(unit: int) -> str:
 
 
 def merged_unit_stats(output: Any, plan: Any) -> dict[str, Any] | None:
-    """The dataset's statistics (``dataset_stats``'s dict, with the full covariance) from its committed units'
-    saved moments; a unit without them is read from its shard. None when no unit saved any (a run without
-    ``--full-cov``): validation's pass gives the per-channel statistics then."""
+    """The dataset's statistics (``dataset_stats``'s dict) from its committed units' saved moments, merged in unit
+    order; with the full covariance when any unit saved co-moments (``--full-cov``). A unit without them is read
+    from its shard. None when no unit saved any (a dataset of an earlier diffprep, or without latents)."""
     manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
     saved = {}
     for manifest in manifests:
@@ -170,22 +178,69 @@ def merged_unit_stats(output: Any, plan: Any) -> dict[str, Any] | None:
             saved[manifest.unit] = state["fields"]
     if not saved:
         return None
+    full_cov = any("comoment" in state for fields in saved.values() for state in fields.values())
+    parts = []
+    for manifest in manifests:
+        fields = saved.get(manifest.unit)
+        if fields is not None and (not full_cov or all("comoment" in state for state in fields.values())):
+            parts.append((manifest, {name: LatentStats.from_state(state, full_cov) for name, state in fields.items()}))
+        else:  # saved by an earlier diffprep, or without the co-moments: its shard read now
+            parts.append((manifest, unit_moments(output, plan, manifest, full_cov)))
+    return merge_units(plan, parts)
+
+
+def unit_moments(output: Any, plan: Any, manifest: Any, full_cov: bool) -> dict[str, LatentStats]:
+    """One committed unit's moments per latent field, from its stored latents in key order: what the unit saved
+    while it encoded, to the bit."""
+    fields: dict[str, LatentStats] = {}
+    for _key, _bucket, tensors in stored_latents(output, plan, [manifest]):
+        for name, tensor in tensors.items():
+            fields.setdefault(name, LatentStats(full_cov)).add(tensor)
+    return fields
+
+
+def merge_units(plan: Any, parts: list[tuple[Any, dict[str, LatentStats]]]) -> dict[str, Any] | None:
+    """Units' moments (manifest, field -> moments) merged in the given order (unit order: the same bytes however
+    the units were shared out), per bucket too where the dataset has several."""
     totals: dict[str, LatentStats] = {}
     per_bucket: dict[str, dict[str, LatentStats]] = {}
-    for manifest in manifests:
+    for manifest, fields in parts:
         bucket = plan.unit(manifest.unit).bucket
-        if manifest.unit in saved:
-            fields = {name: LatentStats.from_state(state) for name, state in saved[manifest.unit].items()}
-        else:  # encoded without --full-cov (an earlier run): its shard read now
-            fields = {}
-            for _key, _bucket, tensors in stored_latents(output, plan, [manifest]):
-                for name, tensor in tensors.items():
-                    fields.setdefault(name, LatentStats(full_cov=True)).add(tensor)
-        for name, stats in fields.items():
-            totals.setdefault(name, LatentStats(full_cov=True)).merge(stats)
+        for name, stats in sorted(fields.items()):
+            totals.setdefault(name, LatentStats(stats.full_cov)).merge(stats)
             if bucket is not None:
-                per_bucket.setdefault(bucket, {}).setdefault(name, LatentStats(full_cov=True)).merge(stats)
+                per_bucket.setdefault(bucket, {}).setdefault(name, LatentStats(stats.full_cov)).merge(stats)
     return _arrange(totals, per_bucket if len(per_bucket) > 1 else {}) if totals else None
+
+
+def finalized_stats(output: Any, plan: Any, validated: bytes | None = None
+                    ) -> tuple[list[Any], dict[str, Any], dict[str, bytes]]:
+    """What finalize's validation adds for the statistics: (checks, summary, state files). The units' merged
+    moments as ``latent_stats.pt``; when ``validated`` (validation's own statistics over every stored latent) is
+    given, their mean and std must be its (a mismatch fails, and nothing is written). With the full covariance a
+    check and the summary line ``latent_stats_full``; per channel nothing more (the validation report stays as
+    without the units' moments). Nothing when no unit saved moments."""
+    from diffprep.checks import Check
+    from diffprep.shards import torch_bytes
+
+    merged = merged_unit_stats(output, plan)
+    if not merged:
+        return [], {}, {}
+    checks = []
+    line = summary(merged)
+    if validated is not None and "mean" in merged:
+        seen = torch.load(io.BytesIO(validated), map_location="cpu", weights_only=True)
+        if not all(torch.allclose(merged[k], seen[k], rtol=1e-6, atol=1e-9) for k in ("mean", "std")):
+            return [Check("latent stats from the units", False, "the units' merged mean/std differ from those of "
+                          "the stored latents: a unit's moments do not match its shard; run `diffprep latent-stats "
+                          "OUT` to recompute them")], {}, {}
+    if "cov" in merged:
+        checks.append(Check("latent stats from the units", True, (
+            f"the units' merged moments ({line['samples']} samples, condition number {line['condition']:.3g})"
+            + (" give the mean and std of every stored latent" if validated is not None else "")
+            + f"; saved with the full covariance to {contract.STATE_DIR}/{contract.LATENT_STATS}")))
+        return checks, {"latent_stats_full": line}, {contract.LATENT_STATS: torch_bytes(merged)}
+    return checks, {}, {contract.LATENT_STATS: torch_bytes(merged)}
 
 
 def stored_latents(output: Any, plan: Any, manifests: list[Any] | None = None
@@ -268,5 +323,5 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
     return line
 
 
-__all__ = ["LatentStats", "UnitStats", "dataset_stats", "merged_unit_stats", "stored_latents", "summary",
-           "unit_stats_path"]
+__all__ = ["LatentStats", "UnitStats", "dataset_stats", "finalized_stats", "merge_units", "merged_unit_stats",
+           "stored_latents", "summary", "unit_moments", "unit_stats_path"]

@@ -181,7 +181,7 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     def attempt(batch_size: int) -> UnitResult:
         result = encode_unit(output, plan, unit, fields, source, spec, batch_size=batch_size,
                              decode_workers=settings.image.decode_workers, writer=writer,
-                             stats=settings.finalize.full_cov,
+                             full_cov=settings.finalize.full_cov,
                              progress=UnitProgress())  # a line every few seconds inside the unit
         _WORKING_BATCH[loaded] = batch_size
         return result

@@ -69,7 +69,7 @@ def encode_unit(
     decode_workers: int = 2,
     progress: Progress | None = None,
     writer: Callable[[], Any] | None = None,
-    stats: bool = False,
+    full_cov: bool = False,
 ) -> UnitResult:
     """Write one unit into its shard and commit it. Idempotent: a committed unit is left as it is.
 
@@ -77,8 +77,9 @@ def encode_unit(
     sample writer (``diffprep.encodings``). A bucket output gets the shard's
     bytes as they are written (its sink) and commits the unit there.
     ``writer`` makes the unit's writer instead of its shard (the LTX layout's
-    files); one with a ``refuse(source_id)`` may turn a sample into a reject. ``stats`` (``--full-cov``): the
-    unit's latent moments accumulated as its samples are written and saved before the manifest commits it.
+    files); one with a ``refuse(source_id)`` may turn a sample into a reject. The unit's latent moments
+    (``diffprep.latent_stats``; the co-moments with ``full_cov``) are accumulated as its samples are written and
+    saved before the manifest commits it.
     """
     output = as_output(output)
     start = time.perf_counter()
@@ -90,7 +91,7 @@ def encode_unit(
     notes: Counter[str] = Counter()
     keys: list[str] = []
     source_ids: list[str] = []
-    moments = UnitStats() if stats else None
+    moments = UnitStats(full_cov)
     sink = output.shard_sink(unit_index)
     batches = prefetch(iter_batches(source, unit, spec, batch_size, rejects, workers=decode_workers))
     # closing(): an encoder error must also stop the reader thread and its decode pool at once.
@@ -103,7 +104,9 @@ def encode_unit(
         if exc.errno == errno.ENOSPC:
             raise DiskSpaceError(disk_full_message(output.local, unit_index)) from exc
         raise
-    if moments is not None:  # before the commit point: a committed unit always has its moments
+    # Before the commit point: a committed unit always has its moments. A unit without latents (a raw encoding)
+    # saves none, unless an earlier try of it did: that file is replaced, never left to be merged.
+    if moments.fields or output.state.exists(unit_stats_path(unit_index)):
         output.state.write_bytes(unit_stats_path(unit_index), moments.to_bytes(plan.fingerprint))
     failpoint("before-manifest")
     # Rejects in source order, whatever phase found them.
@@ -138,7 +141,7 @@ def encode_unit(
 
 def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: SampleFields, layout: Layout,
                 unit: UnitPlan, rejects: list[Reject], notes: Counter, keys: list[str], source_ids: list[str],
-                progress: Progress | None, moments: UnitStats | None = None):
+                progress: Progress | None, moments: UnitStats):
     """Turn the unit's batches into samples in ``writer`` (under the plan's member names) and commit it; returns
     the shard's info."""
     refuse = getattr(writer, "refuse", None)
@@ -154,8 +157,7 @@ def _write_unit(writer: ShardWriter, batches: Iterator[Batch], sample_fields: Sa
             if UPSCALED in batch.metas[i].get("notes", ()):
                 notes["image_upscaled"] += 1
             writer.write(batch.keys[i], layout.write(fields))
-            if moments is not None:
-                moments.add(fields)
+            moments.add(fields)
             failpoint("shard-write")
             keys.append(batch.keys[i])
             source_ids.append(batch.source_ids[i])

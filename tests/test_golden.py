@@ -13,22 +13,31 @@ after replacing them with placeholders, ``index.sqlite`` by its SQL dump.
 plan.json's record of the machine (its CPU kernels and thread count) is a
 placeholder too: the shards compared per kernel family are what depends on it.
 Files that record the run itself (timings, free disk space) are left out and
-listed in ``VOLATILE``. To record new values after a deliberate format
-change: ``RECORD_GOLDEN_OUTPUTS=1 pytest tests/test_golden.py``.
+listed in ``VOLATILE``. The files computed from the stored latents (each
+unit's moments and their merge, ``latent_stats.pt``) are not recorded: their
+last bits follow the shards' on each CPU kind, so they are checked against
+the shards instead (``check_derived``: recomputed from the stored latents, to
+the byte, and equal to the direct statistics), for every CPU kind. To record
+new values after a deliberate format change: ``RECORD_GOLDEN_OUTPUTS=1 pytest
+tests/test_golden.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import sqlite3
+import tarfile
 import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
+from diffprep import contract
 from diffprep.demo import write_demo_dataset
 from flow_runs import parameters
 from diffprep.flows.encode import encode_dataset
@@ -38,6 +47,13 @@ BUCKET = "diffprep-golden"  # created by the admin fixture (conftest.py)
 # Record the run, not the data: seconds, free bytes, the lock of the run in progress.
 VOLATILE = {".diffprep/sanity/report.json", ".diffprep/lock.json"}
 TEXT_SUFFIXES = (".json", ".yaml", ".txt")
+# Computed from the stored latents: checked by check_derived, not by a recorded digest.
+DERIVED_STATS = f"{contract.STATE_DIR}/{contract.LATENT_STATS}"
+DERIVED_UNITS = f"{contract.STATE_DIR}/{contract.UNIT_STATS_DIR}/"
+
+
+def derived(name: str) -> bool:
+    return name == DERIVED_STATS or name.startswith(DERIVED_UNITS)
 
 
 def normalized_digests(files: dict[str, bytes], replace: dict[str, str]) -> dict[str, str]:
@@ -47,7 +63,7 @@ def normalized_digests(files: dict[str, bytes], replace: dict[str, str]) -> dict
         replace[files[".nv-meta/index.uuid"].decode().strip()] = "<index-uuid>"
     digests = {}
     for name, data in sorted(files.items()):
-        if name in VOLATILE:
+        if name in VOLATILE or derived(name):
             continue
         if name.endswith(".sqlite"):
             data = sqlite_dump(data)
@@ -111,6 +127,46 @@ def check(scenario: str, digests: dict[str, str]) -> None:
     assert not changed, f"{scenario}: files whose bytes changed against the {name} record: {changed}"
 
 
+def check_derived(files: dict[str, bytes]) -> None:
+    """Each unit's saved moments are those of its shard's latents, recomputed in key order (to the byte, with the
+    run's fingerprint), and latent_stats.pt is their merge in unit order (to the byte), equal to the statistics
+    computed at once from every stored latent (1e-12)."""
+    from diffprep.latent_stats import UnitStats, merge_units
+    from diffprep.layouts import Layout
+    from diffprep.plan import Plan
+    from diffprep.shards import UnitManifest, load_tensor, torch_bytes
+
+    plan = Plan.from_json(json.loads(files[f"{contract.STATE_DIR}/{contract.PLAN_JSON}"]))
+    layout = Layout.of_plan(plan.settings)
+    units = sorted(name for name in files if name.startswith(f"{contract.STATE_DIR}/{contract.UNITS_DIR}/"))
+    assert units, "no unit manifests"
+    parts, every = [], []
+    for name in units:
+        manifest = UnitManifest.from_json(json.loads(files[name]))
+        samples: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(fileobj=io.BytesIO(files[manifest.shard])) as archive:
+            for member in archive.getmembers():
+                key, field = member.name.split(".", 1)
+                samples.setdefault(key, {})[field] = archive.extractfile(member).read()
+        assert sorted(samples) == sorted(manifest.keys), manifest.shard
+        moments = UnitStats()
+        for key in manifest.keys:
+            latents = load_tensor(layout.read(samples[key], key)[contract.LATENTS])
+            moments.add({contract.LATENTS: latents})
+            every.append(latents)
+        saved = f"{DERIVED_UNITS}{manifest.unit:06d}.pt"
+        assert files.get(saved) == moments.to_bytes(plan.fingerprint), f"{saved} is not its shard's moments"
+        parts.append((manifest, moments.fields))
+    assert sorted(name for name in files if name.startswith(DERIVED_UNITS)) == [
+        f"{DERIVED_UNITS}{int(name.rsplit('/', 1)[1].removesuffix('.json')):06d}.pt" for name in units]
+    assert files[DERIVED_STATS] == torch_bytes(merge_units(plan, parts)), "latent_stats.pt is not the units' merge"
+    stats = torch.load(io.BytesIO(files[DERIVED_STATS]), weights_only=True)
+    values = torch.cat([x.double().reshape(x.shape[0], -1) for x in every], dim=1)
+    assert torch.allclose(stats["mean"], values.mean(dim=1), rtol=0, atol=1e-12)
+    assert torch.allclose(stats["std"], values.std(dim=1, correction=0), rtol=0, atol=1e-12)
+    assert int(stats["count"]) == values.shape[1] and int(stats["samples"]) == len(every)
+
+
 @pytest.mark.slow
 def test_demo_dataset_to_a_folder_is_byte_identical(prefect_server, tiny_model, tmp_path) -> None:
     data = write_demo_dataset(tmp_path / "demo", samples=24)
@@ -122,6 +178,7 @@ def test_demo_dataset_to_a_folder_is_byte_identical(prefect_server, tiny_model, 
     replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", result["fingerprint"]: "<fingerprint>",
                **machine(files[".diffprep/plan.json"])}
     check("demo-folder", normalized_digests(files, replace))
+    check_derived(files)
 
 
 @pytest.mark.slow
@@ -139,3 +196,4 @@ def test_demo_dataset_to_a_bucket_is_byte_identical(prefect_server, tiny_model, 
     replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", url: "<url>", proxy.url: "<endpoint>",
                result["fingerprint"]: "<fingerprint>", **machine(files[".diffprep/plan.json"])}
     check("demo-bucket", normalized_digests(files, replace))
+    check_derived(files)

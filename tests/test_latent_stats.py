@@ -74,6 +74,11 @@ def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, de
     settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 3}, finalize={"train_split": 1.0})
     assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 12
     saved = torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)
+    # By default too, each unit saved its per-channel moments (no co-moments) and finalize merged them.
+    units = sorted((out / contract.STATE_DIR / contract.UNIT_STATS_DIR).iterdir())
+    assert [p.name for p in units] == [f"{u:06d}.pt" for u in range(4)]
+    assert all(sorted(torch.load(p, weights_only=True)["fields"][contract.LATENTS]) == ["count", "m2", "mean",
+                                                                                        "samples"] for p in units)
 
     latents = [load_tensor(fields[contract.LATENTS]) for fields in shard_samples(out).values()]
     assert len(latents) == 12
@@ -84,9 +89,11 @@ def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, de
     computed = torch.load(path, weights_only=True)
     assert torch.allclose(computed["mean"], mean, atol=1e-12) and torch.allclose(computed["std"], std, atol=1e-12)
     assert torch.allclose(computed["cov"], cov, atol=1e-12)
-    # The same numbers as validation's (which merged the samples in Energon's loading order), to float32 precision.
+    # The units' merge: the same numbers as every stored latent's, at once or one by one (float64 rounding).
+    assert sorted(saved) == ["count", "mean", "samples", "std"]
+    assert torch.allclose(saved["mean"], mean, rtol=0, atol=1e-12) and torch.allclose(saved["std"], std, atol=1e-12)
     for name in ("mean", "std", "count", "samples"):
-        assert torch.allclose(computed[name].float(), saved[name].float(), rtol=1e-6), name
+        assert torch.allclose(computed[name], saved[name], rtol=0, atol=1e-12), name
     # Without --output, into the dataset's state folder (per channel only).
     assert main(["latent-stats", str(out)]) == 0
     assert sorted(torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)) == sorted(saved)
@@ -94,9 +101,9 @@ def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, de
 
 def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path, demo_data, tiny_model,
                                                                       settings_for) -> None:
-    """--full-cov: each unit saves its float64 moments before its manifest; finalize merges them (no second pass)
-    into the stats file, with the covariance; a resumed unit saves them again, and a unit that has none (an earlier
-    run without --full-cov) is read from its shard. Equal to `diffprep latent-stats --full-cov` on the dataset."""
+    """--full-cov: each unit saves its float64 moments with the co-moments before its manifest; finalize merges
+    them (no second pass) into the stats file, with the covariance; a resumed unit saves them again, and a unit
+    that has none, or none with co-moments, is read from its shard. Equal to `diffprep latent-stats --full-cov`."""
     from diffprep.cli import main
     from diffprep.latent_stats import unit_stats_path
     from diffprep.output import Output
@@ -115,10 +122,15 @@ def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path,
     assert {"cov", "whiten", "unwhiten", "condition"} <= set(first)
     assert result.validation["summary"]["latent_stats_full"]["samples"] == 12
 
-    # Unit 1 lost with its moments (redone on resume: saved again); unit 2's moments gone (read from its shard).
+    # Unit 1 lost with its moments (redone on resume: saved again); unit 2's moments gone (an earlier diffprep) and
+    # unit 3's per channel only (encoded without --full-cov): both read from their shards.
     (out / contract.unit_manifest_path(1)).unlink()
     (state / unit_stats_path(1)).unlink()
     (state / unit_stats_path(2)).unlink()
+    unit3 = torch.load(state / unit_stats_path(3), weights_only=True)
+    for moments in unit3["fields"].values():
+        del moments["comoment"]
+    torch.save(unit3, state / unit_stats_path(3))
     settings.output.on_existing = "resume"
     assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).validation["ok"]
     assert (state / unit_stats_path(1)).is_file() and not (state / unit_stats_path(2)).exists()

@@ -23,7 +23,7 @@ from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import ConfigError
 from diffprep.families import family_of_model
 from diffprep.pipeline import run
-from diffprep.shards import load_tensor
+from diffprep.shards import load_tensor, read_manifests
 from flow_runs import shard_samples
 
 BUCKET = "64x64x9"
@@ -279,6 +279,13 @@ def test_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, tiny_
                             for s in samples.values()], dim=1)
         assert torch.allclose(got["mean"], values.mean(dim=1), atol=1e-9) and int(got["samples"]) == 3
         assert torch.allclose(got["cov"], torch.cov(values, correction=0), atol=1e-9)
+    # The encode left the same per-channel numbers from its units' moments, in the layout's own state folder.
+    saved = torch.load(root / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)
+    assert "cov" not in saved and sorted(p.name for p in (root / contract.STATE_DIR / contract.UNIT_STATS_DIR)
+                                         .iterdir()) == [f"{u:06d}.pt" for u in sorted(read_manifests(root))]
+    for got, want in ((saved, stats), (saved["audio_latents"], stats["audio_latents"])):
+        for name in ("mean", "std", "count", "samples"):
+            assert torch.allclose(got[name], want[name], rtol=0, atol=1e-12), name
 
 
 def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):

@@ -156,7 +156,24 @@ def _args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _hashes(out: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.tar"))}
+    """The shards' hashes, and each unit's saved latent moments (as bytes, without the run's fingerprint)."""
+    import torch
+
+    from diffprep.shards import torch_bytes
+
+    moments = {p.name: hashlib.sha256(torch_bytes(torch.load(p, weights_only=True)["fields"])).hexdigest()
+               for p in sorted((out / contract.STATE_DIR / contract.UNIT_STATS_DIR).glob("*.pt"))}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.tar"))} | moments
+
+
+def _merged_stats(out: Path) -> bytes:
+    """The latent statistics merged from ``out``'s units: what a finalized run saves, to the byte."""
+    from diffprep.latent_stats import merged_unit_stats
+    from diffprep.output import Output
+    from diffprep.shards import torch_bytes
+
+    output = Output(out)
+    return torch_bytes(merged_unit_stats(output, output.state.plan()))
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -192,8 +209,15 @@ def reference(prefect_server, data, tiny_model, tmp_path_factory) -> dict[str, s
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     hashes = _hashes(out)
-    assert len(hashes) == 5
-    return hashes
+    assert len(hashes) == 10  # 5 shards, 5 units' moments
+    return hashes | {contract.LATENT_STATS: hashlib.sha256(_merged_stats(out)).hexdigest()}
+
+
+def _stats_hash(out: Path) -> dict[str, str]:
+    """The finalized run's latent statistics (the units' merge, in unit order whoever wrote them)."""
+    saved = (out / contract.STATE_DIR / contract.LATENT_STATS).read_bytes()
+    assert saved == _merged_stats(out)
+    return {contract.LATENT_STATS: hashlib.sha256(saved).hexdigest()}
 
 
 @pytest.mark.slow
@@ -202,7 +226,7 @@ def test_torchrun_two_ranks_encode_finalize_and_validate_in_one_command(prefect_
     out = tmp_path / "out"
     done = _torchrun(2, ["-m", "diffprep", *_args(data, tiny_model, out)], _env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert _hashes(out) == reference
+    assert _hashes(out) | _stats_hash(out) == reference  # the shards, the units' moments and their merge
     assert read_plan(out).cpu["threads"] == default_threads()  # not torchrun's 1
     assert "rank 1: encoded units 000001, 000003" in done.stdout
     assert "validation: passed" in done.stdout and "samples written: 20" in done.stdout
@@ -229,7 +253,7 @@ def test_a_killed_rank_stops_the_run_and_any_number_of_ranks_finishes_it(prefect
 
     again = _torchrun(3, [DIFFPREP, *_args(data, tiny_model, out)], _env())
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert _hashes(out) == reference
+    assert _hashes(out) | _stats_hash(out) == reference
     assert "validation: passed" in again.stdout
     assert not list((out / contract.STATE_DIR / contract.TMP_DIR).iterdir())
 
@@ -264,5 +288,5 @@ def test_srun_step_a_rank_that_raises_stops_both_then_the_same_step_finishes(pre
 
     ranks = _srun(data, tiny_model, out)
     assert [status for status, _ in ranks] == [0, 0], ranks
-    assert _hashes(out) == reference
+    assert _hashes(out) | _stats_hash(out) == reference
     assert "validation: passed" in ranks[0][1] and "rank 1: encoded units 000003 " in ranks[1][1]

@@ -4,9 +4,9 @@ The checks (``checks.py``) are functions of an immutable description of the
 dataset (``dataset.py``); each returns its findings as ``Check``s, nothing is
 only logged. This module runs them in order and is the only one that writes:
 ``.diffprep/validation.json``, and when every check passed the per-channel
-latent statistics (``.diffprep/latent_stats.pt``) the encoding's inspector
-gathered; where the units saved their moments (``--full-cov``), their merge
-instead (with the full covariance), checked against the inspector's pass.
+latent statistics (``.diffprep/latent_stats.pt``): the units' saved moments
+merged (with the full covariance after ``--full-cov``), checked against the
+inspector's own pass; the inspector's where no unit saved any.
 
 The summary also holds the reject counts of ``.diffprep/audit.json`` and
 previews: a few samples decoded (latents through the dataset's VAE, raw
@@ -87,7 +87,7 @@ def validate_dataset(
     if Layout.of_plan(recorded.get("settings")).name in (contract.LAYOUT_LTX, contract.LAYOUT_EDM_ZIP,
                                                           contract.LAYOUT_GAE):
         plan = output.state.plan()
-        return get_encoding(plan.encoding).own_folders(plan).validate(output, plan)
+        return _own_folders_stats(output, plan, get_encoding(plan.encoding).own_folders(plan).validate(output, plan))
     summary: dict[str, Any] = {"max_load": max_load} if max_load is not None else {}
     dataset, metadata = read_dataset(output, encoding, expected)
     summary["encoding"] = dataset.encoding
@@ -132,33 +132,27 @@ def validate_dataset(
 
 def _unit_stats(output: Output, files: dict[str, bytes], max_load: int | None
                 ) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
-    """The units' merged latent moments (``--full-cov``) as the statistics file, and a check that their mean and
-    std are those of validation's own pass over every stored latent (nothing when no unit saved moments)."""
-    import io
-
-    import torch
-
-    from diffprep.latent_stats import merged_unit_stats, summary as stats_summary
-    from diffprep.shards import torch_bytes
+    """The units' merged latent moments as the statistics file, checked against validation's own pass when it
+    loaded every sample (``diffprep.latent_stats.finalized_stats``)."""
+    from diffprep.latent_stats import finalized_stats
 
     plan = output.state.plan()
-    merged = merged_unit_stats(output, plan) if plan is not None else None
-    if not merged or "mean" not in merged:
+    if plan is None:
         return [], {}, {}
-    line = stats_summary(merged)
-    checks = []
-    if contract.LATENT_STATS in files and max_load is None:
-        seen = torch.load(io.BytesIO(files[contract.LATENT_STATS]), map_location="cpu", weights_only=True)
-        same = all(torch.allclose(merged[k], seen[k], rtol=1e-6, atol=1e-9) for k in ("mean", "std"))
-        detail = (f"the units' merged moments ({line['samples']} samples, condition number "
-                  f"{line.get('condition', float('nan')):.3g}) give the mean and std of every stored latent; saved "
-                  f"with the full covariance to {contract.STATE_DIR}/{contract.LATENT_STATS}" if same else
-                  f"the units' merged mean/std differ from those of the stored latents: a unit's moments do not "
-                  f"match its shard; run `diffprep latent-stats OUT --full-cov` to recompute them")
-        checks.append(Check("latent stats from the units", same, detail))
-        if not same:
-            return checks, {}, {}
-    return checks, {"latent_stats_full": line}, {contract.LATENT_STATS: torch_bytes(merged)}
+    return finalized_stats(output, plan, files.get(contract.LATENT_STATS) if max_load is None else None)
+
+
+def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> ValidationReport:
+    """A trainer's own folders (the LTX layout's records) that passed: the units' latent moments merged into
+    ``.diffprep/latent_stats.pt`` as for shards, the report rewritten with what that adds."""
+    from diffprep.latent_stats import finalized_stats
+
+    if not report.ok:
+        return report
+    checks, summary, files = finalized_stats(output, plan)
+    for name, data in files.items():
+        output.state.write_bytes(name, data)
+    return _report(output, report.checks + checks, report.summary | summary) if checks or summary else report
 
 
 def _encoding(name: str | None):
