@@ -308,6 +308,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prefect_template(args: argparse.Namespace) -> int:
+    """Build the migrated database a fresh ``PREFECT_HOME`` is seeded from (flows/prefect_home.py), once, ahead:
+    in a container image, so that its first run does not pay the migrations."""
+    from diffprep.flows.prefect_home import build_template, head_revision, revision_of, template_path
+
+    path, head = template_path(), head_revision()
+    if revision_of(path) == head and not args.rebuild:
+        print(f"{path}: already migrated to Prefect's head ({head})")
+        return 0
+    build_template(path)
+    print(f"{path}: built, at Prefect's head ({head}); a fresh PREFECT_HOME's embedded server starts from a copy")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffprep", description=(
         "Pre-encode diffusion training data (Flux images, Wan and LTX-2 clips) into WebDataset shards "
@@ -370,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--block", required=True,
                         help="the saved notification block: NAME or TYPE/NAME (e.g. slack-webhook/team)")
     create.set_defaults(func=cmd_automation_create)
+
+    template = sub.add_parser("prefect-template", help="build, once, the migrated Prefect database that a fresh "
+                              "PREFECT_HOME is seeded from (e.g. in a container image: RUN diffprep prefect-template)")
+    template.add_argument("--rebuild", action="store_true", help="build it again even when it is at Prefect's head")
+    template.set_defaults(func=cmd_prefect_template)
 
     serve = sub.add_parser("serve", help="serve the encode and validate deployments from this process "
                            "(no work pool or worker; needs PREFECT_API_URL)")

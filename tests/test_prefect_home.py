@@ -100,3 +100,16 @@ def test_a_fresh_home_runs_on_a_seeded_database_and_a_stale_template_is_rebuilt(
         conn.execute("UPDATE alembic_version SET version_num = 'aaaaaaaaaaaa'")
     database = run(tmp_path / "home-2")
     assert MARK not in _tables(database) and prefect_home.revision_of(cache / marked) == prefect_home.head_revision()
+
+
+def test_the_command_builds_the_template_only_when_it_is_not_at_head(template, tmp_path, monkeypatch, capsys):
+    from diffprep.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built = prefect_home.template_path()
+    built.parent.mkdir(parents=True)
+    shutil.copy(template, built)
+    with sqlite3.connect(built) as conn:  # a mark of this copy: a rebuild would not have it
+        conn.execute(f"CREATE TABLE {MARK} (x INTEGER)")
+    assert main(["prefect-template"]) == 0
+    assert "already migrated" in capsys.readouterr().out and MARK in _tables(built)
