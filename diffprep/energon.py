@@ -239,8 +239,8 @@ def split_question(output: Output | str | os.PathLike, *, train_split: float, se
 def committed_shards(output: Output | str | os.PathLike) -> tuple[dict[str, UnitManifest], list[str], list[str]]:
     """(shard -> manifest for committed shards with samples, empty shards, foreign tar files).
 
-    Empty shards are those of outputs written before a unit whose every sample was rejected stopped writing a tar
-    (its manifest now names no shard); they stay, and ``shard_counts.json`` names them with 0.
+    Empty shards come from outputs of an earlier diffprep, which wrote a tar for a unit whose every sample was
+    rejected (such a unit's manifest now names no shard); they stay, and ``shard_counts.json`` names them with 0.
 
     A committed shard whose tar is missing or has another size than its
     manifest records is an error: the data changed after the commit.
