@@ -135,7 +135,9 @@ def test_rejected_samples_abort_keeps_units_then_accept_finalizes(prefect_server
     encoded = tree(out)
     manifests = read_manifests(out)
     assert [m.count for m in manifests.values()] == [4, 4, 4, 0]  # broken.jpg sorts last: unit 3 is all rejects
-    assert all((out / m.shard).is_file() for m in manifests.values())
+    assert [m.has_shard for m in manifests.values()] == [True, True, True, False]  # no empty tar for unit 3
+    assert all((out / m.shard).is_file() for m in manifests.values() if m.has_shard)
+    assert not (out / contract.shard_name(3)).exists()
 
     # The same run again resumes: nothing to encode, the same question, and accepting finalizes.
     run = BackgroundRun(parameters(demo_data, tiny_model, out))

@@ -38,8 +38,11 @@ def _interrupt_once_units_run(args: list[str], env: dict[str, str], out: Path, l
     """Start ``diffprep`` in a process group of its own, send SIGINT to the group once a unit is committed; returns
     the exit code and the seconds from the signal to the exit."""
     with log.open("w") as sink:
+        # SIGINT at its default, as in a terminal: a shell starting pytest in the background ignores it, and a
+        # child inherits that (Python then installs no KeyboardInterrupt for it).
         run = subprocess.Popen([sys.executable, "-m", "diffprep", *args], env=env, stdout=sink,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         units = out / contract.STATE_DIR / contract.UNITS_DIR
         deadline = time.monotonic() + 300
         while not (units.is_dir() and any(units.glob("*.json"))):

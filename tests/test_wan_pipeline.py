@@ -86,7 +86,8 @@ def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan
     # One bucket per shard, as planned; the short clip in a unit of its own, named with its frame count.
     assert [(len(u["source_ids"]), u.get("bucket")) for u in plan["units"]] == [
         (2, "32x24x5"), (1, "32x24x5"), (1, "24x32x5"), (1, "24x24x5"), (1, None)]
-    for unit in plan["units"]:
+    assert not (out / contract.shard_name(4)).exists()  # the short clip's unit: every sample rejected, no tar
+    for unit in plan["units"][:4]:
         with tarfile.open(out / contract.shard_name(unit["unit"])) as archive:
             buckets = {"x".join(map(str, json.loads(archive.extractfile(m).read())["bucket"]))
                        for m in archive.getmembers() if m.name.endswith(".meta.json")}
