@@ -227,6 +227,30 @@ def test_class_folders_become_edm_archive_fastgen_reads_and_a_resume_rebuilds_it
     assert contract.EDM_ZIP in ownership(Output(out)).ours
 
 
+@pytest.mark.parametrize("crop", ["edm", "adm"])
+def test_imagenet_layout_at_64_px_reads_as_fastgen_does_with_either_crop(tmp_path, crop) -> None:
+    """ImageNet-64 as FastGen's recipes read it: synset folders -> labels by sorted folder, each image the crop's
+    64 px square (the sources large enough that --crop adm box-halves first)."""
+    from diffprep.crops import crop_image
+    from diffprep.pipeline import run
+
+    sizes = {"n01443537": [(300, 200)], "n01440764": [(150, 260), (129, 129)], "n01484850": [(200, 140)]}
+    root = write_classes(tmp_path / "train", sizes)
+    out = tmp_path / "out"
+    assert run(edm_settings({"type": "imagefolder", "input_dir": str(root)}, out, image_size=64, crop=crop), "raw",
+               ask=never).samples == 4
+    files, images, labels = fastgen_read(out / contract.EDM_ZIP)
+    assert files == [f"00000/img{i:08d}.png" for i in range(4)] and images.shape == (4, 3, 64, 64)
+    assert labels.tolist() == [0, 0, 1, 2]  # n01440764 < n01443537 < n01484850
+    sources = [root / "n01440764" / "n01440764_0.png", root / "n01440764" / "n01440764_1.png",
+               root / "n01443537" / "n01443537_0.png", root / "n01484850" / "n01484850_0.png"]
+    for stored, source in zip(images, sources):
+        want, _ = crop_image(Image.open(source).convert("RGB"), crop, 64)
+        assert np.array_equal(stored, np.array(want).transpose(2, 0, 1))
+    report = json.loads((out / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())
+    assert report["ok"] and report["summary"]["label_dim"] == 3
+
+
 @pytest.mark.slow
 def test_cifar_tarball_becomes_the_archive_fastgen_reads(tmp_path) -> None:
     from diffprep.pipeline import run
