@@ -71,7 +71,7 @@ def _posterior_mean(value: Any, key: str, field: str) -> torch.Tensor:
     half, float32 as stored."""
     try:
         array = value if isinstance(value, np.ndarray) else np.load(io.BytesIO(value), allow_pickle=False)
-    except Exception as error:  # noqa: BLE001 - any failure to parse is this sample's, named
+    except Exception as error:  # any failure to parse is this sample's, named
         raise SampleLoadError(f"sample {key!r} field {field!r} is not a readable .npy file: {error}") from error
     if array.ndim < 2 or array.shape[0] % 2 or not np.issubdtype(array.dtype, np.floating):
         raise SampleLoadError(f"sample {key!r} field {field!r} holds {array.dtype} {list(array.shape)}, expected "
