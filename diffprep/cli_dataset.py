@@ -103,7 +103,8 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
         where = f"{output.uri}/{contract.STATE_DIR}/{contract.LATENT_STATS}"
     line = summary(stats)
     condition = f", condition number {line['condition']:.3g}" if "condition" in line else ""
-    print(f"latent statistics of {line['samples']} samples ({line['count']} values per channel, "
+    of = f"the {line['of']} of " if "of" in line else ""  # e.g. the posterior mean of an sd-vae archive's samples
+    print(f"latent statistics of {of}{line['samples']} samples ({line['count']} values per channel, "
           f"{line['channels']} channels{condition}) written to {where}")
     return 0
 

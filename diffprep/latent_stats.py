@@ -21,6 +21,17 @@ cast to the training dtype where it is applied (``(z - mean) / std``, or
 local or in a bucket, under any layout; or the LTX trainer's record folders)
 without re-encoding: ``diffprep latent-stats OUT``.
 
+A latent field is read through ``LATENT_READERS`` (field -> how its stored
+value becomes the latent tensor), both while a unit writes it and when its
+shard is read back, so no module here asks what kind of dataset it has: a
+tensor is taken as it is; the sd-vae edm-zip archive's ``mean_std.npy`` (the
+SD VAE posterior, mean and std concatenated on the channels) by its mean half,
+the dict marked ``"of": "mean"``. Its std is left out on purpose: FastGen's
+ImageNet-256 training draws ``mean + std * eps`` itself and scales that by the
+VAE's scaling factor, so what a trainer normalizes with are the statistics of
+the latents' centre, not of the stored concatenation (whose second half is a
+positive spread, not a latent).
+
 Every unit accumulates these moments while it encodes (``UnitStats``: per
 latent field, float64; the co-moments only with ``--full-cov``) and saves them
 beside its manifest, before the commit (``.diffprep/unit_stats/NNNNNN.pt``);
@@ -36,20 +47,64 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from diffprep import contract
 from diffprep.layouts import Layout
-from diffprep.shards import load_tensor
+from diffprep.shards import SampleLoadError, load_tensor
 
 EIGEN_FLOOR = 1e-8
-# The latent fields of a sample that get statistics (in the Energon layout's names), and the LTX trainer's folders
-# that hold them.
-LATENT_FIELDS = (contract.LATENTS, contract.AUDIO_LATENTS)
+
+
+def _tensor(value: Any, key: str, field: str) -> torch.Tensor:
+    """A latent tensor as written, or its ``torch.save``d bytes (weights only)."""
+    return value if isinstance(value, torch.Tensor) else load_tensor(value, key=key, field=field)
+
+
+def _posterior_mean(value: Any, key: str, field: str) -> torch.Tensor:
+    """An SD VAE posterior ``.npy`` (bytes, or the array read from them), ``[2C, ...]`` = mean then std: its mean
+    half, float32 as stored."""
+    try:
+        array = value if isinstance(value, np.ndarray) else np.load(io.BytesIO(value), allow_pickle=False)
+    except Exception as error:  # any failure to parse is this sample's, named
+        raise SampleLoadError(f"sample {key!r} field {field!r} is not a readable .npy file: {error}") from error
+    if array.ndim < 2 or array.shape[0] % 2 or not np.issubdtype(array.dtype, np.floating):
+        raise SampleLoadError(f"sample {key!r} field {field!r} holds {array.dtype} {list(array.shape)}, expected "
+                              "a float posterior [2C, ...]: C mean channels, then C std channels")
+    return torch.from_numpy(array[: array.shape[0] // 2].copy())  # a copy: np.load of bytes is read-only
+
+
+@dataclass(frozen=True)
+class LatentField:
+    """How a sample field holds latents: ``read(value, key, field)`` gives the tensor ``[C, ...]`` the statistics
+    are of (from what a writer produced or its stored bytes); ``top``: its statistics are the dict's top level (the
+    dataset's latents, as GAE's trainer loads them), else under the field's stem; ``of``: the part of the stored
+    value they describe, recorded in the dict as ``"of"`` (None: all of it)."""
+
+    read: Callable[[Any, str, str], torch.Tensor]
+    top: bool = False
+    of: str | None = None
+
+
+# The latent fields of a sample that get statistics (in the Energon layout's names), in the order they are kept,
+# and the LTX trainer's folders that hold them.
+LATENT_READERS = {
+    contract.LATENTS: LatentField(_tensor, top=True),
+    contract.AUDIO_LATENTS: LatentField(_tensor),
+    contract.SD_VAE_POSTERIOR: LatentField(_posterior_mean, top=True, of="mean"),
+}
+LATENT_FIELDS = tuple(LATENT_READERS)
 RECORD_FOLDERS = {contract.LATENTS: contract.LATENTS_DIR, contract.AUDIO_LATENTS: contract.AUDIO_LATENTS_DIR}
+
+
+def latent_of(field: str, value: Any, key: str = "?") -> torch.Tensor:
+    """``field``'s latent tensor from a sample's value for it (``LATENT_READERS``)."""
+    return LATENT_READERS[field].read(value, key, field)
 
 
 class LatentStats:
@@ -147,11 +202,12 @@ class UnitStats:
         self.fields: dict[str, LatentStats] = {}
 
     def add(self, fields: Any) -> None:
-        """A written sample's fields (diffprep's names, before the layout renames them)."""
+        """A written sample's fields (diffprep's names, before the layout renames them), each latent field read as
+        its shard is read back (``LATENT_READERS``): the moments are the stored latents', to the bit."""
         for name in LATENT_FIELDS:
             value = fields.get(name)
-            if isinstance(value, torch.Tensor):
-                self.fields.setdefault(name, LatentStats(self.full_cov)).add(value.detach().cpu())
+            if value is not None:
+                self.fields.setdefault(name, LatentStats(self.full_cov)).add(latent_of(name, value).detach().cpu())
 
     def to_bytes(self, fingerprint: str) -> bytes:
         from diffprep.shards import torch_bytes
@@ -230,7 +286,7 @@ def finalized_stats(output: Any, plan: Any, validated: bytes | None = None
     line = summary(merged)
     if validated is not None and "mean" in merged:
         seen = torch.load(io.BytesIO(validated), map_location="cpu", weights_only=True)
-        if not all(torch.allclose(merged[k], seen[k], rtol=1e-6, atol=1e-9) for k in ("mean", "std")):
+        if not same_stats(merged, seen):
             return [Check("latent stats from the units", False, "the units' merged mean/std differ from those of "
                           "the stored latents: a unit's moments do not match its shard; run `diffprep latent-stats "
                           "OUT` to recompute them")], {}, {}
@@ -285,8 +341,7 @@ def stored_latents(output: Any, plan: Any, manifests: list[Any] | None = None
 
 
 def _latents(fields: dict[str, Any], key: str, wanted: set[str]) -> dict[str, torch.Tensor]:
-    return {name: value if isinstance(value, torch.Tensor) else load_tensor(value, key=key, field=name)
-            for name, value in fields.items() if name in wanted}
+    return {name: latent_of(name, value, key) for name, value in fields.items() if name in wanted}
 
 
 def dataset_stats(output: Any, plan: Any, *, full_cov: bool = False) -> dict[str, Any]:
@@ -304,13 +359,29 @@ def dataset_stats(output: Any, plan: Any, *, full_cov: bool = False) -> dict[str
 
 
 def _arrange(totals: dict[str, LatentStats], per_bucket: dict[str, dict[str, LatentStats]]) -> dict[str, Any]:
-    stats: dict[str, Any] = totals[contract.LATENTS].result() if contract.LATENTS in totals else {}
+    top = next((field for field in LATENT_FIELDS if field in totals and LATENT_READERS[field].top), None)
+    stats: dict[str, Any] = _result(top, totals[top]) if top is not None else {}
     for field, moments in totals.items():
-        if field != contract.LATENTS:
-            stats[contract.field_stem(field)] = moments.result()
+        if field != top:
+            stats[contract.field_stem(field)] = _result(field, moments)
     if per_bucket:
         stats["buckets"] = {bucket: _arrange(fields, {}) for bucket, fields in sorted(per_bucket.items())}
     return stats
+
+
+def _result(field: str, moments: LatentStats) -> dict[str, Any]:
+    of = LATENT_READERS[field].of
+    return moments.result() | ({"of": of} if of else {})
+
+
+def fields_stats(fields: dict[str, LatentStats]) -> dict[str, Any]:
+    """Moments per latent field (e.g. a layout's own pass over what it stored) as ``dataset_stats``'s dict."""
+    return _arrange(fields, {}) if fields else {}
+
+
+def same_stats(merged: dict[str, Any], seen: dict[str, Any]) -> bool:
+    """Whether two statistics dicts give the same mean and std, to float64 merge-order rounding."""
+    return all(torch.allclose(merged[k], seen[k], rtol=1e-6, atol=1e-9) for k in ("mean", "std"))
 
 
 def summary(stats: dict[str, Any]) -> dict[str, Any]:
@@ -318,10 +389,13 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
     if "mean" not in stats:  # audio only: its field's
         stats = next(value for value in stats.values() if isinstance(value, dict) and "mean" in value)
     line = {"count": int(stats["count"]), "samples": int(stats["samples"]), "channels": int(stats["mean"].shape[0])}
+    if "of" in stats:
+        line["of"] = stats["of"]
     if "condition" in stats:
         line["condition"] = float(stats["condition"])
     return line
 
 
-__all__ = ["LatentStats", "UnitStats", "dataset_stats", "finalized_stats", "merge_units", "merged_unit_stats",
+__all__ = ["LATENT_FIELDS", "LATENT_READERS", "LatentField", "LatentStats", "UnitStats", "dataset_stats",
+           "fields_stats", "finalized_stats", "latent_of", "merge_units", "merged_unit_stats", "same_stats",
            "stored_latents", "summary", "unit_moments", "unit_stats_path"]

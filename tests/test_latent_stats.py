@@ -146,3 +146,33 @@ def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path,
             assert torch.allclose(stats[name], computed[name], rtol=1e-9, atol=1e-12), name
         assert int(stats["count"]) == int(computed["count"]) and int(stats["samples"]) == 12
         assert torch.allclose(stats["cov"], cov, atol=1e-12) and torch.allclose(stats["mean"], mean, atol=1e-12)
+
+
+def test_an_sd_vae_posterior_counts_by_its_mean_half_and_a_bad_one_is_named() -> None:
+    """The edm-zip archive's ``mean_std.npy`` (mean channels, then std channels): a unit's moments are those of
+    the mean half alone, read from the stored bytes; bytes that are no posterior raise the sample's error."""
+    import io
+
+    import numpy as np
+
+    from diffprep.latent_stats import UnitStats, latent_of
+    from diffprep.shards import SampleLoadError, npy_bytes
+
+    generator = torch.Generator().manual_seed(1)
+    posteriors = [torch.cat([torch.randn(4, 2, 2, generator=generator), torch.rand(4, 2, 2, generator=generator)])
+                  for _ in range(3)]
+    unit = UnitStats(full_cov=True)
+    for posterior in posteriors:
+        unit.add({contract.SD_VAE_POSTERIOR: npy_bytes(posterior), contract.META: b"{}"})
+    assert sorted(unit.fields) == [contract.SD_VAE_POSTERIOR]
+    got = unit.fields[contract.SD_VAE_POSTERIOR].result()
+    mean, std, cov = direct([p[:4] for p in posteriors])
+    assert torch.allclose(got["mean"], mean, atol=1e-12) and torch.allclose(got["std"], std, atol=1e-12)
+    assert torch.allclose(got["cov"], cov, atol=1e-12) and int(got["count"]) == 3 * 4
+
+    with pytest.raises(SampleLoadError, match="'000000_000001' field 'mean_std.npy' is not a readable .npy"):
+        latent_of(contract.SD_VAE_POSTERIOR, b"not a numpy file", "000000_000001")
+    odd = io.BytesIO()
+    np.save(odd, np.zeros((3, 2, 2), np.float32))
+    with pytest.raises(SampleLoadError, match=r"holds float32 \[3, 2, 2\], expected a float posterior \[2C"):
+        latent_of(contract.SD_VAE_POSTERIOR, odd.getvalue(), "k")

@@ -24,6 +24,12 @@ entry stored, the names contiguous, square power-of-two RGB PNGs, one per writte
 sample, and a label width equal to the source's number of classes where the
 source knows it (a subset missing the last class would silently narrow it).
 There is no Energon metadata. Flips are the loader's (``xflip``): never stored.
+
+An archive of latents (the sd-vae posteriors) also gets its latent statistics:
+the units' moments, saved as each unit wrote them (``diffprep.latent_stats``),
+are merged at validation into ``.diffprep/latent_stats.pt`` as for any latent
+dataset, after a check that they give the mean and std of the archive's own
+data files (read once, in the same pass as the checks above).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from PIL import Image
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.errors import ConfigError, DatasetValidationError
+from diffprep.latent_stats import LATENT_READERS, LatentStats, latent_of
 from diffprep.layouts import Layout
 from diffprep.plan import Plan
 from diffprep.shards import fsync_dir, temp_name
@@ -210,8 +217,10 @@ def _load(archive: zipfile.ZipFile, name: str) -> np.ndarray:
     return image.reshape(*image.shape[:2], -1).transpose(2, 0, 1)
 
 
-def check_archive(path: Path, plan: Plan, written: int | None) -> tuple[list[Check], dict[str, Any]]:
-    """The archive read as FastGen reads it, and checked against what EDM's tool writes and the plan."""
+def check_archive(path: Path, plan: Plan, written: int | None, stats: Any = None
+                  ) -> tuple[list[Check], dict[str, Any]]:
+    """The archive read as FastGen reads it, and checked against what EDM's tool writes and the plan. ``stats`` (a
+    ``LatentStats``), for an archive of latents: every good data file's latent is added to it in archive order."""
     if not path.is_file():
         return [Check("archive", False, f"{path} is missing: run finalize")], {}
     try:
@@ -249,6 +258,8 @@ def check_archive(path: Path, plan: Plan, written: int | None) -> tuple[list[Che
                             or not np.isfinite(array).all():
                         images.add(f"{name} is {array.dtype} {list(array.shape)}, expected finite float32 "
                                    f"{plan.expected['posterior']}")
+                    elif stats is not None:
+                        stats.add(latent_of(data_field(plan), array, name))
                     continue
                 with Image.open(handle) as image:
                     if image.format != "PNG" or image.mode != "RGB" or list(image.size) != [side, side]:
@@ -281,13 +292,42 @@ def validate(output: Any, plan: Plan) -> Any:
 
     audit = output.state.read_json(contract.AUDIT_JSON)
     written = audit.get("written") if audit else None
-    checks, summary = check_archive(output.local / contract.EDM_ZIP, plan, written)
+    field = data_field(plan)
+    seen = LatentStats() if field in LATENT_READERS else None
+    checks, summary = check_archive(output.local / contract.EDM_ZIP, plan, written, seen)
     summary = {"encoding": plan.encoding, "layout": contract.LAYOUT_EDM_ZIP, "samples": written, **summary}
+    if seen is not None and seen.samples and all(c.ok for c in checks):
+        stats_checks, stats_summary = _archive_stats(output, plan, field, seen)
+        checks += stats_checks
+        summary |= stats_summary
     if audit:
         summary["rejects"] = {key: audit[key] for key in ("inputs", "rejected", "by_reason")}
     report = ValidationReport(out_dir=output.uri, ok=all(c.ok for c in checks), checks=checks, summary=summary)
     output.state.write_json(contract.VALIDATION_JSON, report.to_json())
     return report
+
+
+def _archive_stats(output: Any, plan: Plan, field: str, seen: Any) -> tuple[list[Check], dict[str, Any]]:
+    """The archive's own latent statistics (the summary's ``latent_stats``, as the validation report shows them),
+    and the check that the units' merged moments, which validation then saves, are theirs. Nothing to check when
+    no unit saved moments (units of an earlier diffprep: ``diffprep latent-stats OUT`` computes the file)."""
+    from diffprep.latent_stats import fields_stats, merged_unit_stats, same_stats
+
+    archive = fields_stats({field: seen})
+    line = {"mean": [float(v) for v in archive["mean"]], "std": [float(v) for v in archive["std"]],
+            "samples": seen.samples}
+    summary = {"latent_stats": ({"of": archive["of"]} if "of" in archive else {}) | line}
+    merged = merged_unit_stats(output, plan)
+    if not merged:
+        return [], summary
+    if not same_stats(merged, archive):
+        return [Check("latent stats of the archive", False, (
+            f"the units' merged mean/std differ from those of the archive's {seen.samples} data files: a unit's "
+            f"moments do not match its shard, or {contract.EDM_ZIP} is not the units'; run finalize again, or "
+            "`diffprep latent-stats OUT` to recompute them from the shards"))], summary
+    what = f"{archive['of']} of the " if "of" in archive else ""
+    return [Check("latent stats of the archive", True, (
+        f"the units' merged moments give the mean and std of the {what}archive's {seen.samples} data files"))], summary
 
 
 __all__ = ["check_archive", "check_settings", "finalize", "is_edm_zip", "loader_view", "planned_files",
