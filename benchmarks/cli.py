@@ -8,8 +8,11 @@ batch 8, shard size 64, t5_max_length 512, ``--no-finalize``:
 - ``server``: ``diffprep encode`` with ``PREFECT_API_URL`` pointing at a
   ``prefect server start`` this script started on a free 127.0.0.1 port (and
   stops at the end);
-- ``embedded``: ``diffprep encode`` with no API URL: Prefect starts its
-  temporary server inside the command, and that start is in the time;
+- ``embedded``: ``diffprep encode`` with no API URL: the pipeline runs without
+  Prefect while the embedded server starts beside it, and the run is recorded on
+  it afterwards (``flows/recorded.py``); all of it is in the time;
+- ``embedded-flow``: the same with ``DIFFPREP_LIVE_FLOW=1``: the flow itself runs on
+  the embedded server, started first (how every terminal run without a server ran before);
 - ``embedded-fresh``: the same in a new, empty ``PREFECT_HOME`` every run (what
   a CI job, a container or a first-time user has: the database is copied from
   the migrated template in the user's cache, ``flows/prefect_home.py``);
@@ -79,17 +82,19 @@ from diffprep import contract
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.5
 MIB = 1024 * 1024
-SIDES = ("server", "embedded", "embedded-fresh", "embedded-fresh-unseeded", "server-untuned", "serial",
-         "serial-tuned", "primus")
+SIDES = ("server", "embedded", "embedded-flow", "embedded-fresh", "embedded-fresh-unseeded", "server-untuned",
+         "serial", "serial-tuned", "primus")
+DIFFPREP_SIDES = ("server", "embedded", "embedded-flow", "embedded-fresh", "server-untuned")
 SETTINGS = {"image_size": 256, "precision": "fp32", "batch_size": 8, "shard_size": 64, "t5_max_length": 512}
 
 # Log lines of `diffprep encode` that mark the start-up phases, in the order they happen.
 MARKS = {
     "prefect server started (embedded)": re.compile(r"Starting temporary server"),
     "flow run began": re.compile(r"Beginning flow run"),
+    "planned": re.compile(r"planned \d+ samples in"),
     "fetch done": re.compile(r"Task run 'fetch-.*Finished"),
     "verify done": re.compile(r"Task run 'verify-existing-.*Finished"),
-    "sanity done": re.compile(r"Task run 'sanity-.*Finished"),
+    "sanity done": re.compile(r"Task run 'sanity-.*Finished|sanity: [\d.]+ s per batch"),
     "units started": re.compile(r"encoding \d+ units with"),
 }
 UNIT_LINE = re.compile(r"unit \d+: (\d+) written, (\d+) rejected in ([\d.]+) s")
@@ -310,12 +315,14 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_command(command, primus_side.env(child_env(), primus_tree), out)
             else:
                 fresh = scratch / f"fresh-home-{side}-{n}-{tag}"
-                home = {"embedded": embedded_home, "embedded-fresh": fresh, "embedded-fresh-unseeded": fresh}.get(
-                    side, scratch / "server-home")
+                home = {"embedded": embedded_home, "embedded-flow": embedded_home, "embedded-fresh": fresh,
+                        "embedded-fresh-unseeded": fresh}.get(side, scratch / "server-home")
                 home.mkdir(exist_ok=True)
                 env = child_env(PREFECT_HOME=str(home))
                 if side == "embedded-fresh-unseeded":
                     env["DIFFPREP_PREFECT_TEMPLATE"] = "0"
+                if side == "embedded-flow":
+                    env["DIFFPREP_LIVE_FLOW"] = "1"
                 if not side.startswith("embedded"):
                     env["PREFECT_API_URL"] = server.url
                 if side == "server-untuned":
@@ -380,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"      units {run['units_pace']:.1f} samples/s against sanity batch {run['sanity_pace']:.1f}: "
                       f"{run['units_pace'] / run['sanity_pace']:.2f}")
         if "serial" in best:
-            for side in ("server", "embedded", "embedded-fresh", "server-untuned"):
+            for side in DIFFPREP_SIDES:
                 if side in best:
                     ratio = best["serial"]["seconds"] / best[side]["seconds"]
                     print(f"    {side} / serial: {ratio:.2f}x")
@@ -390,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    server / serial-tuned (same allocator): "
                       f"{best['serial-tuned']['seconds'] / best['server']['seconds']:.2f}x")
         if "primus" in best:
-            for side in ("server", "embedded", "embedded-fresh"):
+            for side in DIFFPREP_SIDES:
                 if side in best:
                     ratio = best["primus"]["seconds"] / best[side]["seconds"]
                     print(f"    {side} / primus: {ratio:.2f}x samples/s (target >= {TARGET}x: "

@@ -50,6 +50,8 @@ def prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "diffprep")
+    # A terminal run without a server logs outside any flow run (flows/recorded.py), and sends its lines after.
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     # OpenMP threads that spin after each parallel region take the cores the image decoders need
@@ -106,9 +108,19 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
 
 def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: bool) -> dict:
     from diffprep.config import EncodeParameters, RawParameters, load_settings
+    from diffprep.flows import recorded
     from diffprep.flows.startup import quiet_user_error_tracebacks
 
     quiet_user_error_tracebacks()
+    settings = load_settings(config, overrides)
+    if recorded.wanted(settings):  # no server to run the flow on: the pipeline here, recorded afterwards
+        parameters = (RawParameters if raw else EncodeParameters)(config=config, **overrides)
+        if raw:
+            from diffprep.flows.raw import encode_raw as flow
+        else:
+            from diffprep.flows.encode import encode_dataset as flow
+        return recorded.run_recorded(settings, "raw" if raw else "preencoded", flow,
+                                     {"parameters": parameters.model_dump(mode="json", exclude_unset=True)})
     if raw:
         from diffprep.flows.raw import encode_raw
         from diffprep.flows.startup import start_embedded_server
@@ -118,7 +130,7 @@ def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: boo
     from diffprep.flows.encode import encode_dataset
     from diffprep.flows.startup import warm_start
 
-    warming = warm_start(load_settings(config, overrides), "preencoded")  # encoders load while the server starts
+    warming = warm_start(settings, "preencoded")  # encoders load while the server starts
     try:
         return encode_dataset(EncodeParameters(config=config, **overrides))
     except KeyboardInterrupt:

@@ -13,7 +13,7 @@ after the last log lines and events have reached it.
 So that it never outlives the command (a closed terminal, a SIGKILL), the
 child asks Linux to send it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``)
 before it runs uvicorn: ``python -m diffprep.flows.embedded_server PID ARGS``
-is ``python -m uvicorn ARGS`` with that set, after seeding a fresh
+is ``python -m uvicorn ARGS`` with that set (and its niceness raised by NICE: ``PID NICE ARGS``), after seeding a fresh
 ``PREFECT_HOME``'s database from a migrated template (``prefect_home.py``).
 
 ``start_detached_server`` registers it as Prefect's default instance
@@ -44,11 +44,13 @@ DRAIN_SECONDS = 5
 class DetachedServer(SubprocessASGIServer):
     """Prefect's embedded server in a session of its own, ended with its parent."""
 
+    nice = 0  # added to the server process's niceness (a recorded run's server yields the cores to the encoders)
+
     def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
         # Prefect 3.9.1's command and environment, with this module in front of uvicorn and a session of its own.
         server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         return subprocess.Popen(
-            args=[sys.executable, "-m", MODULE, str(os.getpid()),
+            args=[sys.executable, "-m", MODULE, str(os.getpid()), str(self.nice),
                   "--app-dir", str(prefect.__module_path__.parent),
                   "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
                   "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
@@ -57,13 +59,15 @@ class DetachedServer(SubprocessASGIServer):
         )
 
 
-def start_detached_server() -> SubprocessASGIServer:
-    """Start (once) the embedded server in its own session, as Prefect's default instance; returns it."""
+def start_detached_server(nice: int = 0) -> SubprocessASGIServer:
+    """Start (once) the embedded server in its own session, as Prefect's default instance (``nice`` added to its
+    process's niceness); returns it."""
     current = SubprocessASGIServer._instances.get(None)
     if current is not None and current.running:
         return current  # already up (started here before, or by an API call)
     SubprocessASGIServer._instances.pop(None, None)
     server = DetachedServer()  # stored under the None key: SubprocessASGIServer() now returns it
+    server.nice = nice
     server.start()  # registers its stop at exit
     atexit.register(_drain_to_server)  # after it, so it runs before the stop
     return server
@@ -89,8 +93,9 @@ def _die_with_parent(parent: int) -> None:
 
 if __name__ == "__main__":
     _die_with_parent(int(sys.argv[1]))
+    os.nice(int(sys.argv[2]))
     from diffprep.flows.prefect_home import seed_database
 
     seed_database()  # a fresh PREFECT_HOME's database copied from a migrated template (prefect_home.py)
-    sys.argv = ["uvicorn", *sys.argv[2:]]
+    sys.argv = ["uvicorn", *sys.argv[3:]]
     runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)

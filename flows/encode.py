@@ -13,7 +13,7 @@ import json
 import logging
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import Artifact, LinkArtifact, MarkdownArtifact, TableArtifact
 from prefect.runtime import flow_run
 
 from diffprep import contract
@@ -31,6 +31,7 @@ from diffprep.flows.runners import ArtifactProgress, run_units
 from diffprep.tasks.approvals import ask
 from diffprep.tasks.audit import audit_task
 from diffprep.tasks.common import output_of, slug
+from diffprep.tasks.encode import encode_unit_task
 from diffprep.tasks.fetch import fetch_task
 from diffprep.tasks.finalize import finalize_task
 from diffprep.tasks.sanity import sanity_task
@@ -83,6 +84,11 @@ TASK_STEPS = Steps(
 )
 
 
+# The tasks by name: a terminal run recorded afterwards (flows/recorded.py) writes its phases as runs of these.
+TASKS_BY_NAME = {task.name: task for task in (fetch_task, verify_existing_task, prepare_output_task, sanity_task,
+                                              encode_unit_task, audit_task, finalize_task, validate_task)}
+
+
 def run_flow(settings: Settings, encoding: str) -> dict:
     """The pipeline for ``encoding`` inside this flow run: tasks, UI questions, artifacts."""
     timeout = settings.output.approval_timeout
@@ -117,18 +123,24 @@ def interrupted(error: BaseException) -> bool:
 class ArtifactEvents(Events):
     """What a run reports, as artifacts of the flow run (and its log)."""
 
+    def publish(self, artifact: Artifact) -> None:
+        artifact.create(_sync=True)  # the flow's own code is synchronous; as create_table_artifact calls it
+
+    def log(self, message: str, *args) -> None:
+        get_run_logger().info(message, *args)
+
     def planned(self, plan: Plan, units_left: list[int], output: Output) -> None:
-        get_run_logger().info("planned %d samples in %d units (fingerprint %s), %d to encode", plan.total_samples,
-                              len(plan.units), plan.fingerprint, len(units_left))
+        self.log("planned %d samples in %d units (fingerprint %s), %d to encode", plan.total_samples,
+                 len(plan.units), plan.fingerprint, len(units_left))
         left = set(units_left)
         rows = [{"unit": u.unit, "shard": u.shard, "samples": len(u.source_ids), "to encode": u.unit in left}
                 for u in plan.units[:500]]
-        create_table_artifact(key=f"plan-{slug(output.uri)}", table=rows,
-                              description=f"{plan.total_samples} samples in {len(plan.units)} units, "
-                                          f"{len(units_left)} to encode (fingerprint `{plan.fingerprint}`)")
+        self.publish(TableArtifact(key=f"plan-{slug(output.uri)}", table=rows,
+                                   description=f"{plan.total_samples} samples in {len(plan.units)} units, "
+                                               f"{len(units_left)} to encode (fingerprint `{plan.fingerprint}`)"))
         if plan.scenes:  # long videos: sources, shots, clips per bucket, frames in no clip (before any model loads)
-            create_markdown_artifact(key=f"scenes-{slug(output.uri)}", markdown=scenes_markdown(plan.scenes),
-                                     description="diffprep long videos: the shots and clips of every source")
+            self.publish(MarkdownArtifact(key=f"scenes-{slug(output.uri)}", markdown=scenes_markdown(plan.scenes),
+                                          description="diffprep long videos: the shots and clips of every source"))
 
     def sanity(self, output: Output, started: float) -> None:
         """The sanity report and contact sheet as a Markdown artifact, whether the check passed or failed."""
@@ -138,23 +150,24 @@ class ArtifactEvents(Events):
         if report is not None and report.stat().st_mtime >= started - 1:
             data = json.loads(report.read_text(encoding="utf-8"))
             picture = markdown_image(data["contact_sheet"]) if data.get("contact_sheet") else ""
-            create_markdown_artifact(key=f"sanity-{slug(output.uri)}", markdown=sanity_markdown(data) + "\n" + picture,
-                                     description="diffprep sanity check: one batch written and decoded again")
+            self.publish(MarkdownArtifact(key=f"sanity-{slug(output.uri)}",
+                                          markdown=sanity_markdown(data) + "\n" + picture,
+                                          description="diffprep sanity check: one batch written and decoded again"))
 
     def progress(self, units: int, output: Output) -> ArtifactProgress:
         return ArtifactProgress(units, f"progress-{slug(output.uri)}")
 
     def audited(self, report: AuditReport, output: Output) -> None:
-        create_table_artifact(
+        self.publish(TableArtifact(
             key=f"audit-{slug(output.uri)}",
             table=[{"reason": r, "samples": n} for r, n in report.by_reason.items()]
             or [{"reason": "(none)", "samples": 0}],
             description=report.to_markdown(),
-        )
+        ))
 
     def done(self, output: Output) -> None:
-        create_link_artifact(key=f"output-{slug(output.uri)}", link=output.link(), link_text=output.uri,
-                             description="The encoded dataset")
+        self.publish(LinkArtifact(key=f"output-{slug(output.uri)}", link=output.link(), link_text=output.uri,
+                                  description="The encoded dataset"))
 
 
 logging.getLogger("diffprep").setLevel(logging.INFO)

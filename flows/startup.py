@@ -37,11 +37,17 @@ log = logging.getLogger("diffprep.startup")
 
 def warm_start(settings: Settings, kind: str) -> threading.Thread | None:
     """Load ``settings``' encoders in a thread and start the embedded server here; returns the thread (or None)."""
-    thread = None
-    if not settings.auth.hf_credentials_block:
-        thread = threading.Thread(target=_load_encoders, args=(settings, kind), name="diffprep-warm", daemon=True)
-        thread.start()
+    thread = load_ahead(settings, kind)
     start_embedded_server()
+    return thread
+
+
+def load_ahead(settings: Settings, kind: str) -> threading.Thread | None:
+    """Load ``settings``' encoders in a thread (None when that would need the Prefect API: a credentials block)."""
+    if settings.auth.hf_credentials_block:
+        return None
+    thread = threading.Thread(target=_load_encoders, args=(settings, kind), name="diffprep-warm", daemon=True)
+    thread.start()
     return thread
 
 
@@ -106,4 +112,4 @@ def quiet_user_error_tracebacks() -> None:
             handler.setFormatter(_UserErrorsWithoutTraceback(handler.formatter))
 
 
-__all__ = ["quiet_user_error_tracebacks", "start_embedded_server", "warm_start"]
+__all__ = ["load_ahead", "quiet_user_error_tracebacks", "start_embedded_server", "warm_start"]

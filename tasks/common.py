@@ -36,6 +36,12 @@ def output_of(ref: OutputRef) -> Output:
     return ref.open(credentials)
 
 
+# How often, and after how many seconds, a phase is tried again after a transient error (the tasks' retries; a
+# terminal run without a server retries the same way: flows/recorded.py).
+FETCH_RETRY_DELAYS = (5, 30, 120)
+UNIT_RETRY_DELAYS = (10, 60)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Network and storage hiccups: worth a retry. Bad settings and bad samples are not."""
     from huggingface_hub.errors import HfHubHTTPError

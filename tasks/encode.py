@@ -18,14 +18,15 @@ from diffprep.config import Settings
 from diffprep.output import OutputRef
 from diffprep.pipeline import encode_one_unit
 from diffprep.workers import claimed_device
-from diffprep.tasks.common import output_of, retry_transient, run_token, settings_from
+from diffprep.tasks.common import UNIT_RETRY_DELAYS, output_of, retry_transient, run_token, settings_from
 
 
 def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}/{claimed_device() or 'flow'}"
 
 
-@task(name="encode-unit", task_run_name="encode-unit-{unit:06d}", retries=2, retry_delay_seconds=[10, 60],
+@task(name="encode-unit", task_run_name="encode-unit-{unit:06d}", retries=len(UNIT_RETRY_DELAYS),
+      retry_delay_seconds=list(UNIT_RETRY_DELAYS),
       retry_jitter_factor=0.5, retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def encode_unit_task(settings: Settings | dict, output: OutputRef, unit: int) -> dict:
     """One unit of the plan in ``output``; a unit already committed there is left as it is."""

@@ -9,10 +9,11 @@ from diffprep.config import Settings
 from diffprep.output import OutputRef
 from diffprep.pipeline import plan_output
 from diffprep.plan import Plan
-from diffprep.tasks.common import output_of, retry_transient, run_token
+from diffprep.tasks.common import FETCH_RETRY_DELAYS, output_of, retry_transient, run_token
 
 
-@task(name="fetch", retries=3, retry_delay_seconds=[5, 30, 120], retry_jitter_factor=0.5,
+@task(name="fetch", retries=len(FETCH_RETRY_DELAYS), retry_delay_seconds=list(FETCH_RETRY_DELAYS),
+      retry_jitter_factor=0.5,
       retry_condition_fn=retry_transient, cache_policy=NO_CACHE, persist_result=False)
 def fetch_task(settings: Settings, output: OutputRef, encoding: str) -> Plan:
     return plan_output(settings, output_of(output), encoding, run_token(settings))

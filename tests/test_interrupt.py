@@ -2,7 +2,8 @@
 
 The signal goes to the command's whole process group, as a terminal sends it. Two runs: one on the session's
 Prefect server (its flow run's final state is read there), one on the embedded server the command starts itself
-(which, in Prefect's own process group, died with the Ctrl-C and left the command retrying it for 150 s).
+(which, in Prefect's own process group, died with the Ctrl-C and left the command retrying it for 150 s); that
+run, Prefect-free, is recorded on it as crashed (flows/recorded.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -99,7 +101,9 @@ def test_ctrl_c_with_the_embedded_server_does_not_hang(data, tiny_model, tmp_pat
     assert code == INTERRUPTED, printed
     assert seconds < EXIT_SECONDS, printed
     # The server outlived the signal long enough to record the run as crashed, and is gone with the command.
-    assert "Finished in state Crashed" in printed and "httpx" not in printed, printed
+    assert "recorded as flow run" in printed and "(Crashed)" in printed and "httpx" not in printed, printed
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        assert db.execute("select state_type from flow_run").fetchall() == [("CRASHED",)]
     port = int(re.search(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", printed).group(1))
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the embedded server outlived the command"

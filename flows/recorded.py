@@ -1,0 +1,309 @@
+"""A terminal run without a Prefect server: the pipeline runs Prefect-free, and the run is recorded afterwards.
+
+With no ``PREFECT_API_URL``, the only server a flow run can talk to is the
+embedded one the command starts itself, which nobody else can open while it
+runs (its questions are asked on the terminal either way). Running the flow on
+it cost a first run its whole start-up: the server's start (5-8 s on 2 cores,
+far more in a fresh ``PREFECT_HOME``), then the flow engine's own (measured in
+``benchmarks/README.md``, issue #29). So such a run is ``diffprep.pipeline.run``
+with the phases in this process (``Steps.here``), the questions on the terminal
+(``ask_here``), and the embedded server started beside it at a low CPU priority.
+Once the pipeline has ended, the run is written to that server as the flow run
+the flow would have made: the flow's name and parameters, a task run per phase
+and per unit with its start, end and outcome (the tasks' own names, so the UI
+groups them as it does a live run), the flow's artifacts (plan, sanity report,
+progress, audit, output link), the ``diffprep`` log lines, and its final state:
+Completed, Failed with the error, or Crashed after a Ctrl-C. ``prefect server
+start`` on the same ``PREFECT_HOME`` shows it.
+
+The work does not wait for the server: a run that ends before the server is
+up waits for it only to be recorded, and a server that does not start costs a
+warning, never the run. Transient errors (network, storage) are retried as the
+tasks retry them (``tasks/common.py``). ``DIFFPREP_LIVE_FLOW=1`` runs the flow
+on the embedded server instead, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from diffprep.config import Settings
+from diffprep.pipeline import Events, Progress, Steps, ask_here, encode_one_unit, run, settings_output
+from diffprep.tasks.common import FETCH_RETRY_DELAYS, UNIT_RETRY_DELAYS, is_transient
+
+log = logging.getLogger("diffprep.recorded")
+
+LIVE_FLOW_ENV = "DIFFPREP_LIVE_FLOW"
+SERVER_NICE = 10  # the embedded server's start competes with the encoders for the cores: it gets what they leave
+MAX_LOG_LINES = 20_000
+
+
+def wanted(settings: Settings) -> bool:
+    """Whether this terminal run is recorded afterwards rather than run as a flow: no server to run it on, and
+    nothing the run needs from the Prefect API while it runs (a credentials block, several devices' worker pool,
+    a fan-out deployment)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or os.environ.get(LIVE_FLOW_ENV, "").lower() in ("1", "true", "yes"):
+        return False
+    uses_api = (settings.auth.hf_credentials_block or settings.auth.aws_credentials_block or settings.workers.devices
+                or settings.workers.deployment)
+    return not uses_api and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
+
+
+@dataclass
+class TaskRecord:
+    """One phase or unit as the task run the flow would have made."""
+
+    task: str  # the task's name in ``diffprep.tasks``
+    name: str  # its run's name
+    started: float
+    ended: float = 0.0
+    error: BaseException | None = None
+    logs: list[logging.LogRecord] = field(default_factory=list)
+
+
+class Recorder(logging.Handler):
+    """What a Prefect-free run did, kept to be written to the server as a flow run: its task runs, artifacts and
+    the ``diffprep`` log lines (each with the task run it came from)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.started = time.time()
+        self.ended = 0.0
+        self.tasks: list[TaskRecord] = []
+        self.artifacts: list[Any] = []  # prefect.artifacts.Artifact objects, not yet created
+        self.logs: list[tuple[logging.LogRecord, int | None]] = []
+        self.current: int | None = None  # the task under way (the pipeline runs its phases one at a time)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.logs) < MAX_LOG_LINES:
+            self.logs.append((record, self.current))
+
+    @contextmanager
+    def task(self, task: str, name: str | None = None) -> Iterator[None]:
+        record = TaskRecord(task, name or task, time.time())
+        self.tasks.append(record)
+        self.current = len(self.tasks) - 1
+        try:
+            yield
+        except BaseException as error:
+            record.error = error
+            raise
+        finally:
+            record.ended = time.time()
+            self.current = None
+
+    def timed(self, task: str, call: Callable[..., Any], delays: tuple[int, ...] = ()) -> Callable[..., Any]:
+        def phase(*args: Any) -> Any:
+            with self.task(task):
+                return retried(lambda: call(*args), task, delays)
+        return phase
+
+    def steps(self, settings: Settings, token: str | None) -> Steps:
+        """``Steps.here``, each phase timed as its task, fetch and the units retried on transient errors."""
+        here = Steps.here(token)
+
+        def units(settings: Settings, output: Any, plan: Any, units: list[int], progress: Progress) -> None:
+            for unit in units:
+                with self.task("encode-unit", f"encode-unit-{unit:06d}"):
+                    result = retried(lambda: encode_one_unit(settings, output, plan, unit, token),
+                                     f"unit {unit:06d}", UNIT_RETRY_DELAYS)
+                progress.unit_done({"unit": result.unit, "count": result.count, "rejected": result.rejected,
+                                    "seconds": round(result.seconds, 3), "skipped": result.skipped})
+
+        return Steps(plan=self.timed("fetch", here.plan, FETCH_RETRY_DELAYS),
+                     verify=self.timed("verify-existing", here.verify),
+                     prepare=self.timed("prepare-output", here.prepare),
+                     sanity=self.timed("sanity", here.sanity), units=units,
+                     audit=self.timed("audit", here.audit), finalize=self.timed("finalize", here.finalize),
+                     validate=self.timed("validate", here.validate))
+
+
+def retried(call: Callable[[], Any], what: str, delays: tuple[int, ...]) -> Any:
+    """``call()``, again after each delay while it fails with a transient error (the tasks' retry policy)."""
+    for delay in (*delays, None):
+        try:
+            return call()
+        except Exception as error:
+            if delay is None or not is_transient(error):
+                raise
+            log.warning("%s: %s: %s; retrying in %d s", what, type(error).__name__, error, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class RecordedProgress(Progress):
+    """Progress on the console as a run without Prefect logs it; its last value becomes the progress artifact."""
+
+    def __init__(self, units: int, key: str, recorder: Recorder) -> None:
+        super().__init__(units)
+        self.key, self.recorder = key, recorder
+
+    def update(self) -> None:
+        from prefect.artifacts import ProgressArtifact
+
+        self.recorder.artifacts = [a for a in self.recorder.artifacts if a.key != self.key]
+        self.recorder.artifacts.append(ProgressArtifact(key=self.key, progress=100.0 * self.done / max(1, self.total),
+                                                        description=f"units encoded of {self.total}"))
+
+
+def recording_events(recorder: Recorder) -> Events:
+    from diffprep.flows.encode import ArtifactEvents
+
+    class RecordedEvents(ArtifactEvents):
+        def publish(self, artifact: Any) -> None:
+            recorder.artifacts.append(artifact)
+
+        def log(self, message: str, *args: Any) -> None:
+            log.info(message, *args)
+
+        def progress(self, units: int, output: Any) -> Progress:
+            from diffprep.tasks.common import slug
+
+            return RecordedProgress(units, f"progress-{slug(output.uri)}", recorder)
+
+    return RecordedEvents()
+
+
+def run_recorded(settings: Settings, encoding: str, flow: Any, parameters: dict[str, Any]) -> dict:
+    """``encoding``'s pipeline in this process, then recorded as a run of ``flow`` with ``parameters``."""
+    from diffprep.flows.startup import load_ahead
+    from diffprep.tasks.common import run_token
+
+    server = ServerStart()
+    warming = load_ahead(settings, encoding)
+    recorder = Recorder()
+    diffprep_log = logging.getLogger("diffprep")
+    diffprep_log.addHandler(recorder)
+    try:
+        result = run(settings, encoding, output=settings_output(settings).open(), ask=ask_here,
+                     steps=recorder.steps(settings, run_token(settings)), events=recording_events(recorder),
+                     run_id=f"recorded-{uuid.uuid4()}")
+    except BaseException as error:
+        diffprep_log.removeHandler(recorder)
+        recorder.ended = time.time()
+        server.record(recorder, flow, parameters, error)
+        raise
+    finally:
+        if warming is not None:
+            warming.join()
+    diffprep_log.removeHandler(recorder)
+    recorder.ended = time.time()
+    server.record(recorder, flow, parameters, None)
+    return result.to_json()
+
+
+class ServerStart:
+    """The embedded server, started in a thread at a low CPU priority, and the run written to it once up."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.up = threading.Event()
+        threading.Thread(target=self._start, name="diffprep-server", daemon=True).start()
+
+    def _start(self) -> None:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        from diffprep.flows.embedded_server import start_detached_server
+
+        running = SubprocessASGIServer._instances.get(None)
+        if running is not None and running.running:  # an earlier run of this process started it (a test, a script)
+            self.up.set()
+            return
+        try:
+            start_detached_server(nice=SERVER_NICE)
+        except BaseException as error:  # noqa: BLE001 - said when the run is recorded; the run goes on
+            self.error = error
+        finally:
+            self.up.set()
+        # Linux ends the server (PR_SET_PDEATHSIG) when the thread that started it ends: this one lasts as long as
+        # the process, whose exit stops the server first (atexit).
+        threading.Event().wait()
+
+    def record(self, recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> None:
+        self.up.wait()
+        if self.error is None:
+            try:
+                flow_run = write_flow_run(recorder, flow, parameters, error)
+                log.info("recorded as flow run '%s' (%s) in Prefect: `prefect server start` shows it",
+                         flow_run.name, final_state(error).name)
+                return
+            except Exception as failed:  # noqa: BLE001 - the run's work is done and kept either way
+                self.error = failed
+        log.warning("the run was not recorded in Prefect (%s: %s); its output is complete as reported",
+                    type(self.error).__name__, self.error)
+
+
+def final_state(error: BaseException | None, ran: str = "") -> Any:
+    """The state a run or task ended in; ``ran`` (when it ran: the server stamps a state with the time it is
+    recorded) leads its message."""
+    from prefect.states import Completed, Crashed, Failed
+
+    lead = f"{ran}; " if ran else ""
+    if error is None:
+        return Completed(message=ran or None)
+    if isinstance(error, KeyboardInterrupt):
+        return Crashed(message=f"{lead}interrupted (Ctrl-C); a re-run resumes from the committed units")
+    return Failed(message=f"{lead}{type(error).__name__}: {error}")
+
+
+def _ran(started: float, ended: float, what: str = "ran") -> str:
+    clock = datetime.fromtimestamp(started).strftime("%H:%M:%S.%f")[:-3]
+    return f"{what} at {clock} for {ended - started:.1f} s (recorded after the run)"
+
+
+def _at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> Any:
+    """The run as the flow would have left it on the server: flow run, task runs, artifacts, logs, final state.
+
+    The server stamps every state with the time it receives it (the API takes no timestamp), so each state's
+    message says when its run really ran; the log lines keep their own times."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate, LogCreate
+    from prefect.states import Running
+
+    from diffprep.flows.encode import TASKS_BY_NAME
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(flow, parameters=parameters, tags=["recorded"], state=Running())
+        ids: list[Any] = []
+        for index, task in enumerate(recorder.tasks):
+            task_run = client.create_task_run(TASKS_BY_NAME[task.task], flow_run.id, f"{task.name}-{index}",
+                                              name=task.name, state=Running())
+            client.set_task_run_state(task_run.id, final_state(task.error, _ran(task.started, task.ended)),
+                                      force=True)
+            ids.append(task_run.id)
+        for artifact in recorder.artifacts:
+            client.create_artifact(ArtifactCreate(key=artifact.key, type=artifact.type,
+                                                  description=artifact.description, data=artifact.format(_sync=True),
+                                                  flow_run_id=flow_run.id))
+        client.create_logs([LogCreate(name=record.name, level=record.levelno, message=_message(record),
+                                      timestamp=_at(record.created), flow_run_id=flow_run.id,
+                                      task_run_id=ids[task] if task is not None else None)
+                            for record, task in recorder.logs])
+        ended = final_state(error, _ran(recorder.started, recorder.ended, "ran without a server"))
+        client.set_flow_run_state(flow_run.id, ended, force=True)
+    return flow_run
+
+
+def _message(record: logging.LogRecord) -> str:
+    message = record.getMessage()
+    if record.exc_info:
+        message += "\n" + logging.Formatter().formatException(record.exc_info)
+    return message
+
+
+__all__ = ["LIVE_FLOW_ENV", "Recorder", "run_recorded", "wanted", "write_flow_run"]
