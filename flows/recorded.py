@@ -279,6 +279,12 @@ def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], er
 
     with get_client(sync_client=True) as client:
         flow_run = client.create_flow_run(flow, parameters=parameters, tags=["recorded"], state=Running())
+        # The artifacts first: the client sends an event for each in the background, which has then had the rest
+        # of the recording to go out (sent at exit, they hold it up with a "still processing" warning).
+        for artifact in recorder.artifacts:
+            client.create_artifact(ArtifactCreate(key=artifact.key, type=artifact.type,
+                                                  description=artifact.description, data=artifact.format(_sync=True),
+                                                  flow_run_id=flow_run.id))
         ids: list[Any] = []
         for index, task in enumerate(recorder.tasks):
             task_run = client.create_task_run(TASKS_BY_NAME[task.task], flow_run.id, f"{task.name}-{index}",
@@ -286,10 +292,6 @@ def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], er
             client.set_task_run_state(task_run.id, final_state(task.error, _ran(task.started, task.ended)),
                                       force=True)
             ids.append(task_run.id)
-        for artifact in recorder.artifacts:
-            client.create_artifact(ArtifactCreate(key=artifact.key, type=artifact.type,
-                                                  description=artifact.description, data=artifact.format(_sync=True),
-                                                  flow_run_id=flow_run.id))
         client.create_logs([LogCreate(name=record.name, level=record.levelno, message=_message(record),
                                       timestamp=_at(record.created), flow_run_id=flow_run.id,
                                       task_run_id=ids[task] if task is not None else None)
