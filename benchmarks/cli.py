@@ -89,7 +89,7 @@ SETTINGS = {"image_size": 256, "precision": "fp32", "batch_size": 8, "shard_size
 
 # Log lines of `diffprep encode` that mark the start-up phases, in the order they happen.
 MARKS = {
-    "prefect server started (embedded)": re.compile(r"Starting temporary server"),
+    "prefect server started (embedded)": re.compile(r"Starting temporary server|embedded Prefect server starting"),
     "flow run began": re.compile(r"Beginning flow run"),
     "planned": re.compile(r"planned \d+ samples in"),
     "fetch done": re.compile(r"Task run 'fetch-.*Finished"),

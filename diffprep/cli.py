@@ -65,7 +65,6 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
     """Run encode-dataset, or encode-raw with ``raw``; as one of the ranks of a torchrun or srun launch, this
     rank's part (rank 0 runs the flow, the others encode their units: ``diffprep.launch``)."""
     prefect_defaults()
-    quiet_diffusers()  # the encoders load in this process
     from diffprep import launch
     from diffprep.config import check_runnable, load_settings
     from diffprep.preflight import preflight
@@ -79,6 +78,7 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
     check_runnable(settings)  # fail on bad settings before Prefect starts,
     preflight(settings)  # and on what the settings name that is not there (nothing started, nothing written)
     if ranks.many:
+        quiet_diffusers()  # the encoders load in this process
         if settings.workers.num_shards is not None or settings.workers.devices or settings.workers.deployment:
             raise ConfigError(f"{ranks.launcher} starts {ranks.world_size} ranks, which share the units themselves: "
                               "remove --num-shards/--shard-index, --devices and --encode-deployment")
@@ -115,12 +115,11 @@ def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: boo
     settings = load_settings(config, overrides)
     if recorded.wanted(settings):  # no server to run the flow on: the pipeline here, recorded afterwards
         parameters = (RawParameters if raw else EncodeParameters)(config=config, **overrides)
-        if raw:
-            from diffprep.flows.raw import encode_raw as flow
-        else:
-            from diffprep.flows.encode import encode_dataset as flow
-        return recorded.run_recorded(settings, "raw" if raw else "preencoded", flow,
-                                     {"parameters": parameters.model_dump(mode="json", exclude_unset=True)})
+        # diffusers is quieted once the server's process has started (its import is 2 s of this one's start-up).
+        return recorded.run_recorded(settings, "raw" if raw else "preencoded", _raw_flow if raw else _encode_flow,
+                                     {"parameters": parameters.model_dump(mode="json", exclude_unset=True)},
+                                     then=quiet_diffusers)
+    quiet_diffusers()  # the encoders load in this process
     if raw:
         from diffprep.flows.raw import encode_raw
         from diffprep.flows.startup import start_embedded_server
@@ -139,6 +138,18 @@ def _run_flow(config: str | None, overrides: dict[str, dict[str, Any]], raw: boo
     finally:
         if warming is not None:  # a run that ended early: nothing of it keeps loading after the command
             warming.join()
+
+
+def _encode_flow():
+    from diffprep.flows.encode import encode_dataset
+
+    return encode_dataset
+
+
+def _raw_flow():
+    from diffprep.flows.raw import encode_raw
+
+    return encode_raw
 
 
 def print_summary(result: dict) -> None:
@@ -340,12 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
         "finalized as a Megatron-Energon dataset. Start with: diffprep demo; see README.md."))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    encode = sub.add_parser("encode", help="pre-encode a dataset (runs the encode-dataset Prefect flow)")
+    encode = sub.add_parser("encode", help="pre-encode a dataset (the encode-dataset flow on a Prefect server; without "
+                            "one, run here and recorded as that flow's run)")
     add_flags(encode)
     encode.set_defaults(func=cmd_encode)
 
     raw = sub.add_parser("raw", help="store resized images (with --resolution-buckets: bucketed clips as mp4) and "
-                         "captions without encoding (runs the encode-raw flow)")
+                         "captions without encoding (the encode-raw flow, as encode runs its own)")
     add_flags(raw, RAW_FLAGS)
     raw.set_defaults(func=cmd_raw)
 
@@ -411,29 +423,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command (``argv`` None: this process's arguments, and a Ctrl-C ends the process at once)."""
+    """The command (``argv`` None: this process's arguments, and the process ends once the command has, without
+    the interpreter's teardown: ``exit_now``)."""
     quiet_libraries()
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except DiffprepError as exc:
         print(f"diffprep: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        # The flow engine has recorded the run as crashed (its server is out of the terminal's reach); every
-        # committed unit is kept and a re-run resumes from them.
+        # The run is recorded as crashed (by the flow engine, or afterwards by flows/recorded.py; the server is out
+        # of the terminal's reach); every committed unit is kept and a re-run resumes from them.
         print("\ndiffprep: interrupted; the units already written are kept: run the same command again to resume",
               file=sys.stderr)
-        if argv is None:
-            exit_now(INTERRUPTED)
-        return INTERRUPTED
+        code = INTERRUPTED
+    if argv is None:
+        exit_now(code)
+    return code
 
 
 def exit_now(code: int) -> None:
     """End the process after the exit handlers (the embedded server stopped, logs flushed), without the
     interpreter's teardown of every loaded module: seconds of deallocation after torch, transformers and Prefect
-    (measured 4-8 s on 2 busy cores) that an interrupted user waits through. Every file is committed atomically, so
-    nothing depends on that teardown."""
+    (measured 4-8 s on 2 busy cores) that a user waits through after a Ctrl-C and after every finished run. Every
+    file is committed atomically and closed, so nothing depends on that teardown."""
     import atexit
 
     atexit._run_exitfuncs()

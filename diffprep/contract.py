@@ -294,6 +294,8 @@ T2I_IMAGE_MEMBERS = ("jpg", "png", "jpeg", "webp")  # the image members the load
 T2I_CAPTION = "txt"
 T2I_CAPTION_JSON = "json"
 T2I_DONE_SUFFIX = ".done"
+T2I_SHARD_SIZE = 10_000  # `diffprep t2i imagenet`'s samples per shard: GAE's --samples-per-shard default
+T2I_SEED = 0  # its shuffle's default seed
 T2I_PLAN_JSON = "t2i_plan.json"  # in the state folder: seed, shard size, every shard's source ids
 _T2I_SHARD_RE = re.compile(r"^imagenet_(\d{5,})\.tar$")
 

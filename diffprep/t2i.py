@@ -63,8 +63,8 @@ from diffprep.shards import (
 from diffprep.sources.base import reject
 from diffprep.sources.imagefolder import ImageFolderSource
 
-DEFAULT_SHARD_SIZE = 10_000  # GAE's --samples-per-shard default
-DEFAULT_SEED = 0
+DEFAULT_SHARD_SIZE = contract.T2I_SHARD_SIZE
+DEFAULT_SEED = contract.T2I_SEED
 PLAN_VERSION = 1
 MEMBER_MODE = 0o644
 # Pillow's format name -> the member extension the bytes are kept under.

@@ -40,7 +40,6 @@ def cmd_t2i_blip3o(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     from diffprep import contract
-    from diffprep.t2i import DEFAULT_SEED, DEFAULT_SHARD_SIZE
 
     t2i = sub.add_parser("t2i", help="GAE's text-to-image co-training data (ImageNet shards, BLIP3o mirror)")
     t2i_sub = t2i.add_subparsers(dest="t2i_command", required=True)
@@ -50,8 +49,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     imagenet.add_argument("--output", required=True,
                           help=f"the split folder, e.g. $GAE_DATA_ROOT/Blip3o_style/"
                                f"{contract.T2I_SPLIT_FOLDERS['imagenet']}")
-    imagenet.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE)
-    imagenet.add_argument("--seed", type=int, default=DEFAULT_SEED, help="the shuffle's seed (kept in the plan)")
+    imagenet.add_argument("--shard-size", type=int, default=contract.T2I_SHARD_SIZE)
+    imagenet.add_argument("--seed", type=int, default=contract.T2I_SEED, help="the shuffle's seed (kept in the plan)")
     imagenet.add_argument("--class-names", default=None, help="one name per class folder, sorted order")
     imagenet.add_argument("--caption-template", default=None, help="e.g. 'a photo of a {label}' (default: "
                           "the class name)")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from diffprep import contract
 from diffprep.errors import ConfigError
-from diffprep.shards import fsync_dir
 
 BLIP3O_REPOS: dict[str, str] = {
     "long": "BLIP3o/BLIP3o-Pretrain-Long-Caption",
@@ -50,6 +49,8 @@ def parse_repo_overrides(pairs: Sequence[str]) -> dict[str, str]:
 def mirror_split(split: str, repo: str, output: Path, *, token: str | None = None, endpoint: str | None = None,
                  progress: Callable[[str], None] = lambda line: None) -> MirrorResult:
     from huggingface_hub import HfApi, hf_hub_download
+
+    from diffprep.shards import fsync_dir  # here: the CLI's parser reads this module's repos, torch not loaded
 
     folder = output / contract.T2I_SPLIT_FOLDERS[split]
     tmp = output / contract.STATE_DIR / contract.TMP_DIR / split

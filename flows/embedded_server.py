@@ -32,11 +32,10 @@ import subprocess
 import sys
 from typing import Any
 
-import prefect
 from prefect.server.api.server import SubprocessASGIServer
-from prefect.settings import get_current_settings
 
-MODULE = "diffprep.flows.embedded_server"
+from diffprep.flows.server_command import server_command
+
 PR_SET_PDEATHSIG = 1
 DRAIN_SECONDS = 5
 
@@ -44,19 +43,11 @@ DRAIN_SECONDS = 5
 class DetachedServer(SubprocessASGIServer):
     """Prefect's embedded server in a session of its own, ended with its parent."""
 
-    nice = 0  # added to the server process's niceness (a recorded run's server yields the cores to the encoders)
+    nice = 0  # added to the server process's niceness
 
     def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-        # Prefect 3.9.1's command and environment, with this module in front of uvicorn and a session of its own.
-        server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-        return subprocess.Popen(
-            args=[sys.executable, "-m", MODULE, str(os.getpid()), str(self.nice),
-                  "--app-dir", str(prefect.__module_path__.parent),
-                  "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                  "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
-            env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
-            start_new_session=True,
-        )
+        args, env = server_command(self.port, self.nice)
+        return subprocess.Popen(args=args, env=env, start_new_session=True)
 
 
 def start_detached_server(nice: int = 0) -> SubprocessASGIServer:

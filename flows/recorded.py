@@ -25,10 +25,14 @@ on the embedded server instead, as before.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import socket
+import subprocess
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,8 +41,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from diffprep.config import Settings
-from diffprep.pipeline import Events, Progress, Steps, ask_here, encode_one_unit, run, settings_output
-from diffprep.tasks.common import FETCH_RETRY_DELAYS, UNIT_RETRY_DELAYS, is_transient
+
+# diffprep.pipeline and the tasks (torch, the encoders' libraries: seconds) are imported once the server's process
+# has started, so that its start overlaps those imports.
 
 log = logging.getLogger("diffprep.recorded")
 
@@ -109,11 +114,14 @@ class Recorder(logging.Handler):
                 return retried(lambda: call(*args), task, delays)
         return phase
 
-    def steps(self, settings: Settings, token: str | None) -> Steps:
+    def steps(self, settings: Settings, token: str | None) -> Any:
         """``Steps.here``, each phase timed as its task, fetch and the units retried on transient errors."""
+        from diffprep.pipeline import Steps, encode_one_unit
+        from diffprep.tasks.common import FETCH_RETRY_DELAYS, UNIT_RETRY_DELAYS
+
         here = Steps.here(token)
 
-        def units(settings: Settings, output: Any, plan: Any, units: list[int], progress: Progress) -> None:
+        def units(settings: Settings, output: Any, plan: Any, units: list[int], progress: Any) -> None:
             for unit in units:
                 with self.task("encode-unit", f"encode-unit-{unit:06d}"):
                     result = retried(lambda: encode_one_unit(settings, output, plan, unit, token),
@@ -131,6 +139,8 @@ class Recorder(logging.Handler):
 
 def retried(call: Callable[[], Any], what: str, delays: tuple[int, ...]) -> Any:
     """``call()``, again after each delay while it fails with a transient error (the tasks' retry policy)."""
+    from diffprep.tasks.common import is_transient
+
     for delay in (*delays, None):
         try:
             return call()
@@ -142,23 +152,25 @@ def retried(call: Callable[[], Any], what: str, delays: tuple[int, ...]) -> Any:
     raise AssertionError("unreachable")
 
 
-class RecordedProgress(Progress):
-    """Progress on the console as a run without Prefect logs it; its last value becomes the progress artifact."""
-
-    def __init__(self, units: int, key: str, recorder: Recorder) -> None:
-        super().__init__(units)
-        self.key, self.recorder = key, recorder
-
-    def update(self) -> None:
-        from prefect.artifacts import ProgressArtifact
-
-        self.recorder.artifacts = [a for a in self.recorder.artifacts if a.key != self.key]
-        self.recorder.artifacts.append(ProgressArtifact(key=self.key, progress=100.0 * self.done / max(1, self.total),
-                                                        description=f"units encoded of {self.total}"))
-
-
-def recording_events(recorder: Recorder) -> Events:
+def recording_events(recorder: Recorder) -> Any:
+    """The flow's ``ArtifactEvents``, its artifacts kept for the recording; progress on the console."""
     from diffprep.flows.encode import ArtifactEvents
+    from diffprep.pipeline import Progress
+    from diffprep.tasks.common import slug
+
+    class RecordedProgress(Progress):
+        """Progress logged as a run without Prefect logs it; its last value becomes the progress artifact."""
+
+        def __init__(self, units: int, key: str) -> None:
+            super().__init__(units)
+            self.key = key
+
+        def update(self) -> None:
+            from prefect.artifacts import ProgressArtifact
+
+            recorder.artifacts = [a for a in recorder.artifacts if a.key != self.key]
+            recorder.artifacts.append(ProgressArtifact(key=self.key, progress=100.0 * self.done / max(1, self.total),
+                                                       description=f"units encoded of {self.total}"))
 
     class RecordedEvents(ArtifactEvents):
         def publish(self, artifact: Any) -> None:
@@ -168,19 +180,22 @@ def recording_events(recorder: Recorder) -> Events:
             log.info(message, *args)
 
         def progress(self, units: int, output: Any) -> Progress:
-            from diffprep.tasks.common import slug
-
-            return RecordedProgress(units, f"progress-{slug(output.uri)}", recorder)
+            return RecordedProgress(units, f"progress-{slug(output.uri)}")
 
     return RecordedEvents()
 
 
-def run_recorded(settings: Settings, encoding: str, flow: Any, parameters: dict[str, Any]) -> dict:
-    """``encoding``'s pipeline in this process, then recorded as a run of ``flow`` with ``parameters``."""
+def run_recorded(settings: Settings, encoding: str, load_flow: Callable[[], Any], parameters: dict[str, Any], *,
+                 then: Callable[[], None] = lambda: None) -> dict:
+    """``encoding``'s pipeline in this process, then recorded as a run of the flow ``load_flow`` returns, with
+    ``parameters``; ``then`` is called once the server's process has started (the caller's own slow set-up)."""
+    logging.getLogger("diffprep").setLevel(logging.INFO)
+    server = ServerStart()  # first: its process starts while this one imports the pipeline
+    then()
     from diffprep.flows.startup import load_ahead
+    from diffprep.pipeline import ask_here, run, settings_output
     from diffprep.tasks.common import run_token
 
-    server = ServerStart()
     warming = load_ahead(settings, encoding)
     recorder = Recorder()
     diffprep_log = logging.getLogger("diffprep")
@@ -192,49 +207,66 @@ def run_recorded(settings: Settings, encoding: str, flow: Any, parameters: dict[
     except BaseException as error:
         diffprep_log.removeHandler(recorder)
         recorder.ended = time.time()
-        server.record(recorder, flow, parameters, error)
+        server.record(recorder, load_flow(), parameters, error)
         raise
     finally:
         if warming is not None:
             warming.join()
     diffprep_log.removeHandler(recorder)
     recorder.ended = time.time()
-    server.record(recorder, flow, parameters, None)
+    server.record(recorder, load_flow(), parameters, None)
     return result.to_json()
 
 
 class ServerStart:
-    """The embedded server, started in a thread at a low CPU priority, and the run written to it once up."""
+    """The embedded server's process, started at once at a low CPU priority, answering ``/health`` (watched in a
+    thread); the run written to it once the run is over; stopped at exit.
+
+    The process is started here, from the main thread, as ``server_command`` gives it (never through
+    ``prefect.server``, whose 3 s of imports in this process would slow the run): Linux ends it
+    (``PR_SET_PDEATHSIG``) when the thread that started it ends, and the main thread lasts as long as the command.
+    """
 
     def __init__(self) -> None:
+        from diffprep.flows.server_command import server_command
+
         self.error: BaseException | None = None
         self.up = threading.Event()
-        threading.Thread(target=self._start, name="diffprep-server", daemon=True).start()
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        args, env = server_command(self.port, SERVER_NICE)
+        self.process = subprocess.Popen(args, env=env, start_new_session=True)
+        atexit.register(self.stop)
+        log.info("embedded Prefect server starting on http://127.0.0.1:%d, to record this run when it ends", self.port)
+        threading.Thread(target=self._wait, name="diffprep-server", daemon=True).start()
 
-    def _start(self) -> None:
-        from prefect.server.api.server import SubprocessASGIServer
+    def _wait(self) -> None:
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
-        from diffprep.flows.embedded_server import start_detached_server
-
-        running = SubprocessASGIServer._instances.get(None)
-        if running is not None and running.running:  # an earlier run of this process started it (a test, a script)
-            self.up.set()
-            return
+        deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
         try:
-            start_detached_server(nice=SERVER_NICE)
+            while not _healthy(self.url):
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the embedded Prefect server exited with code {self.process.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the embedded Prefect server did not answer on {self.url} within "
+                                       f"{PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()} s "
+                                       "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
+                time.sleep(0.1)
+            import prefect.client.orchestration  # noqa: F401 - loaded while the run goes on, for the recording
         except BaseException as error:  # noqa: BLE001 - said when the run is recorded; the run goes on
             self.error = error
         finally:
             self.up.set()
-        # Linux ends the server (PR_SET_PDEATHSIG) when the thread that started it ends: this one lasts as long as
-        # the process, whose exit stops the server first (atexit).
-        threading.Event().wait()
 
     def record(self, recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> None:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
         self.up.wait()
         if self.error is None:
             try:
-                flow_run = write_flow_run(recorder, flow, parameters, error)
+                with temporary_settings(updates={PREFECT_API_URL: self.url}):
+                    flow_run = write_flow_run(recorder, flow, parameters, error)
                 log.info("recorded as flow run '%s' (%s) in Prefect: `prefect server start` shows it",
                          flow_run.name, final_state(error).name)
                 return
@@ -242,6 +274,30 @@ class ServerStart:
                 self.error = failed
         log.warning("the run was not recorded in Prefect (%s: %s); its output is complete as reported",
                     type(self.error).__name__, self.error)
+
+    def stop(self) -> None:
+        """End the server (its last writes done: SIGTERM, as uvicorn shuts down cleanly), at most 5 s."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:  # refused while it starts; URLError is an OSError
+        return False
 
 
 def final_state(error: BaseException | None, ran: str = "") -> Any:

@@ -137,3 +137,15 @@ def test_the_library_does_not_import_prefect() -> None:
                 offenders.append(name)
     # The CLI starts the flows; nothing else in the library may know Prefect.
     assert sorted(set(offenders)) == []
+
+
+def test_the_command_line_is_parsed_before_torch_or_prefect_load() -> None:
+    """Every ``diffprep`` command builds its parser first: a module that pulled torch in there (2 s on 2 cores)
+    delayed every command, and a terminal run's embedded server could not start until it was loaded."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from diffprep.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('torch', 'prefect', 'diffusers', 'transformers') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr

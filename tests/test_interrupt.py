@@ -104,7 +104,7 @@ def test_ctrl_c_with_the_embedded_server_does_not_hang(data, tiny_model, tmp_pat
     assert "recorded as flow run" in printed and "(Crashed)" in printed and "httpx" not in printed, printed
     with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
         assert db.execute("select state_type from flow_run").fetchall() == [("CRASHED",)]
-    port = int(re.search(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", printed).group(1))
+    port = int(re.search(r"embedded Prefect server starting on http://127\.0\.0\.1:(\d+)", printed).group(1))
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the embedded server outlived the command"
     assert not list(out.glob("*.tmp")) and (out / contract.STATE_DIR / contract.PLAN_JSON).is_file()
