@@ -36,7 +36,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -74,7 +74,6 @@ class TaskRecord:
     started: float
     ended: float = 0.0
     error: BaseException | None = None
-    logs: list[logging.LogRecord] = field(default_factory=list)
 
 
 class Recorder(logging.Handler):
@@ -89,10 +88,13 @@ class Recorder(logging.Handler):
         self.artifacts: list[Any] = []  # prefect.artifacts.Artifact objects, not yet created
         self.logs: list[tuple[logging.LogRecord, int | None]] = []
         self.current: int | None = None  # the task under way (the pipeline runs its phases one at a time)
+        self.dropped = 0  # lines past MAX_LOG_LINES: counted, said in the recorded log
 
     def emit(self, record: logging.LogRecord) -> None:
         if len(self.logs) < MAX_LOG_LINES:
             self.logs.append((record, self.current))
+        else:
+            self.dropped += 1
 
     @contextmanager
     def task(self, task: str, name: str | None = None) -> Iterator[None]:
@@ -352,6 +354,11 @@ def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], er
                                       timestamp=_at(record.created), flow_run_id=flow_run.id,
                                       task_run_id=ids[task] if task is not None else None)
                             for record, task in recorder.logs])
+        if recorder.dropped:
+            client.create_logs([LogCreate(name=log.name, level=logging.WARNING, timestamp=_at(recorder.ended),
+                                          message=f"{recorder.dropped} more log lines of this run were not recorded "
+                                                  f"(at most {MAX_LOG_LINES}); the terminal showed them",
+                                          flow_run_id=flow_run.id)])
         ended = final_state(error, _ran(recorder.started, recorder.ended, "ran without a server"))
         client.set_flow_run_state(flow_run.id, ended, force=True)
     return flow_run
