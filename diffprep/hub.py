@@ -162,6 +162,13 @@ def resolve_component(
     return _hub_component(path_or_repo, subfolder, revision=revision, token=token, encoder=encoder)
 
 
+def hub_root_files(repo_id: str, names: Sequence[str], *, revision: str | None = None, token: str | None = None,
+                   encoder: str = "model") -> Path:
+    """The snapshot folder holding those of ``names`` (root files: ``model_index.json``, ``config.json``) that hub
+    repo ``repo_id`` has, downloaded alone (or read from the cache) through the same download as the encoders."""
+    return _download(repo_id, list(names), ["*/*"], revision=revision, token=token, encoder=encoder)
+
+
 def resolve_parts(model: ModelConfig, parts: Sequence[Part], layout: str, *, token: str | None = None
                   ) -> dict[str, ResolvedPart]:
     """Resolve (and download if needed) every part of a family's encoders, keyed by part name; ``layout``

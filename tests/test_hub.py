@@ -288,3 +288,26 @@ def test_offline_and_not_cached_names_the_encoder_and_the_three_fixes(monkeypatc
     assert "transformer" not in message
     assert "unset HF_HUB_OFFLINE" in message  # 3. go online
     assert isinstance(info.value.__cause__, LocalEntryNotFoundError)
+
+
+def test_a_hub_vae_repo_without_model_index_is_told_by_its_config_and_loads(tiny, tmp_path, monkeypatch):
+    # stabilityai/sd-vae-ft-mse holds config.json + weights at its root and no model_index.json.
+    from diffprep.families import family_of_model
+    from diffprep.families.sd_vae import load_sd_vae
+    from diffprep.families.sd_vae_tiny import write_tiny_sd_vae
+
+    vae = write_tiny_sd_vae(tmp_path / "sd-vae-ft-mse")
+    (vae / "diffusion_pytorch_model.bin").write_bytes(b"the other framework's copy")
+    fake = FakeHub(tmp_path / "cache", {"stabilityai/sd-vae-ft-mse": vae, REPO: tiny,
+                                        "someone/flux-vae": tiny / "vae"})
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+
+    assert family_of_model("stabilityai/sd-vae-ft-mse", token=TOKEN).name == "sd-vae"
+    assert fake.calls[-1]["allow"] == ["model_index.json", "config.json"] and fake.calls[-1]["token"] == TOKEN
+    assert fake.fetched() == {"config.json"}  # detection reads the config alone, never the weights
+    assert family_of_model(REPO).name == "flux"  # told by its model_index.json, as before
+    assert family_of_model("someone/flux-vae").name == "flux"  # a 16-channel AutoencoderKL is not the SD VAE
+
+    loaded = load_sd_vae("stabilityai/sd-vae-ft-mse", token=TOKEN)
+    assert loaded.vae.config.latent_channels == 4 and fake.calls[-1]["token"] == TOKEN
+    assert "diffusion_pytorch_model.bin" not in {Path(n).name for n in fake.fetched()}

@@ -1,5 +1,5 @@
-"""Model families, detected from what a model folder holds: ``model_index.json``'s ``_class_name``, or an LTX-2
-checkpoint.
+"""Model families, detected from what a model folder (or hub repo) holds: ``model_index.json``'s ``_class_name``,
+an LTX-2 checkpoint, or an SD VAE's root ``config.json``.
 
 A family module declares its hub layout and components, loads and runs its
 encoders, names its sample fields and their shapes, and writes its tiny
@@ -127,13 +127,16 @@ def detect_family(model: str | Path | Mapping[str, Any]) -> Family:
 
 def family_of_model(model_path: str, family: str | None = None, *, revision: str | None = None,
                     token: str | None = None) -> Family:
-    """The family a run encodes with: ``family`` when given, else ``model_path``'s ``model_index.json``.
+    """The family a run encodes with: ``family`` when given, else what ``model_path`` holds.
 
-    A hub repo's ``model_index.json`` is fetched alone (or read from the cache).
-    A local LTX-2 checkpoint (the file, or a folder holding one) is LTX-2. A
-    folder without either, or a hub index that cannot be fetched, is Flux: the
-    layout diffprep read before families existed (its own loader then says
-    what is missing).
+    A folder (or hub repo) with ``model_index.json`` is the family of its
+    pipeline class; a local LTX-2 checkpoint (the file, or a folder holding
+    one) is LTX-2; a folder (or hub repo) whose root ``config.json`` is a
+    4-channel ``AutoencoderKL`` is sd-vae (``stabilityai/sd-vae-ft-mse`` has no
+    index). A hub repo's two root files are fetched alone (or read from the
+    cache) through :mod:`diffprep.hub`. Anything else, or a hub repo whose
+    files cannot be fetched, is Flux: the layout diffprep read before families
+    existed (its own loader then says what is missing, or why the hub refused).
     """
     if family is not None:
         return get_family(family)
@@ -142,16 +145,18 @@ def family_of_model(model_path: str, family: str | None = None, *, revision: str
         return detect_family(folder)
     if (folder.is_dir() or folder.is_file()) and ltx2_checkpoint(folder) is not None:
         return get_family("ltx2")
-    from diffprep.families.sd_vae import is_sd_vae_folder
+    from diffprep.families.sd_vae import CONFIG, is_sd_vae_folder
 
     if is_sd_vae_folder(folder):
         return get_family("sd-vae")
-    if folder.is_dir():
+    if folder.exists():
         return get_family("flux")
     try:
-        from huggingface_hub import hf_hub_download
+        from diffprep.hub import hub_root_files
 
-        index = hf_hub_download(model_path, MODEL_INDEX, revision=revision, token=token)
-    except Exception:  # noqa: BLE001 - offline, gated or no such file: the Flux resolver reports the real problem
+        snapshot = hub_root_files(model_path, [MODEL_INDEX, CONFIG], revision=revision, token=token)
+    except Exception:  # noqa: BLE001 - offline, gated or not a repo: the Flux resolver reports the real problem
         return get_family("flux")
-    return detect_family(Path(index).parent)
+    if (snapshot / MODEL_INDEX).is_file():
+        return detect_family(snapshot)
+    return get_family("sd-vae") if is_sd_vae_folder(snapshot) else get_family("flux")

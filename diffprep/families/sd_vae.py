@@ -70,10 +70,17 @@ class SdVae:
 def load_sd_vae(model_path: str, *, device: str | torch.device = "cpu", revision: str | None = None,
                 token: str | None = None, local_only: bool = False) -> SdVae:
     """The VAE of ``model_path`` (a local folder or a hub repo of the sd-vae layout), in float32, refused when it
-    is not an ``AutoencoderKL`` with 4 latent channels."""
+    is not an ``AutoencoderKL`` with 4 latent channels. A hub repo's root files are downloaded (or read from the
+    cache) through :mod:`diffprep.hub`, whose errors name the three ways out of a refusal or of being offline."""
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL.from_pretrained(model_path, revision=revision, token=token, local_files_only=local_only,
+    from diffprep.hub import resolve_component
+
+    folder = model_path
+    if not Path(model_path).expanduser().is_dir() and not local_only:
+        local_dir, _ = resolve_component(model_path, None, revision=revision, token=token, encoder="VAE")
+        folder, revision = str(local_dir), None
+    vae = AutoencoderKL.from_pretrained(folder, revision=revision, token=token, local_files_only=local_only,
                                         torch_dtype=torch.float32)
     channels = vae.config.latent_channels
     if channels != LATENT_CHANNELS:
