@@ -222,6 +222,8 @@ def test_hf_class_labels_become_captions(tmp_path: Path) -> None:
     assert [s.caption for s in read_all(hf(str(path))).values()][:2] == ["great white shark", "tench"]
     # The label itself travels too (meta.json's label and class_name; edm-zip's dataset.json).
     assert [(s.label, s.class_name) for s in read_all(source).values()][:2] == [(2, "great white shark"), (0, "tench")]
+    # Its class count is the source's, as the class folders' and CIFAR-10's are: edm-zip's label-width check.
+    assert source.describe()["classes"] == 3
 
     # An integer column takes its names from a file; a label past the names is a named reject.
     names = tmp_path / "coarse.txt"

@@ -222,6 +222,9 @@ class HuggingFaceSource:
             "caption_key": self.caption_key,
             "caption_template": self._cfg.caption_template,
             "class_names": self._cfg.class_names,
+            # A label column's class count (a ClassLabel's names, or --class-names'): the label width edm-zip's
+            # validation expects without --num-classes, as the class-folder and CIFAR-10 sources record theirs.
+            **({"classes": len(self.class_names)} if self.class_names is not None and not self.is_video else {}),
         }
 
     def list_ids(self) -> Iterator[str]:
