@@ -102,7 +102,8 @@ class SourceConfig(_Section):
     num_classes: int | None = Field(
         None, ge=1, description="edm-zip: the label width the trainer must see (FastGen takes max(label)+1): 10 for "
         "CIFAR-10, 1000 for ImageNet. Validation refuses an archive whose labels give another width. Unset: the "
-        "source's own count where it knows it (class folders, CIFAR-10).",
+        "source's own count where it knows it (class folders, CIFAR-10, a ClassLabel column). Refused when the source "
+        "knows another count or has no labels.",
     )
     score_columns: list[str] | None = Field(
         None, description="metadata: columns of numbers copied into each sample's json / meta.json as top-level "

@@ -175,9 +175,36 @@ def test_edm_zip_settings_are_checked(tmp_path: Path) -> None:
         fetch(scored, encoding="raw")
     plain = fetch(edm_settings(source, tmp_path / "o3"), encoding="raw")[0]
     counted = fetch(load_settings(overrides={**edm_settings(source, tmp_path / "o3").model_dump(),
-                                             "source": {**source, "num_classes": 1000}}), encoding="raw")[0]
-    assert "num_classes" not in plain.settings and counted.settings["num_classes"] == 1000
+                                             "source": {**source, "num_classes": 1}}), encoding="raw")[0]
+    assert "num_classes" not in plain.settings and counted.settings["num_classes"] == 1
     assert plain.fingerprint != counted.fingerprint
+
+
+def test_num_classes_contradicting_the_source_and_cifar_at_another_size_are_refused(tmp_path: Path) -> None:
+    from diffprep.fetch import fetch
+    from diffprep.sources.labels import check_num_classes
+
+    root = write_classes(tmp_path / "train", {"a": [(40, 40)], "b": [(40, 40)], "c": [(40, 40)]})
+    folders = {"type": "imagefolder", "input_dir": str(root)}
+    # Three folders give labels 0..2: FastGen's width max(label)+1 can never be 5 (nor 2): refused before any work.
+    for asked in (5, 2):
+        with pytest.raises(SourceError, match=f"--num-classes {asked}\\) contradicts the imagefolder source's 3 "
+                                              "classes.*an empty folder keeps its index"):
+            fetch(edm_settings({**folders, "num_classes": asked}, tmp_path / f"o{asked}"), encoding="raw")
+    assert not (tmp_path / "o5").exists()
+    assert fetch(edm_settings({**folders, "num_classes": 3}, tmp_path / "o3"), encoding="raw")[0].settings[
+        "num_classes"] == 3
+    tarball = tmp_path / "cifar-10-python.tar.gz"
+    write_cifar(tarball, count=1)
+    cifar = {"type": "cifar10", "input_path": str(tarball)}
+    with pytest.raises(SourceError, match="contradicts the cifar10 source's 10 classes.*remove --num-classes"):
+        fetch(edm_settings({**cifar, "num_classes": 100}, tmp_path / "c1"), encoding="raw")
+    with pytest.raises(ConfigError, match="CIFAR-10 is 32 px.*remove --image-size 64"):
+        fetch(edm_settings(cifar, tmp_path / "c2", image_size=64), encoding="raw")
+    # An unlabeled source has no width to ask for: refused, not ignored (and validation fails such an archive).
+    with pytest.raises(SourceError, match="this directory source has no labels.*remove --num-classes"):
+        check_num_classes(10, {"type": "directory"})
+    check_num_classes(None, {"type": "directory"})
 
 
 @pytest.mark.slow
@@ -286,3 +313,8 @@ def test_validation_refuses_a_label_width_other_than_the_sources_classes(tmp_pat
     asked = SimpleNamespace(source={"classes": 9}, settings={"num_classes": 1000}, expected=RAW_PNG)
     failed = [c for c in check_archive(path, asked, 9)[0] if not c.ok]
     assert [c.name for c in failed] == ["labels"] and "--num-classes is 1000" in failed[0].detail
+    unlabeled = tmp_path / "unlabeled.zip"
+    write_archive(unlabeled, iter([(contract.edm_zip_name(i), png.getvalue(), None) for i in range(2)]))
+    checks = check_archive(unlabeled, SimpleNamespace(source={}, settings={"num_classes": 10}, expected=RAW_PNG), 2)[0]
+    assert [c.name for c in checks if not c.ok] == ["labels"]
+    assert all(c.ok for c in check_archive(unlabeled, SimpleNamespace(source={}, expected=RAW_PNG), 2)[0])

@@ -79,6 +79,11 @@ def check_settings(settings: Any, *, image_files: bool = True) -> None:
                           f"got {size}: 32, 64, 128, 256, 512 ...")
     if settings.output.key_map:
         raise ConfigError("--layout edm-zip names its files itself (NNNNN/imgNNNNNNNN.png): remove --key-map")
+    from diffprep.sources.cifar10 import SIDE as CIFAR_SIZE
+
+    if settings.source.type == "cifar10" and size != CIFAR_SIZE:
+        raise ConfigError(f"CIFAR-10 is {CIFAR_SIZE} px and its archive stores it as it is (EDM's dataset_tool, "
+                          f"FastGen's CIFAR10_Loader_Config): remove --image-size {size} or set it to {CIFAR_SIZE}")
     if settings.source.score_columns:
         raise ConfigError("--layout edm-zip stores images and labels only (FastGen's ImageFolderDataset reads no "
                           f"per-sample json): remove --score-column {','.join(settings.source.score_columns)}, or "
@@ -265,10 +270,12 @@ def check_archive(path: Path, plan: Plan, written: int | None, stats: Any = None
                     if image.format != "PNG" or image.mode != "RGB" or list(image.size) != [side, side]:
                         images.add(f"{name} is {image.format} {image.mode} {image.size}, expected PNG RGB "
                                    f"{side}x{side}")
+    asked = (getattr(plan, "settings", None) or {}).get("num_classes")
+    if labels is None and asked is not None:
+        label_check.add(f"--num-classes is {asked} but dataset.json's labels are null: the loader sees width 0")
     if labels is not None:
         if (labels < 0).any():
             label_check.add("a label is negative")
-        asked = (getattr(plan, "settings", None) or {}).get("num_classes")
         classes = asked if asked is not None else plan.source.get("classes")
         where = f"--num-classes is {asked}" if asked is not None else f"the source has {classes} classes"
         if classes is not None and view["label_dim"] != classes:

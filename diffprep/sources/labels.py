@@ -12,7 +12,7 @@ A label with no name is an ``invalid_caption`` reject.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -35,6 +35,27 @@ def checked_template(template: str | None) -> str:
         raise SourceError(f"source.caption_template {template!r} must hold {{label}} (the class name) "
                           "and no other {...} field, e.g. 'a photo of a {label}'")
     return chosen
+
+
+def check_num_classes(num_classes: int | None, described: Mapping) -> None:
+    """Refuse ``--num-classes`` where the opened source (its ``describe()``) makes the asked label width impossible:
+    a source without labels, or one that knows another class count (its labels run 0..classes-1, so FastGen's
+    width ``max(label)+1`` could never be the one asked)."""
+    if num_classes is None:
+        return
+    classes, kind = described.get("classes"), described.get("type")
+    flag = f"source.num_classes (--num-classes {num_classes})"
+    if classes is None:
+        raise SourceError(f"{flag} is the label width of a labeled source (class folders, CIFAR-10, a Hugging Face "
+                          f"ClassLabel column or --class-names); this {kind} source has no labels, so its "
+                          "dataset.json would be {\"labels\": null}: remove --num-classes")
+    if classes != num_classes:
+        fix = ("give one folder per class (an empty folder keeps its index in the sorted order), or remove "
+               "--num-classes" if kind == "imagefolder" else "remove --num-classes (validation checks the source's "
+               "own count without it)")
+        raise SourceError(f"{flag} contradicts the {kind} source's {classes} classes: its labels run "
+                          f"0..{classes - 1}, so the loader's label width max(label)+1 can never be {num_classes}: "
+                          f"{fix}")
 
 
 @cache
