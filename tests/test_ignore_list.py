@@ -14,10 +14,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import tarfile
 
 import pytest
 import torch
+import webdataset.autodecode
+from fastgen_loader import fastgen_ignore_index, fastgen_samples, fastgen_shard_counts, fastgen_shards
 
 from diffprep import contract
 from diffprep.audit import audit
@@ -90,7 +93,7 @@ def test_scan_names_exactly_the_planted_keys(tmp_path, make_plan, write_unit, ca
                                                                                "000002.tar": 2}
 
 
-def test_all_rejected_unit_writes_no_shard(tmp_path, demo_data, tiny_model, settings_for) -> None:
+def test_all_rejected_unit_writes_no_shard(tmp_path, demo_data, tiny_model, settings_for, monkeypatch) -> None:
     for name in ("00004.png", "00005.png", "00006.jpg", "00007.png"):  # unit 1 of 4-sample units
         (demo_data / "images" / name).write_bytes(b"not an image")
     out = tmp_path / "out"
@@ -110,5 +113,27 @@ def test_all_rejected_unit_writes_no_shard(tmp_path, demo_data, tiny_model, sett
     # A whole dataset: nothing to ignore, and the list FastGen reads is written empty.
     assert main(["ignore-list", str(out)]) == 0
     assert json.loads((out / contract.IGNORE_INDEX_JSON).read_text()) == {}
+    # FastGen's loader rules (its latent key map, ignore_index_paths, shard_counts.json): the empty list loads as
+    # an empty ignore index (34f30e8's get_ignore_index: json.load, then no shard), every sample read, counts exact.
+    monkeypatch.setattr(webdataset.autodecode, "pytorch_weights_only", True)
+    key_map = {"real": contract.FASTGEN_LATENT, "condition": contract.FASTGEN_TXT_EMB}
+    ignore_file = [out / contract.IGNORE_INDEX_JSON]
+    per_shard = lambda items: {name: sum(os.path.basename(i["__url__"]) == name for i in items)  # noqa: E731
+                               for name in ("000000.tar", "000002.tar")}
+    shards = fastgen_shards(out)
+    assert per_shard(fastgen_samples(out, key_map, ignore_index_paths=ignore_file)) == fastgen_shard_counts(
+        out, fastgen_ignore_index(ignore_file, shards)) == {"000000.tar": 4, "000002.tar": 4}
+    # A latent broken after the run: listed, its key dropped while iterating, and the deterministic loader's count
+    # for its shard (shard_counts.json less the listed keys) is exactly what it reads.
+    broken = f"000002_000001.{contract.FASTGEN_LATENT}"
+    _rewrite(out / "000002.tar", lambda name, data: data[: len(data) // 2] if name == broken else data)
+    assert main(["ignore-list", str(out)]) == 1
+    ignore = fastgen_ignore_index(ignore_file, shards)
+    assert ignore == {"000002.tar": {"000002_000001"}}
+    read = fastgen_samples(out, key_map, ignore_index_paths=ignore_file)
+    assert "000002_000001" not in {item["__key__"] for item in read}
+    assert per_shard(read) == fastgen_shard_counts(out, ignore) == {"000000.tar": 4, "000002.tar": 3}
+    with pytest.raises(Exception):  # unlisted, its decode fails (FastGen warns and skips it, a resume then shifts)
+        fastgen_samples(out, key_map)
     assert Layout.of_plan(json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())["settings"]).name \
         == "fastgen"

@@ -12,7 +12,6 @@ dataset: validation loads it through diffprep's cooker.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import tarfile
@@ -20,11 +19,11 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-import webdataset as wds
 import webdataset.autodecode
 from torch.utils.data import default_collate
 
 from conftest import TINY_EXPECTED
+from fastgen_loader import fastgen_samples
 from diffprep import contract
 from diffprep.audit import audit
 from diffprep.config import load_settings
@@ -45,29 +44,12 @@ from test_posterior import _drop_member
 NEGATIVE = "blurry, low quality"
 
 
-def _npy(key: str, data: bytes):
-    """A FastGen-style ``.npy`` handler: the whole extension, plain arrays only, as a tensor."""
-    return torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False)) if key.endswith(".npy") else None
-
-
-def _txt(key: str, data: bytes):
-    return data.decode("utf-8").strip() if key.endswith(".txt") else None
-
-
 def _keys_per_tar(out) -> dict[str, int]:
     counts = {}
     for path in sorted(out.glob("*.tar")):
         with tarfile.open(path) as tar:
             counts[path.name] = len({m.name.partition(".")[0] for m in tar if m.isfile()})
     return counts
-
-
-def fastgen_samples(out, key_map: dict[str, str]) -> list[dict]:
-    """Every sample as FastGen's webdataset loader decodes it: only the key map's members, ``.pth`` through
-    webdataset's own handler (weights only: torch >= 2.6's default without WDS_PYTORCH_WEIGHTS_ONLY)."""
-    decoder = wds.autodecode.Decoder([_npy, _txt], only=list(key_map.values()))
-    shards = sorted(str(p) for p in out.glob("*.tar"))
-    return list(wds.WebDataset(shards, shardshuffle=False, empty_check=False).map(decoder))
 
 
 def test_fastgen_flux_output_reads_like_fastgens_latent_loader(tmp_path, demo_data, tiny_model, settings_for,

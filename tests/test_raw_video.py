@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
+from diffprep import contract
 from diffprep.config import load_settings
 from diffprep.decode import decode_dataset
 from diffprep.demo import write_demo_clips
@@ -267,6 +268,23 @@ def test_raw_video_keeps_each_clips_audio_and_scores_for_fastgens_loaders(tmp_pa
         # The source's tones: 220 Hz left, 330 Hz right (a mono source: 220 Hz on both).
         want = [220.0, 220.0] if meta["source_id"] == "clips/mono.mp4" else [220.0, 330.0]
         assert heard == pytest.approx(want, abs=4.0), (key, heard)
+
+    # Through FastGen's loader rules (VideoAudioLoaderConfig's key map: mp4 + txt): every clip kept, its caption
+    # stripped, the mp4 bytes as stored; presets_filter's score filter reads the json member's aesthetic_score.
+    from fastgen_loader import fastgen_samples
+
+    key_map = {"real": contract.RAW_VIDEO, "condition": contract.RAW_CAPTION}
+    loaded = fastgen_samples(out, key_map)
+    assert [item["__key__"] for item in loaded] == sorted(stored)
+    source_of = {key: json.loads(fields["json"])["source_id"] for key, fields in stored.items()}
+    for item in loaded:
+        assert item[contract.RAW_VIDEO] == stored[item["__key__"]]["mp4"]
+        assert item[contract.RAW_CAPTION] == f"a {Path(source_of[item['__key__']]).stem} clip"
+    kept = {threshold: [source_of[item["__key__"]] for item in fastgen_samples(
+        out, key_map, presets_filter={"score": {"threshold": threshold, "score_key": "aesthetic_score"}})]
+        for threshold in (5.5, 7.0)}
+    # 6.5 passes 5.5 and not 7.0; the clip whose score was NaN has none, so the filter keeps it at any threshold.
+    assert kept == {5.5: ["clips/loud.mp4", "clips/mono.mp4"], 7.0: ["clips/mono.mp4"]}
 
     inspector = RawVideoInspector(expected)
     inspector.inspect(SimpleNamespace(__key__="000000_000009", bucket="32x24x5", video=mp4_bytes(_frames(), 8.0)))

@@ -127,7 +127,9 @@ def never_ask(question, preset=None, *, release=False):
     pytest.fail(f"asked {question.key}: {question.title}")
 
 
-def test_fastgen_depth_latents_are_the_vaes_encode_of_the_depth_frames(tiny_wan, tmp_path):
+def test_fastgen_depth_latents_are_the_vaes_encode_of_the_depth_frames(tiny_wan, tmp_path, monkeypatch):
+    import webdataset.autodecode
+    from fastgen_loader import fastgen_samples, fastgen_shard_counts
     from flow_runs import shard_samples
 
     from diffprep.families.wan import WanEncoders
@@ -160,6 +162,20 @@ def test_fastgen_depth_latents_are_the_vaes_encode_of_the_depth_frames(tiny_wan,
     for i, key in enumerate(keys):
         assert torch.equal(load_tensor(samples[key][contract.DEPTH_LATENT], key=key, field="d"), want_depth[i])
         assert torch.equal(load_tensor(samples[key][contract.FASTGEN_LATENT], key=key, field="l"), want_latent[i])
+
+    # FastGen's VACE v2v loader: VideoLatentLoaderConfig's key map plus key_map["depth_latent"], every sample kept
+    # (none lacks a member), .pth decoded by webdataset's handler with weights only; shard_counts.json exact.
+    monkeypatch.setattr(webdataset.autodecode, "pytorch_weights_only", True)
+    key_map = {"real": contract.FASTGEN_LATENT, "condition": contract.FASTGEN_TXT_EMB,
+               "depth_latent": contract.DEPTH_LATENT}
+    loaded = fastgen_samples(tmp_path / "out", key_map)
+    assert [item["__key__"] for item in loaded] == keys
+    assert sum(fastgen_shard_counts(tmp_path / "out", {}).values()) == len(loaded)
+    for i, item in enumerate(loaded):
+        assert torch.equal(item[contract.DEPTH_LATENT], want_depth[i])
+        assert torch.equal(item[contract.FASTGEN_LATENT], want_latent[i])
+        condition = item[contract.FASTGEN_TXT_EMB]  # umT5's [t5_max_length, hidden], as the fastgen layout writes it
+        assert isinstance(condition, torch.Tensor) and condition.shape[0] == 16 and condition.dtype == torch.float32
 
 
 def test_depth_column_is_refused_where_nothing_stores_it(tiny_model, tmp_path):

@@ -206,7 +206,7 @@ def test_fastgen_layout_writes_latent_and_the_umt5_sequence_as_txt_emb(tiny_wan,
     """Wan under --layout fastgen (consumer-formats.md B): ``latent.pth`` and ``txt_emb.pth`` [L, D] (one tensor,
     not a tuple), the empty caption as the default negative prompt, shard_counts.json; validate and decode read it."""
     from diffprep.decode import decode_dataset
-    from test_layouts import fastgen_samples
+    from fastgen_loader import fastgen_samples
 
     out = tmp_path / "out"
     settings = _settings(out, clips, tiny_wan)
