@@ -308,6 +308,14 @@ def test_a_hub_vae_repo_without_model_index_is_told_by_its_config_and_loads(tiny
     assert family_of_model(REPO).name == "flux"  # told by its model_index.json, as before
     assert family_of_model("someone/flux-vae").name == "flux"  # a 16-channel AutoencoderKL is not the SD VAE
 
+    # The README's ImageNet-256 command plans as sd-vae latents with the hub id as --model-path.
+    from diffprep import contract
+    from diffprep.fetch import fetch
+    from test_sd_vae import sd_vae_settings, write_classes
+
+    settings = sd_vae_settings(tmp_path / "out", write_classes(tmp_path / "train"), "stabilityai/sd-vae-ft-mse")
+    assert fetch(settings)[0].encoding == contract.ENCODING_SD_VAE
+
     loaded = load_sd_vae("stabilityai/sd-vae-ft-mse", token=TOKEN)
     assert loaded.vae.config.latent_channels == 4 and fake.calls[-1]["token"] == TOKEN
     assert "diffusion_pytorch_model.bin" not in {Path(n).name for n in fake.fetched()}
