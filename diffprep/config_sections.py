@@ -87,13 +87,14 @@ class SourceConfig(_Section):
         "v2v depth_latent), e.g. depth_path; decoded with the clip's frames, crop and size.",
     )
     caption_template: str | None = Field(
-        None, description="huggingface, imagefolder: a caption made from a class label, e.g. 'a photo of a {label}' ({label}: "
-        "the class name). Unset: the class name alone. Text captions are kept as they are.",
+        None, description="huggingface, imagefolder, cifar10: a caption made from a class label, e.g. 'a photo of "
+        "a {label}' ({label}: the class name). Unset: the class name alone. Text captions are kept as they are.",
     )
     class_names: str | None = Field(
         None, description="huggingface: a file with one class name per line (label 0 first), for an integer label "
         "column that is not a datasets ClassLabel (a ClassLabel's own names are used otherwise). imagefolder: one "
-        "name per class folder in sorted order (unset: ImageNet-1k's names for its 1000 synsets, else the folders').",
+        "name per class folder in sorted order (unset: ImageNet-1k's names for its 1000 synsets, else the folders'). "
+        "cifar10: its 10 names, label 0 first (unset: CIFAR-10's own).",
     )
     input_path: str | None = Field(
         None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar. "

@@ -13,9 +13,10 @@ The result is the dict GAE's trainer loads (reference/scenes-and-cameras.md):
 and ``samples``; with the full covariance also ``cov`` (C, C, population),
 ``whiten`` = cov^-1/2 and ``unwhiten`` = cov^1/2 (ZCA: the symmetric
 eigendecomposition, eigenvalues floored at 1e-8) and ``condition`` (the
-largest eigenvalue over the smallest, after the floor). Everything is float64:
-cast to the training dtype where it is applied (``(z - mean) / std``, or
-``whiten @ (z - mean)`` over the channel axis).
+largest eigenvalue over the smallest, after the floor). Computed in float64,
+saved as float32, the dtype of GAE's file: cast to the training dtype where it
+is applied (``(z - mean) / std``, or ``whiten @ (z - mean)`` over the channel
+axis). The moments that units, workers and runs merge stay float64.
 
 ``dataset_stats`` reads every committed sample of a finished dataset (shards,
 local or in a bucket, under any layout; or the LTX trainer's record folders)
@@ -171,7 +172,9 @@ class LatentStats:
         stats.comoment = state.get("comoment") if stats.full_cov else None
         return stats
 
-    def result(self) -> dict[str, torch.Tensor]:
+    def result(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The statistics, computed in float64 and their float tensors cast to ``dtype`` (float32: the dtype of the
+        file GAE's trainer loads); ``count`` and ``samples`` stay int64."""
         assert self.mean is not None and self.m2 is not None
         stats = {
             "mean": self.mean.clone(),
@@ -190,7 +193,7 @@ class LatentStats:
                 "unwhiten": (vectors * floored.sqrt()) @ vectors.T,
                 "condition": floored.max() / floored.min(),
             }
-        return stats
+        return {name: value.to(dtype) if value.is_floating_point() else value for name, value in stats.items()}
 
 
 class UnitStats:
@@ -380,8 +383,9 @@ def fields_stats(fields: dict[str, LatentStats]) -> dict[str, Any]:
 
 
 def same_stats(merged: dict[str, Any], seen: dict[str, Any]) -> bool:
-    """Whether two statistics dicts give the same mean and std, to float64 merge-order rounding."""
-    return all(torch.allclose(merged[k], seen[k], rtol=1e-6, atol=1e-9) for k in ("mean", "std"))
+    """Whether two statistics dicts give the same mean and std, to float32 precision (both are float64 sums, merged
+    in another order, then cast: they may differ in the float32 values' last bit)."""
+    return all(torch.allclose(merged[k].double(), seen[k].double(), rtol=1e-6, atol=1e-8) for k in ("mean", "std"))
 
 
 def summary(stats: dict[str, Any]) -> dict[str, Any]:

@@ -55,10 +55,15 @@ MAX_LOG_LINES = 20_000
 def wanted(settings: Settings) -> bool:
     """Whether this terminal run is recorded afterwards rather than run as a flow: no server to run it on, and
     nothing the run needs from the Prefect API while it runs (a credentials block, several devices' worker pool,
-    a fan-out deployment)."""
+    a fan-out deployment), and not rank 0 of a torchrun / SLURM launch (the flow's ``ranks`` runner shares the
+    units with the other ranks; run here, rank 0 encoded every unit and the others none)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
+    from diffprep import launch
+
     if PREFECT_API_URL.value() or os.environ.get(LIVE_FLOW_ENV, "").lower() in ("1", "true", "yes"):
+        return False
+    if launch.group() is not None:
         return False
     uses_api = (settings.auth.hf_credentials_block or settings.auth.aws_credentials_block or settings.workers.devices
                 or settings.workers.deployment)

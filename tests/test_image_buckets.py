@@ -8,6 +8,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from diffprep import contract
@@ -15,6 +16,9 @@ from diffprep.errors import ConfigError
 from diffprep.images import ImageSpec, prepare_image
 from diffprep.media.buckets import auto_image_buckets, parse_image_buckets
 from diffprep.pipeline import run
+from diffprep.shards import load_tensor
+from flow_runs import shard_samples
+from latent_direct import close32, direct
 
 
 def test_auto_buckets_cover_1_to_4_through_4_to_1_at_one_area():
@@ -77,6 +81,19 @@ def test_bucketed_run_one_bucket_per_shard_validated_and_loaded_by_size(settings
     validation = json.loads((out / contract.STATE_DIR / "validation.json").read_text())
     per_bucket = validation["summary"]["samples_per_bucket"]
     assert sum(per_bucket.values()) == 12 and set(per_bucket) <= {"64x32", "32x64", "48x48"}
+    # Latent statistics per bucket: each bucket's are those of its own stored latents, taken at once.
+    stats = torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)
+    by_bucket: dict[str, list[torch.Tensor]] = {}
+    for fields in shard_samples(out).values():
+        bucket = "x".join(map(str, json.loads(fields[contract.META])["bucket"]))
+        by_bucket.setdefault(bucket, []).append(load_tensor(fields[contract.LATENTS]))
+    assert sorted(stats["buckets"]) == sorted(by_bucket) == sorted(per_bucket) and len(by_bucket) > 1
+    for bucket, latents in by_bucket.items():
+        mean, std, _ = direct(latents)
+        got = stats["buckets"][bucket]
+        assert int(got["samples"]) == len(latents) == per_bucket[bucket], bucket
+        assert int(got["count"]) == sum(x[0].numel() for x in latents), bucket
+        assert close32(got["mean"], mean) and close32(got["std"], std), bucket
 
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 

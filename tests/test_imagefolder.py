@@ -55,6 +55,10 @@ def test_the_1000_imagenet_synsets_get_the_shipped_names(tmp_path) -> None:
     classes = imagenet_classes()
     assert len(classes) == 1000 and [w for w, _ in classes] == sorted(w for w, _ in classes)
     assert classes[0] == ("n01440764", "tench") and classes[999][1] == "toilet tissue"
+    # WordNet's two repeated names as GAE words them: every class has its own caption.
+    assert len({name for _, name in classes}) == 1000
+    assert [classes[i] for i in (134, 517, 638, 639)] == [("n02012849", "crane bird"), ("n03126707", "crane"),
+                                                          ("n03710637", "maillot"), ("n03710721", "maillot tank suit")]
     wnids = [w for w, _ in classes]
     assert imagenet_names_for(wnids)[1] == "goldfish"
     assert imagenet_names_for(wnids[:999]) is None

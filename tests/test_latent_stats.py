@@ -3,19 +3,18 @@ cov^-1/2, and `diffprep latent-stats` reproduces, from the stored shards, what v
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from diffprep import contract
+from diffprep.checks import Check
 from diffprep.latent_stats import EIGEN_FLOOR, LatentStats
 from diffprep.shards import load_tensor
+from diffprep.validation.report import ValidationReport
 from flow_runs import shard_samples
-
-
-def direct(latents: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean, population std and population covariance over every latent value, from all samples at once."""
-    values = torch.cat([x.double().reshape(x.shape[0], -1) for x in latents], dim=1)
-    return values.mean(dim=1), values.std(dim=1, correction=0), torch.cov(values, correction=0)
+from latent_direct import close32, direct
 
 
 def test_merged_parts_equal_the_direct_statistics() -> None:
@@ -35,7 +34,8 @@ def test_merged_parts_equal_the_direct_statistics() -> None:
     for part in reversed(parts):
         merged.merge(part)
 
-    for stats in (whole.result(), merged.result()):
+    # The float64 math, before the cast to the file's float32.
+    for stats in (whole.result(torch.float64), merged.result(torch.float64)):
         assert torch.allclose(stats["mean"], mean, atol=1e-12) and torch.allclose(stats["std"], std, atol=1e-12)
         assert torch.allclose(stats["cov"], cov, atol=1e-10)
         assert int(stats["count"]) == sum(x[0].numel() for x in latents) and int(stats["samples"]) == 7
@@ -45,6 +45,12 @@ def test_merged_parts_equal_the_direct_statistics() -> None:
         assert torch.allclose(stats["whiten"], stats["whiten"].T)  # ZCA: symmetric
         eigenvalues = torch.linalg.eigvalsh(cov)
         assert float(stats["condition"]) == pytest.approx(float(eigenvalues.max() / eigenvalues.min()), rel=1e-8)
+    # What is saved: float32 (GAE's dtype), the float64 numbers rounded; the counts int64.
+    saved, exact = merged.result(), merged.result(torch.float64)
+    assert sorted(saved) == sorted(exact)
+    for name in ("mean", "std", "cov", "whiten", "unwhiten", "condition"):
+        assert saved[name].dtype == torch.float32 and torch.equal(saved[name], exact[name].float()), name
+    assert saved["count"].dtype == saved["samples"].dtype == torch.int64
 
 
 def test_a_constant_channel_is_floored_not_infinite() -> None:
@@ -87,13 +93,13 @@ def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, de
     assert main(["latent-stats", str(out), "--full-cov", "--output", str(path)]) == 0
     assert f"latent statistics of 12 samples ({12 * 4 * 4} values per channel, 16 channels" in capsys.readouterr().out
     computed = torch.load(path, weights_only=True)
-    assert torch.allclose(computed["mean"], mean, atol=1e-12) and torch.allclose(computed["std"], std, atol=1e-12)
-    assert torch.allclose(computed["cov"], cov, atol=1e-12)
-    # The units' merge: the same numbers as every stored latent's, at once or one by one (float64 rounding).
+    assert close32(computed["mean"], mean) and close32(computed["std"], std) and close32(computed["cov"], cov)
+    # The units' merge: the same numbers as every stored latent's, at once or one by one (to float32 precision).
     assert sorted(saved) == ["count", "mean", "samples", "std"]
-    assert torch.allclose(saved["mean"], mean, rtol=0, atol=1e-12) and torch.allclose(saved["std"], std, atol=1e-12)
-    for name in ("mean", "std", "count", "samples"):
-        assert torch.allclose(computed[name], saved[name], rtol=0, atol=1e-12), name
+    assert close32(saved["mean"], mean) and close32(saved["std"], std)
+    for name in ("mean", "std"):
+        assert close32(computed[name], saved[name]), name
+    assert torch.equal(computed["count"], saved["count"]) and torch.equal(computed["samples"], saved["samples"])
     # Without --output, into the dataset's state folder (per channel only).
     assert main(["latent-stats", str(out)]) == 0
     assert sorted(torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)) == sorted(saved)
@@ -121,6 +127,13 @@ def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path,
     first = torch.load(state / contract.LATENT_STATS, weights_only=True)
     assert {"cov", "whiten", "unwhiten", "condition"} <= set(first)
     assert result.validation["summary"]["latent_stats_full"]["samples"] == 12
+    # The count and the condition number in the validation summary's latent_stats and in its Markdown report.
+    line = result.validation["summary"]["latent_stats"]
+    assert (line["count"], line["samples"]) == (12 * 4 * 4, 12) == (int(first["count"]), int(first["samples"]))
+    assert line["condition"] == pytest.approx(float(first["condition"]), rel=1e-6) and line["condition"] > 1
+    markdown = report_of(json.loads((state / contract.VALIDATION_JSON).read_text())).to_markdown()
+    assert f"| latent values per channel | {12 * 4 * 4} (12 samples) |" in markdown
+    assert f"| latent covariance condition number | {line['condition']:.4g} |" in markdown
 
     # Unit 1 lost with its moments (redone on resume: saved again); unit 2's moments gone (an earlier diffprep) and
     # unit 3's per channel only (encoded without --full-cov): both read from their shards.
@@ -143,9 +156,15 @@ def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path,
     mean, std, cov = direct(latents)
     for stats in (first, merged):
         for name in ("mean", "std", "cov", "whiten", "unwhiten"):
-            assert torch.allclose(stats[name], computed[name], rtol=1e-9, atol=1e-12), name
+            assert close32(stats[name], computed[name]), name
         assert int(stats["count"]) == int(computed["count"]) and int(stats["samples"]) == 12
-        assert torch.allclose(stats["cov"], cov, atol=1e-12) and torch.allclose(stats["mean"], mean, atol=1e-12)
+        assert close32(stats["cov"], cov) and close32(stats["mean"], mean) and close32(stats["std"], std)
+
+
+def report_of(validation: dict) -> ValidationReport:
+    """A run's validation report (its JSON) as the report object that writes the Markdown."""
+    return ValidationReport(validation["out_dir"], validation["ok"], [Check(**c) for c in validation["checks"]],
+                            validation["summary"])
 
 
 def test_an_sd_vae_posterior_counts_by_its_mean_half_and_a_bad_one_is_named() -> None:
@@ -167,8 +186,8 @@ def test_an_sd_vae_posterior_counts_by_its_mean_half_and_a_bad_one_is_named() ->
     assert sorted(unit.fields) == [contract.SD_VAE_POSTERIOR]
     got = unit.fields[contract.SD_VAE_POSTERIOR].result()
     mean, std, cov = direct([p[:4] for p in posteriors])
-    assert torch.allclose(got["mean"], mean, atol=1e-12) and torch.allclose(got["std"], std, atol=1e-12)
-    assert torch.allclose(got["cov"], cov, atol=1e-12) and int(got["count"]) == 3 * 4
+    assert close32(got["mean"], mean) and close32(got["std"], std)
+    assert close32(got["cov"], cov) and int(got["count"]) == 3 * 4
 
     with pytest.raises(SampleLoadError, match="'000000_000001' field 'mean_std.npy' is not a readable .npy"):
         latent_of(contract.SD_VAE_POSTERIOR, b"not a numpy file", "000000_000001")

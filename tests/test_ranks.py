@@ -25,14 +25,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffprep import contract
 from diffprep.demo import write_demo_dataset
 from diffprep.errors import ConfigError
 from diffprep.launch import Ranks, array_shard, detect_ranks, my_units, rank_device
 from diffprep.plan import read_plan
-from diffprep.shards import read_manifests
+from diffprep.shards import load_tensor, read_manifests
 from diffprep.threads import default_threads
+from flow_runs import shard_samples
+from latent_direct import close32, direct
 
 REPO = Path(__file__).resolve().parents[1]
 DIFFPREP = shutil.which("diffprep", path=os.path.dirname(sys.executable))
@@ -152,13 +155,12 @@ def test_the_ranks_stop_together_naming_the_rank_that_failed() -> None:
 def _args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
     return ["encode", "--source-type", "directory", "--input-dir", str(data), "--model-path", str(model),
             "--output-dir", str(out), "--shard-size", "4", "--batch-size", "4", "--precision", "fp32",
-            "--image-size", "32", "--t5-max-length", "16", "--min-psnr", "0", "--decode-workers", "1", *extra]
+            "--image-size", "32", "--t5-max-length", "16", "--min-psnr", "0", "--decode-workers", "1", "--full-cov",
+            *extra]
 
 
 def _hashes(out: Path) -> dict[str, str]:
     """The shards' hashes, and each unit's saved latent moments (as bytes, without the run's fingerprint)."""
-    import torch
-
     from diffprep.shards import torch_bytes
 
     moments = {p.name: hashlib.sha256(torch_bytes(torch.load(p, weights_only=True)["fields"])).hexdigest()
@@ -227,6 +229,12 @@ def test_torchrun_two_ranks_encode_finalize_and_validate_in_one_command(prefect_
     done = _torchrun(2, ["-m", "diffprep", *_args(data, tiny_model, out)], _env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _hashes(out) | _stats_hash(out) == reference  # the shards, the units' moments and their merge
+    # With --full-cov, the two ranks' merged units are the statistics of every stored latent, taken at once.
+    saved = torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)
+    latents = [load_tensor(fields[contract.LATENTS]) for fields in shard_samples(out).values()]
+    mean, std, cov = direct(latents)
+    assert len(latents) == 20 and int(saved["samples"]) == 20 and int(saved["count"]) == 20 * latents[0][0].numel()
+    assert close32(saved["mean"], mean) and close32(saved["std"], std) and close32(saved["cov"], cov)
     assert read_plan(out).cpu["threads"] == default_threads()  # not torchrun's 1
     assert "rank 1: encoded units 000001, 000003" in done.stdout
     assert "validation: passed" in done.stdout and "samples written: 20" in done.stdout

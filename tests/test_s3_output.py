@@ -10,6 +10,7 @@ prefix, and load in Energon from the bucket.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from prefect.client.schemas.objects import StateType
 
@@ -30,6 +32,7 @@ from diffprep.shards import UnitManifest
 from diffprep.storage import S3Url
 from diffprep.validate import validate_dataset
 from flow_runs import BackgroundRun, answer, parameters
+from latent_direct import close32
 from diffprep.flows.encode import encode_dataset
 from s3_store import ACCESS_KEY, SECRET_KEY
 
@@ -148,6 +151,21 @@ def test_flow_to_bucket_equals_local_and_loads_from_the_bucket(prefect_server, t
     assert (scan.shards, scan.samples, scan.found) == (3, 12, 0)
     assert write_ignore_list(scanned, scan) == f"{url}/ignore_index.json"
     assert json.loads(objects(admin, url)["ignore_index.json"]) == {}
+
+    # `diffprep latent-stats s3://...` on a third machine: every stored latent read back from the bucket gives the
+    # statistics the run saved there.
+    from diffprep.cli import main
+
+    monkeypatch.setenv("DIFFPREP_STAGING_DIR", str(tmp_path / "third-machine"))
+    proxy.log.clear()
+    path = tmp_path / "stats.pt"
+    assert main(["latent-stats", url, "--s3-endpoint-url", proxy.url, "--output", str(path)]) == 0
+    assert all(proxy.requests("GET", path_of(url, name)) for name in shards), "latents come from the bucket"
+    computed = torch.load(path, weights_only=True)
+    saved = torch.load(io.BytesIO(stored[".diffprep/latent_stats.pt"]), weights_only=True)
+    assert sorted(computed) == sorted(saved) == ["count", "mean", "samples", "std"]
+    assert close32(computed["mean"], saved["mean"]) and close32(computed["std"], saved["std"])
+    assert (int(computed["count"]), int(computed["samples"])) == (int(saved["count"]), 12)
 
 
 @pytest.mark.slow

@@ -44,19 +44,20 @@ def gae_loader(roots: list[str], folder: str) -> list[tuple[str, Image.Image, st
     return samples
 
 
-def test_class_folders_become_shuffled_shards_with_done_markers_that_gae_reads(tmp_path) -> None:
-    source = write_class_folders(tmp_path / "train", {"n0001": 4, "n0002": 4, "n0003": 4})
+def test_class_folders_become_shuffled_shards_with_done_markers_that_gae_reads(tmp_path, capsys) -> None:
+    # Three classes of exactly one shard's files each: packed in listing order, every shard would hold one class.
+    source = write_class_folders(tmp_path / "train", {"n0001": 5, "n0002": 4, "n0003": 4})
     (source / "n0002" / "disguised.JPEG").write_bytes(png_bytes(7))  # ImageNet holds a PNG named .JPEG
     (source / "n0003" / "notes.txt").write_text("no image")
     out = tmp_path / "gae" / "Blip3o_style" / SPLIT
     result = pack_imagenet(str(source), str(out), shard_size=5, seed=3, caption_template="a photo of a {label}")
-    assert (result.shards, result.samples) == (3, 13)
+    assert (result.shards, result.samples) == (3, 14)
     assert [(r.source_id, r.reason) for r in result.rejects] == [("n0003/notes.txt", "unsupported_format")]
     names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     assert names == [f"imagenet_{i:05d}.tar{s}" for i in range(3) for s in ("", ".done")]
 
     samples = gae_loader([str(tmp_path / "nowhere"), str(tmp_path / "gae" / "Blip3o_style")], SPLIT)
-    assert len(samples) == 13
+    assert len(samples) == 14
     assert {caption for _, _, caption in samples} == {f"a photo of a n000{i}" for i in (1, 2, 3)}
     assert ("imagenet_n0002_disguised", "a photo of a n0002") in {(k, c) for k, _, c in samples}
     # The original bytes, never re-encoded; a PNG kept under the member the loader takes for it.
@@ -66,9 +67,21 @@ def test_class_folders_become_shuffled_shards_with_done_markers_that_gae_reads(t
         first_jpg = next(n for n in tar.getnames() if n.endswith(".jpg"))
         _, wnid, stem = first_jpg.removesuffix(".jpg").split("_", 2)
         assert tar.extractfile(first_jpg).read() == (source / wnid / f"{stem}.JPEG").read_bytes()
-    # Shuffled across classes: the first shard holds more than one class.
-    with tarfile.open(out / "imagenet_00000.tar") as tar:
-        assert len({name.split("_")[1] for name in tar.getnames()}) > 1
+    # Shuffled across classes: every shard holds at least two.
+    for index in range(3):
+        with tarfile.open(out / f"imagenet_{index:05d}.tar") as tar:
+            assert len({name.split("_")[1] for name in tar.getnames()}) >= 2, index
+    # The same tree packed again (the command, --shard-size 5) gives the same bytes; another seed another order.
+    again, other = tmp_path / "again" / SPLIT, tmp_path / "other" / SPLIT
+    for folder, seed in ((again, "3"), (other, "4")):
+        assert main(["t2i", "imagenet", "--input-dir", str(source), "--output", str(folder), "--shard-size", "5",
+                     "--seed", seed, "--caption-template", "a photo of a {label}"]) == 0
+    assert "14 samples in 3 shard(s)" in capsys.readouterr().out
+    shards = {p.name: p.read_bytes() for p in out.glob("imagenet_*")}
+    assert {p.name: p.read_bytes() for p in again.glob("imagenet_*")} == shards
+    reshuffled = {p.name: p.read_bytes() for p in other.glob("imagenet_*")}
+    assert sorted(reshuffled) == sorted(shards) and reshuffled != shards
+    assert sorted(k for k, _, _ in gae_loader([str(other.parent)], SPLIT)) == sorted(k for k, _, _ in samples)
     # diffprep's records name every file it wrote (what an overwrite may remove); nothing is foreign.
     files = [str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()]
     owned = classify(files, read_manifests(out), None)
@@ -86,6 +99,11 @@ def test_a_resume_rewrites_only_uncommitted_shards_and_an_append_keeps_the_plan(
     (out / "imagenet_00001.tar.done").unlink()
     again = pack_imagenet(str(source), str(out), shard_size=2, seed=1)
     assert again.written == ["imagenet_00001.tar"]
+    assert {p.name: p.read_bytes() for p in out.glob("*.tar")} == before
+    # A crash after shard 0's manifest, before its .done: the shard is done, only its marker is written.
+    (out / "imagenet_00000.tar.done").unlink()
+    repaired = pack_imagenet(str(source), str(out), shard_size=2, seed=1)
+    assert repaired.written == [] and (out / "imagenet_00000.tar.done").is_file()
     assert {p.name: p.read_bytes() for p in out.glob("*.tar")} == before
     # Growing source: old shards stay byte for byte, the new files get new shards.
     write_class_folders(source, {"c": 2})

@@ -322,7 +322,7 @@ def _archive_stats(output: Any, plan: Plan, field: str, seen: Any) -> tuple[list
 
     archive = fields_stats({field: seen})
     line = {"mean": [float(v) for v in archive["mean"]], "std": [float(v) for v in archive["std"]],
-            "samples": seen.samples}
+            "count": seen.count, "samples": seen.samples}
     summary = {"latent_stats": ({"of": archive["of"]} if "of" in archive else {}) | line}
     merged = merged_unit_stats(output, plan)
     if not merged:

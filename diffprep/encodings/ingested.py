@@ -199,7 +199,8 @@ class IngestedInspector:
             return [], {}, {}
         stats = self.stats.result()
         summary = {"latent_stats": {"of": "mean", "mean": [float(v) for v in stats["mean"]],
-                                    "std": [float(v) for v in stats["std"]], "samples": self.stats.samples}}
+                                    "std": [float(v) for v in stats["std"]], "count": self.stats.count,
+                                    "samples": self.stats.samples}}
         check = Check("latent stats", True, f"per-channel mean/std of the posterior mean over {self.stats.samples} "
                                             f"samples saved to {contract.STATE_DIR}/{contract.LATENT_STATS}")
         return [check], summary, {contract.LATENT_STATS: torch_bytes(stats)}

@@ -382,7 +382,7 @@ class PreencodedInspector:
             return [], {}, {}
         stats = self.stats.result()
         summary = {"latent_stats": {"mean": [float(v) for v in stats["mean"]], "std": [float(v) for v in stats["std"]],
-                                    "samples": self.stats.samples}}
+                                    "count": self.stats.count, "samples": self.stats.samples}}
         check = Check("latent stats", True, f"per-channel mean/std over {self.stats.samples} samples saved to "
                                             f"{contract.STATE_DIR}/{contract.LATENT_STATS}")
         return [check], summary, {contract.LATENT_STATS: torch_bytes(stats)}

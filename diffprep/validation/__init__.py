@@ -122,7 +122,7 @@ def validate_dataset(
         unit_checks, unit_summary, unit_files = _unit_stats(output, files, max_load)
         files |= unit_files
         passed_checks += unit_checks
-        passed_summary |= unit_summary
+        passed_summary = _with_units_stats(passed_summary, unit_summary)
         for name, data in files.items():
             output.state.write_bytes(name, data)
         checks += passed_checks
@@ -152,7 +152,20 @@ def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> V
     checks, summary, files = finalized_stats(output, plan)
     for name, data in files.items():
         output.state.write_bytes(name, data)
-    return _report(output, report.checks + checks, report.summary | summary) if checks or summary else report
+    return (_report(output, report.checks + checks, _with_units_stats(report.summary, summary)) if checks or summary
+            else report)
+
+
+def _with_units_stats(summary: dict[str, Any], units: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with the units' statistics line (``latent_stats_full``, after ``--full-cov``) added, and its
+    condition number also in ``latent_stats`` (beside the count, the mean and the std of validation's own pass),
+    which the report shows."""
+    joined = summary | units
+    full = units.get("latent_stats_full")
+    if full and "condition" in full:
+        own = joined.get("latent_stats") or {"count": full["count"], "samples": full["samples"]}
+        joined["latent_stats"] = own | {"condition": full["condition"]}
+    return joined
 
 
 def _encoding(name: str | None):

@@ -53,8 +53,13 @@ class ValidationReport:
             lines.append(f"| images | {s['images']} |")
         if "latent_stats" in s:
             stats = s["latent_stats"]
-            lines.append(f"| latent mean | {', '.join(f'{v:.4f}' for v in stats['mean'])} |")
-            lines.append(f"| latent std | {', '.join(f'{v:.4f}' for v in stats['std'])} |")
+            if "mean" in stats:
+                lines.append(f"| latent mean | {', '.join(f'{v:.4f}' for v in stats['mean'])} |")
+                lines.append(f"| latent std | {', '.join(f'{v:.4f}' for v in stats['std'])} |")
+            if "count" in stats:
+                lines.append(f"| latent values per channel | {stats['count']} ({stats['samples']} samples) |")
+            if "condition" in stats:
+                lines.append(f"| latent covariance condition number | {stats['condition']:.4g} |")
         if "rejects" in s:
             rejects = s["rejects"]
             reasons = ", ".join(f"`{reason}` {n}" for reason, n in rejects["by_reason"].items())
