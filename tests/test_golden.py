@@ -13,7 +13,11 @@ after replacing them with placeholders, ``index.sqlite`` by its SQL dump.
 plan.json's record of the machine (its CPU kernels and thread count) is a
 placeholder too: the shards compared per kernel family are what depends on it.
 Files that record the run itself (timings, free disk space) are left out and
-listed in ``VOLATILE``. The files computed from the stored latents (each
+listed in ``VOLATILE``. ``validation.json`` is a report of the shards: its
+numbers with a fraction (the latents' mean and std, the round-trip PSNRs)
+follow the shards' last bits, so it is compared with each such number as a
+placeholder, the same on every CPU kind, and its mean and std are checked
+against ``latent_stats.pt`` (``check_derived``). The files computed from the stored latents (each
 unit's moments and their merge, ``latent_stats.pt``) are not recorded: their
 last bits follow the shards' on each CPU kind, so they are checked against
 the shards instead (``check_derived``: recomputed from the stored latents, to
@@ -48,6 +52,7 @@ BUCKET = "diffprep-golden"  # created by the admin fixture (conftest.py)
 # Record the run, not the data: seconds, free bytes, the lock of the run in progress.
 VOLATILE = {".diffprep/sanity/report.json", ".diffprep/lock.json"}
 TEXT_SUFFIXES = (".json", ".yaml", ".txt")
+VALIDATION = f"{contract.STATE_DIR}/{contract.VALIDATION_JSON}"
 # Computed from the stored latents: checked by check_derived, not by a recorded digest.
 DERIVED_STATS = f"{contract.STATE_DIR}/{contract.LATENT_STATS}"
 DERIVED_UNITS = f"{contract.STATE_DIR}/{contract.UNIT_STATS_DIR}/"
@@ -73,8 +78,21 @@ def normalized_digests(files: dict[str, bytes], replace: dict[str, str]) -> dict
             for old, new in sorted(replace.items(), key=lambda item: -len(item[0])):
                 text = text.replace(old, new)
             data = text.encode("utf-8")
+        if name == VALIDATION:
+            data = json.dumps(without_fractions(json.loads(data)), indent=1, sort_keys=True).encode("utf-8")
         digests[name] = hashlib.sha256(data).hexdigest()
     return digests
+
+
+def without_fractions(value):
+    """A JSON value with every float as a placeholder: the numbers that follow the CPU's last bits."""
+    if isinstance(value, float):
+        return "<float>"
+    if isinstance(value, dict):
+        return {key: without_fractions(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [without_fractions(item) for item in value]
+    return value
 
 
 def sqlite_dump(data: bytes) -> bytes:
@@ -165,6 +183,9 @@ def check_derived(files: dict[str, bytes]) -> None:
     mean, std, _ = direct(every)
     assert close32(stats["mean"], mean) and close32(stats["std"], std)
     assert int(stats["count"]) == sum(x[0].numel() for x in every) and int(stats["samples"]) == len(every)
+    reported = json.loads(files[VALIDATION])["summary"]["latent_stats"]
+    assert reported["mean"] == stats["mean"].tolist() and reported["std"] == stats["std"].tolist(), (
+        "validation.json's latent mean/std are not latent_stats.pt's")
 
 
 @pytest.mark.slow
