@@ -39,6 +39,12 @@ command's own log lines; the units' pace against the sanity batch's pace;
 peak RSS of each command (``wait4``); bytes on disk per sample against the
 tensor payload, here and computed at FLUX.1-dev shapes.
 
+``--load N`` runs the rounds under other load, the same for every side: N
+processes that each keep one core busy (a one-thread loop of small float
+matrix products, at the children's priority) from the first timed run to the
+last, each ending by itself after ``--load-limit`` seconds at the latest. What
+a shared machine does to each side is then measured, not left to chance.
+
 ``--phases`` first breaks the embedded server's fixed cost down, each phase
 in fresh processes (``benchmarks/prefect_phases.py``): imports, database
 creation and migrations, block registration, the template's copy, the
@@ -151,6 +157,35 @@ class PrefectServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
+
+
+# One core's worth of other work: small float matrix products on one thread, until the deadline.
+LOAD_LOOP = """
+import os, sys, time
+import numpy as np
+deadline = time.monotonic() + float(sys.argv[1])
+a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+while time.monotonic() < deadline:
+    for _ in range(50):
+        a = np.tanh(a @ a.T * 1e-2)
+"""
+
+
+class BackgroundLoad:
+    """``n`` processes keeping one core busy each (``LOAD_LOOP``), each in its own process group and ending by itself
+    after ``limit`` seconds; ``stop()`` ends them sooner."""
+
+    def __init__(self, n: int, limit: float) -> None:
+        env = child_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.processes = [subprocess.Popen([sys.executable, "-c", LOAD_LOOP, str(limit)], env=env,
+                                           start_new_session=True) for _ in range(n)]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            process.wait()
 
 
 def run_command(command: list[str], env: dict[str, str], out_dir: Path) -> dict:
@@ -273,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--primus-checkout", help="a Primus source tree, for the primus side")
     parser.add_argument("--primus-git", help="a bare git mirror of Primus (HEAD:primus exported), for the primus side")
     parser.add_argument("--phases", action="store_true", help="first, the embedded server's fixed cost by phase")
+    parser.add_argument("--load", type=int, default=0, help="processes keeping one core busy each during the rounds")
+    parser.add_argument("--load-limit", type=float, default=7200.0,
+                        help="seconds after which each load process ends by itself")
     args = parser.parse_args(argv)
 
     cache = c.cache_dir(args.cache_dir)
@@ -295,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         import prefect_phases
 
         prefect_phases.report(child_env(), scratch)
-    server = None
+    server = load = None
     results: dict[int, dict[str, list[dict]]] = {n: {side: [] for side in args.sides} for n in args.sizes}
     try:
         if any(side.startswith("server") for side in args.sides):
@@ -347,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                 primus_side.env(child_env(), primus_tree), same["primus"])
             print("  same tensors (8 images, posterior mean): "
                   + primus_side.describe(primus_side.differences(same["diffprep"], same["primus"])))
+        if args.load:
+            load = BackgroundLoad(args.load, args.load_limit)
+            print(f"  other load: {args.load} busy process(es), one core each, for every timed run")
         for n in args.sizes:
             for r in range(args.rounds):
                 order = args.sides if r % 2 == 0 else args.sides[::-1]
@@ -362,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"samples/s, {run['samples']} samples, peak RSS {run['peak_rss'] / MIB:6.0f} MiB{extra} (load {c.load_average()})",
                           flush=True)
     finally:
+        if load is not None:
+            load.stop()
         if server is not None:
             server.stop()
         cleanup()
