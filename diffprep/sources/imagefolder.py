@@ -15,8 +15,8 @@ names (``base.escape_id``); ids are listed class by class, each class's files
 in bytewise order, walking one folder at a time.
 
 Class names (``labels.py``): ``--class-names FILE`` (as many lines as class
-folders), else the shipped ImageNet-1k names when the folders are exactly its
-1000 synset ids, else the folder names themselves. The caption is
+folders), else the shipped ImageNet-1k names when every folder is one of its
+synset ids (all 1000 or a subset, each looked up by its id), else the folder names themselves. The caption is
 ``--caption-template`` filled with the name (``{label}``, the name alone, by
 default). Each sample carries its label and class name (``LabeledSample``) into
 meta.json.

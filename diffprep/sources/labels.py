@@ -67,11 +67,12 @@ def imagenet_classes() -> tuple[tuple[str, str], ...]:
 
 
 def imagenet_names_for(folders: Sequence[str]) -> list[str] | None:
-    """The ImageNet-1k names when ``folders`` (sorted) are exactly its 1000 synset ids, else None."""
-    classes = imagenet_classes()
-    if list(folders) != [wnid for wnid, _ in classes]:
+    """The ImageNet-1k names of ``folders`` when every one is an ImageNet-1k synset id (all 1000, or a subset such
+    as ImageNet-100: each folder's own name, looked up by its id, never by its position), else None."""
+    names = dict(imagenet_classes())
+    if not folders or any(folder not in names for folder in folders):
         return None
-    return [name for _, name in classes]
+    return [names[folder] for folder in folders]
 
 
 @dataclass(frozen=True)
