@@ -161,7 +161,7 @@ class PrefectServer:
 
 # One core's worth of other work: small float matrix products on one thread, until the deadline.
 LOAD_LOOP = """
-import os, sys, time
+import sys, time
 import numpy as np
 deadline = time.monotonic() + float(sys.argv[1])
 a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)

@@ -94,8 +94,7 @@ class SourceConfig(_Section):
         None, description="huggingface: a file with one class name per line (label 0 first), for an integer label "
         "column that is not a datasets ClassLabel (a ClassLabel's own names are used otherwise). imagefolder: one "
         "name per class folder in sorted order (unset: ImageNet-1k's names when every folder is one of its synset "
-        "ids, else the folders'). "
-        "cifar10: its 10 names, label 0 first (unset: CIFAR-10's own).",
+        "ids, else the folders'). cifar10: its 10 names, label 0 first (unset: CIFAR-10's own).",
     )
     input_path: str | None = Field(
         None, description="webdataset: a glob of tar shards, e.g. /data/shards/*.tar or s3://bucket/shards/*.tar. "

@@ -26,6 +26,7 @@ from diffprep.long_videos import given_way, plan_long_videos
 from diffprep.media.windows import SceneSettings
 from diffprep.plan import Plan, fingerprint, plan_units
 from diffprep.sources import Source, open_source
+from diffprep.sources.labels import check_num_classes
 from diffprep.threads import record
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def fetch(
     byte, expected = get_encoding(encoding).planned(settings, token)
     fp = fingerprint(byte)
     source = open_source(settings.source, token=token, **get_encoding(encoding).source_options(byte))
+    check_num_classes(settings.source.num_classes, source.describe())  # once, before anything is planned
     previous = output.state.plan() if output.local.is_dir() else None
     if previous is not None and previous.fingerprint != fp:
         previous = None  # other settings: verify-existing will ask what to do

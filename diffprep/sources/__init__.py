@@ -16,7 +16,6 @@ from diffprep.errors import SourceError
 from diffprep.sources.base import Source, SourceSample
 from diffprep.sources.directory import DirectorySource
 from diffprep.sources.imagefolder import ImageFolderSource
-from diffprep.sources.labels import check_num_classes
 from diffprep.sources.metadata import MetadataSource
 from diffprep.sources.webdataset import WebDatasetSource
 
@@ -31,14 +30,7 @@ def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneSpe
 
     ``token`` is a Hugging Face token, used by the huggingface source only. ``scenes`` is how scenes are sampled
     and chunked (``SceneSpec.from_settings``), which decides a scenes source's ids; the other sources ignore it.
-    ``--num-classes`` is checked against the opened source's labels (``labels.check_num_classes``).
     """
-    source = _open(cfg, token=token, scenes=scenes)
-    check_num_classes(cfg.num_classes, source.describe())
-    return source
-
-
-def _open(cfg: SourceConfig, *, token: str | None, scenes: SceneSpec | None) -> Source:
     if cfg.score_columns and cfg.type != "metadata":
         raise SourceError(f"source.score_columns (--score-column {','.join(cfg.score_columns)}) reads the columns of "
                           f"a metadata file (--source-type metadata --metadata-file FILE); the {cfg.type} source "

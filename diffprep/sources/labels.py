@@ -50,9 +50,11 @@ def check_num_classes(num_classes: int | None, described: Mapping) -> None:
                           f"ClassLabel column or --class-names); this {kind} source has no labels, so its "
                           "dataset.json would be {\"labels\": null}: remove --num-classes")
     if classes != num_classes:
-        fix = ("give one folder per class (an empty folder keeps its index in the sorted order), or remove "
-               "--num-classes" if kind == "imagefolder" else "remove --num-classes (validation checks the source's "
-               "own count without it)")
+        if kind == "imagefolder":
+            fix = ("give one folder per class (an empty folder keeps its index in the sorted order), or remove "
+                   "--num-classes")
+        else:
+            fix = "remove --num-classes (validation checks the source's own count without it)"
         raise SourceError(f"{flag} contradicts the {kind} source's {classes} classes: its labels run "
                           f"0..{classes - 1}, so the loader's label width max(label)+1 can never be {num_classes}: "
                           f"{fix}")
