@@ -33,7 +33,6 @@ import torch
 
 from diffprep import contract
 from diffprep.config import Settings
-from diffprep.cooker import Ltx2SampleTaskEncoder
 from diffprep.families.base import DTYPES, resolve_device
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.encodings import clips
@@ -314,7 +313,9 @@ class Ltx2(Wan):
             raise ConfigError(f"{where} has no plan.json naming its checkpoint; pass it with --model-path")
         return load_sound(_checkpoint_of(model_path or recorded), device)
 
-    def task_encoder(self) -> Ltx2SampleTaskEncoder:
+    def task_encoder(self) -> Any:
+        from diffprep.cooker import Ltx2SampleTaskEncoder  # Energon: finalize and validation only
+
         return Ltx2SampleTaskEncoder()
 
     def inspector(self, expected: dict[str, Any] | None) -> Ltx2Inspector:

@@ -24,7 +24,6 @@ import torch
 from diffprep import contract
 from diffprep.checks import Check, Findings, shape_str
 from diffprep.config import Settings
-from diffprep.cooker import FluxPreencodedTaskEncoder
 from diffprep.families.base import DTYPES
 from diffprep.families.flux import FluxEncoders, describe_flux, resolve_encoders
 from diffprep.families.flux_vae import VaeDecoder
@@ -300,7 +299,9 @@ class Preencoded(Encoding):
                   for s in stored]
         return images, str(decoder.folder) if decoder.folder else None
 
-    def task_encoder(self) -> FluxPreencodedTaskEncoder:
+    def task_encoder(self) -> Any:
+        from diffprep.cooker import FluxPreencodedTaskEncoder  # Energon: finalize and validation only
+
         return FluxPreencodedTaskEncoder()
 
     def inspector(self, expected: dict[str, Any] | None) -> PreencodedInspector:

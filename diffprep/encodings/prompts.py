@@ -17,26 +17,24 @@ is kept and counted (``empty_caption``), as in the other pipelines.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
-from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, edataclass, stateless
 
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.encodings.base import Encoding, SampleFields, with_caption_settings
 from diffprep.errors import ConfigError
-from diffprep.layouts import Layout, LayoutPreset
+from diffprep.layouts import LayoutPreset
 from diffprep.output import Output
 from diffprep.plan import Plan
 from diffprep.reader import Batch, PromptSpec, first_batch
 from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, finish_sanity, peak_memory, project_run
-from diffprep.shards import Reject, SampleLoadError, field_bytes
+from diffprep.shards import Reject, field_bytes
 from diffprep.sources import Source
 
 BATCH_SIZE = 256  # captions per batch; only groups the work, any value gives the same bytes
@@ -51,40 +49,6 @@ class PromptWriter:
         """``SampleFields``: each sample's caption and its json (source id, scores)."""
         return [{contract.RAW_CAPTION: caption, contract.RAW_VIDEO_META: meta}  # empty captions: counted by units
                 for caption, meta in zip(batch.captions, batch.metas)]
-
-
-@edataclass
-class PromptSample(Sample):
-    """One caption of a prompts dataset (``encoding: prompts``)."""
-
-    caption: str
-    #: Source id and the score columns' numbers.
-    meta: dict
-
-
-@stateless
-def cook_prompt(sample: dict) -> PromptSample:
-    """A crude prompts sample -> ``PromptSample`` (any layout's member names read back)."""
-    key = sample.get("__key__", "?")
-    fields = Layout.of_subflavors(sample.get("__subflavors__")).read(sample, key)
-    try:
-        caption = fields[contract.RAW_CAPTION].decode("utf-8")
-        meta = json.loads(fields[contract.RAW_VIDEO_META])
-    except KeyError as missing:
-        raise SampleLoadError(f"sample {key!r} has no {missing} field (it has {sorted(fields)})") from None
-    except (UnicodeDecodeError, ValueError) as error:
-        raise SampleLoadError(f"sample {key!r}: {error}") from None
-    return PromptSample(**basic_sample_keys(sample), caption=caption, meta=meta)
-
-
-PROMPT_COOKER = Cooker(cook_prompt, has_subflavors={"encoding": contract.ENCODING_PROMPTS})
-
-
-class PromptTaskEncoder(DefaultTaskEncoder[PromptSample, PromptSample, Any, Any]):
-    """Loads a prompts dataset as ``PromptSample``s (validation; a training loop reads ``txt`` directly)."""
-
-    decoder = None
-    cookers = [PROMPT_COOKER]
 
 
 class Prompts(Encoding):
@@ -150,7 +114,9 @@ class Prompts(Encoding):
         raise ConfigError("a prompts dataset stores captions only: there is no picture to decode; read its txt "
                           "members")
 
-    def task_encoder(self) -> PromptTaskEncoder:
+    def task_encoder(self) -> Any:
+        from diffprep.prompt_cooker import PromptTaskEncoder  # Energon: finalize and validation only
+
         return PromptTaskEncoder()
 
     def inspector(self, expected: dict[str, Any] | None) -> PromptInspector:
@@ -188,5 +154,4 @@ class PromptInspector:
         return [], {}, {}
 
 
-__all__ = ["PROMPT_FIELDS", "PromptInspector", "PromptSample", "PromptTaskEncoder", "Prompts", "PromptWriter",
-           "cook_prompt"]
+__all__ = ["PROMPT_FIELDS", "PromptInspector", "Prompts", "PromptWriter"]

@@ -30,7 +30,6 @@ from PIL import Image
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.config import Settings
-from diffprep.cooker import FluxRawTaskEncoder
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.layouts import LayoutPreset
 from diffprep.errors import ConfigError, DatasetValidationError
@@ -237,7 +236,9 @@ class Raw(Encoding):
         """The stored image files as they are (no model)."""
         return [stored_image(sample.key, sample.fields) for sample in stored], None
 
-    def task_encoder(self) -> FluxRawTaskEncoder:
+    def task_encoder(self) -> Any:
+        from diffprep.cooker import FluxRawTaskEncoder  # Energon: finalize and validation only
+
         return FluxRawTaskEncoder()
 
     def inspector(self, expected: dict[str, Any] | None) -> RawInspector:

@@ -42,7 +42,6 @@ import torch
 from diffprep import contract
 from diffprep.checks import Check, Findings
 from diffprep.config import Settings
-from diffprep.cooker import RawVideoTaskEncoder
 from diffprep.encodings import clips
 from diffprep.encodings.base import with_caption_settings
 from diffprep.encodings.base import SampleFields
@@ -198,7 +197,9 @@ class RawVideo(clips.ClipEncoding):
         """The stored mp4 files as they decode (no model)."""
         return [stored_clip(sample.key, sample.fields) for sample in stored], None
 
-    def task_encoder(self) -> RawVideoTaskEncoder:
+    def task_encoder(self) -> Any:
+        from diffprep.cooker import RawVideoTaskEncoder  # Energon: finalize and validation only
+
         return RawVideoTaskEncoder()
 
     def inspector(self, expected: dict[str, Any] | None) -> RawVideoInspector:

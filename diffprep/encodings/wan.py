@@ -30,7 +30,6 @@ import torch
 
 from diffprep import contract
 from diffprep.config import Settings
-from diffprep.cooker import VideoSampleTaskEncoder
 from diffprep.families.base import DTYPES
 from diffprep.encodings import clips
 from diffprep.encodings.base import SampleFields, encoded_samples, with_caption_settings
@@ -250,8 +249,10 @@ class Wan(clips.ClipEncoding):
             decoded.append(to_uint8(frames))
         return decoded, str(folder)
 
-    def task_encoder(self) -> VideoSampleTaskEncoder:
+    def task_encoder(self) -> Any:
         """Sample by sample (validation); training batches one bucket at a time with ``VideoPreencodedTaskEncoder``."""
+        from diffprep.cooker import VideoSampleTaskEncoder  # Energon: finalize and validation only
+
         return VideoSampleTaskEncoder()
 
     def inspector(self, expected: dict[str, Any] | None) -> VideoInspector:
