@@ -28,11 +28,9 @@ import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import boto3
 import braceexpand
-from botocore.client import BaseClient
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -46,6 +44,9 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from diffprep.errors import SourceError
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
 
 S3_SCHEME = "s3://"
 MAX_ATTEMPTS = 10  # attempts per request, the first included; backoff sleeps rand(0, 1) * min(2 ** n, 20) s
@@ -130,6 +131,8 @@ def check_endpoint_url(endpoint_url: str, section: str = "source") -> None:
 def s3_client(endpoint_url: str | None = None, profile: str | None = None, *,
               max_attempts: int = MAX_ATTEMPTS, section: str = "source") -> BaseClient:
     """An S3 client from the standard AWS credential chain, retrying throttling, 5xx and connection errors."""
+    import boto3  # here, not at the top: a run without a bucket never loads its session machinery
+
     if endpoint_url:
         check_endpoint_url(endpoint_url, section)
     try:

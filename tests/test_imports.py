@@ -151,15 +151,16 @@ def test_the_command_line_is_parsed_before_torch_or_prefect_load() -> None:
     assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
 
 
-def test_writing_a_dataset_does_not_load_energon() -> None:
+def test_writing_a_dataset_does_not_load_energon_or_boto3() -> None:
     """The pipeline and every encoding import without megatron-energon (and its multistorageclient): 0.7 s of a
-    run's start-up that only finalize, validation and the training-side task encoders need (issue #29); each
+    run's start-up that only finalize, validation and the training-side task encoders need (issue #29), nor
+    boto3's session machinery, which only a bucket needs; each
     encoding's ``task_encoder`` still gives a working one (sd_vae's datasets are edm-zip archives, not Energon's)."""
     import subprocess
     import sys
 
     probe = ("import sys; import diffprep.pipeline, diffprep.encodings as e; "
-             "print(sorted(m for m in ('megatron.energon', 'multistorageclient') if m in sys.modules)); "
+             "print(sorted(m for m in ('megatron.energon', 'multistorageclient', 'boto3') if m in sys.modules)); "
              "print(all(e.get_encoding(name).task_encoder().cookers for name in e.ENCODINGS if name != 'sd_vae'))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
     assert loaded.stdout.split("\n")[:2] == ["[]", "True"], loaded.stdout + loaded.stderr
