@@ -31,6 +31,10 @@ class ExistingOutputError(DiffprepError):
     """The output holds data this run would change, and no approval was given."""
 
 
+class LinkInOutputError(ExistingOutputError):
+    """A symbolic link inside an output sits where a run would write: diffprep never writes through one."""
+
+
 class LockedError(DiffprepError):
     """Another run holds the output's lock."""
 

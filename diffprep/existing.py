@@ -16,12 +16,12 @@ import torch
 
 from diffprep import contract
 from diffprep.approvals import ABORT, Question
-from diffprep.errors import ExistingOutputError
+from diffprep.errors import ExistingOutputError, LinkInOutputError
 from diffprep.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.ownership import SHOWN, classify, listed
 from diffprep.plan import Plan, dtype_name, settings_diff, shape_matches
-from diffprep.shards import load_tensor
+from diffprep.shards import link_target, load_tensor
 
 CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
 
@@ -41,6 +41,7 @@ class Inspection:
     foreign: list[str] = field(default_factory=list)  # files diffprep did not write (``diffprep.ownership``): kept
     ours: list[str] = field(default_factory=list)  # files diffprep's manifests, plan and names give: what overwrite removes
     blocking: list[str] = field(default_factory=list)  # foreign files this run would replace or its trainer would read
+    links: dict[str, str] = field(default_factory=dict)  # symbolic links where this run writes -> where they point
     changed_settings: list[str] = field(default_factory=list)  # "name: old -> new", when the fingerprints differ
     shape_problem: str | None = None
     bytes_on_disk: int = 0
@@ -72,10 +73,16 @@ class Inspection:
         if self.foreign:
             lines.append(f"- {len(self.foreign)} file(s) diffprep did not write, which stay whatever is chosen: "
                          f"{listed(self.foreign)}")
-        if self.blocking:
-            lines.append(f"- {len(self.blocking)} of them this run would write over, or the trainer would read as "
-                         f"samples beside the new ones, so `overwrite` cannot keep them: {listed(self.blocking)}. "
-                         "Move them out of the output to overwrite it, or choose `new-dir`")
+        if self.links:
+            lines.append(f"- {len(self.links)} of them {'is a symbolic link' if len(self.links) == 1 else 'are links'} "
+                         f"where this run writes: {self.links_listed()}. diffprep never writes through a link (it would "
+                         "change the files it points at, outside the output), so this run can only go to a new "
+                         "folder: move the link out of the output to use it")
+        if self.unlinked_blocking:
+            lines.append(f"- {len(self.unlinked_blocking)} of them this run would write over, or the trainer would "
+                         f"read as samples beside the new ones, so `overwrite` cannot keep them: "
+                         f"{listed(self.unlinked_blocking)}. Move them out of the output to overwrite it, or choose "
+                         "`new-dir`")
         lines.append(f"- {_human_bytes(self.bytes_on_disk)} in all")
         lines += [
             "",
@@ -85,10 +92,19 @@ class Inspection:
                 f"- `overwrite`: delete the {len(self.ours)} file(s) diffprep wrote there (its shards, metadata and "
                 "state: the files its manifests and plan name), then encode anew"
                 + (f"; the {len(self.foreign)} file(s) above that it did not write stay" if self.foreign else "")]),
-            "- `reuse`: keep it as it is and encode nothing",
+            *([] if self.plan_fingerprint is None else ["- `reuse`: keep the dataset as it is and encode nothing"]),
             "- `abort`: change nothing",
         ]
         return "\n".join(lines)
+
+    def links_listed(self) -> str:
+        shown = ", ".join(f"`{name}` -> {target}" for name, target in list(self.links.items())[:SHOWN])
+        return shown + (f" and {len(self.links) - SHOWN} more" if len(self.links) > SHOWN else "")
+
+    @property
+    def unlinked_blocking(self) -> list[str]:
+        """The blocking files that are not links: an overwrite could go on without them."""
+        return [name for name in self.blocking if name not in self.links]
 
     @property
     def needs_choice(self) -> bool:
@@ -100,7 +116,8 @@ class Inspection:
             key="existing-output",
             title=f"The output {self.out_dir} already holds data this run would change",
             description=self.describe(),
-            choices=tuple(c for c in ("new-dir", "overwrite", "reuse", ABORT) if c != "overwrite" or not self.blocking),
+            choices=tuple(c for c in ("new-dir", "overwrite", "reuse", ABORT)
+                          if not (c == "overwrite" and self.blocking or c == "reuse" and self.plan_fingerprint is None)),
             preset_hint="--on-existing new-dir|overwrite|reuse|abort (flow parameter output.on_existing)",
         )
 
@@ -162,12 +179,13 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         if not output.local.is_dir():
             raise ExistingOutputError(f"output {output.uri} exists and is not a directory")
     entries = output.entries()
-    if not entries or (entries == [contract.STATE_DIR] and output.state.is_empty()):
+    links = output.links()
+    if not entries or (entries == [contract.STATE_DIR] and not links and output.state.is_empty()):
         return Inspection(output.uri, exists=output.exists(), empty=True, plan_fingerprint=None, same_settings=True,
                           units_left=[u.unit for u in plan.units])
     old = output.state.plan()
     manifests = output.state.manifests()
-    owned = classify(output.files(), manifests, old)
+    owned = classify(output.files(), manifests, old, links)
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
     committed, damaged = output.committed_units(plan.fingerprint, manifests)
@@ -189,6 +207,7 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         foreign=list(owned.foreign),
         ours=list(owned.ours),
         blocking=owned.blocking(plan),
+        links={name: link_target(output.local / name) for name in owned.links_in_the_way(plan)},
         changed_settings=[] if same or old is None else settings_diff(old.settings, plan.settings),
         bytes_on_disk=output.total_bytes(),
     )
@@ -228,6 +247,13 @@ def decide(inspection: Inspection, on_existing: str | None, output: Output | Non
     summary = asdict(inspection)
     if inspection.empty:
         return Decision("fresh", inspection.out_dir, summary)
+    if inspection.links and on_existing not in ("new-dir", "reuse", "abort"):
+        raise LinkInOutputError(
+            f"cannot write to {inspection.out_dir}: {inspection.links_listed()} "
+            f"{'is a symbolic link' if len(inspection.links) == 1 else 'are symbolic links'} where this run writes. "
+            "diffprep never writes, renames or removes through a link inside an output (it would change the files "
+            "it points at, outside the output). Nothing was changed: move the link out of the output, or choose "
+            "--on-existing new-dir.")
     if inspection.matches:
         # Same settings: nothing would be lost, so nothing is asked and no preset answer applies
         # (a nightly run with on_existing=overwrite must append, not re-encode everything).
@@ -246,7 +272,9 @@ def decide(inspection: Inspection, on_existing: str | None, output: Output | Non
     if on_existing == "abort":
         raise ExistingOutputError(f"aborted (on_existing=abort); nothing under {inspection.out_dir} was changed")
     if on_existing == "resume":
-        reason = inspection.shape_problem or "it was written with other settings"
+        reason = inspection.shape_problem or ("it holds no diffprep plan: diffprep did not write it"
+                                              if inspection.plan_fingerprint is None
+                                              else "it was written with other settings")
         raise ExistingOutputError(
             f"cannot resume {inspection.out_dir}: {reason}. Resume needs the same settings; "
             "choose --on-existing new-dir or overwrite, or run with the settings in its .diffprep/plan.json."
@@ -255,6 +283,11 @@ def decide(inspection: Inspection, on_existing: str | None, output: Output | Non
         # This run's fingerprint: re-run after a question it suspended on, it goes back to the folder it chose.
         return Decision("new-dir", next_free_dir(output or inspection.out_dir, fingerprint), summary)
     if on_existing == "reuse":
+        if inspection.plan_fingerprint is None:
+            raise ExistingOutputError(
+                f"cannot reuse {inspection.out_dir}: it holds no diffprep plan, so there is no dataset of diffprep's "
+                "to keep as it is (reuse keeps a dataset diffprep wrote, with other settings). Nothing was changed: "
+                "choose --on-existing new-dir, or another --output-dir.")
         return Decision("reuse", inspection.out_dir, summary)
     if inspection.blocking:
         raise ExistingOutputError(

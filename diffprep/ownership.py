@@ -16,6 +16,12 @@ Every other file is foreign, wherever it sits (``.nv-meta/custom/``,
 ``empty_encodings/``, ``latents/``...): an overwrite lists it in its question
 and keeps it byte for byte. A foreign file that this run would write over, or
 that the trainer would read as a sample, blocks the overwrite instead.
+
+A symbolic link is always foreign, whatever its name, and never followed: a
+link at a path this run writes, or a folder link above one (``empty_encodings``,
+``.nv-meta``, ``.precomputed/latents``, anything in ``.diffprep``), blocks the
+run whatever is chosen but ``new-dir``, ``reuse`` and ``abort``: writing there
+would change the files it points at, outside the output.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from typing import Any
 from diffprep import contract
 from diffprep.pictures import CONTACT_SHEET
 from diffprep.plan import Plan
-from diffprep.shards import TEMP_SUFFIX, UnitManifest
+from diffprep.errors import LinkInOutputError
+from diffprep.shards import TEMP_SUFFIX, UnitManifest, link_message
 
 # Energon's names in .nv-meta (megatron.energon.flavors.webdataset.config) and diffprep's dataset.yaml.
 NV_META_FILES = frozenset({contract.DATASET_YAML, contract.SPLIT_YAML, contract.INFO_JSON, contract.INDEX_SQLITE,
@@ -37,6 +44,7 @@ STATE_FILES = frozenset({contract.PLAN_JSON, contract.T2I_PLAN_JSON, contract.AU
                          contract.SPLITS_JSON, contract.REJECTS_ANSWER_JSON, contract.DISCARD_ANSWER_JSON,
                          contract.LATENT_STATS, contract.EMPTY_PROMPT, contract.MSC_CONFIG, CONTACT_SHEET,
                          contract.IGNORE_REPORT_JSON})
+WRITTEN_FOLDERS = frozenset({contract.STATE_DIR, contract.NV_META, contract.EMPTY_ENCODINGS_DIR})
 SANITY_FILES = frozenset({contract.SANITY_REPORT, contract.SANITY_SAMPLE, CONTACT_SHEET})
 _MANIFEST_RE = re.compile(r"\d{6,}\.json")
 _TEMP_SHARD_RE = re.compile(r"\d{6,}\.tar\..+\.\d+" + re.escape(TEMP_SUFFIX))  # ShardWriter's, in tmp/
@@ -52,12 +60,33 @@ class Ownership:
     ours: tuple[str, ...]  # what an approved overwrite removes
     locks: tuple[str, ...]  # diffprep's, kept: the run doing the overwrite holds one
     foreign: tuple[str, ...]  # not diffprep's: listed, kept
+    links: tuple[str, ...] = ()  # symbolic links (among ``foreign``): never written through
 
     def blocking(self, plan: Plan) -> list[str]:
         """Foreign files an overwrite with ``plan`` cannot keep: this run writes files of their names, or the
-        trainer reads them as samples beside the new ones."""
+        trainer reads them as samples beside the new ones; the links in this run's way (``links_in_the_way``), and
+        every link where the trainer globs the output's folders (it would read through them)."""
         writes = set(planned_files(plan))
-        return [name for name in self.foreign if name in writes or read_as_data(name, plan)]
+        globbed = trainer_globs(plan)
+        return [name for name in self.foreign if name in writes or read_as_data(name, plan)
+                or name in self.links and (globbed or in_the_way(name, writes))]
+
+    def links_in_the_way(self, plan: Plan | None) -> list[str]:
+        """The links where a run of ``plan`` (None: a command over a written dataset) writes, or above it."""
+        writes = set(planned_files(plan)) if plan is not None else set()
+        return [name for name in self.links if in_the_way(name, writes)]
+
+
+def in_the_way(link: str, writes: set[str]) -> bool:
+    """Whether a run that writes ``writes`` (and diffprep's state, metadata and empty encodings, by name) would write
+    at the link ``link`` or below it."""
+    folder, _, rest = link.partition("/")
+    if folder == contract.STATE_DIR or (not rest and folder in WRITTEN_FOLDERS):
+        return True  # the state folder is diffprep's throughout; the others are written by name
+    if link in writes or named_by_name(link):
+        return True
+    below = link + "/"
+    return any(name.startswith(below) for name in writes)
 
 
 def state_file(relative: str) -> bool:
@@ -118,6 +147,13 @@ def planned_files(plan: Plan) -> list[str]:
     return shards + [contract.index_name(name) for name in shards] + archive
 
 
+def trainer_globs(plan: Plan) -> bool:
+    """Whether the trainer of ``plan``'s layout finds its samples by listing folders (LTX, GAE), not by names."""
+    from diffprep.encodings import unit_files_layout
+
+    return unit_files_layout(plan) is not None
+
+
 def read_as_data(path: str, plan: Plan) -> bool:
     """Whether the trainer of ``plan``'s layout reads the file at ``path`` as a sample (the LTX trainer globs its
     record folders, GAE its scene folders; Energon reads only the shards its metadata names)."""
@@ -127,23 +163,28 @@ def read_as_data(path: str, plan: Plan) -> bool:
     return files_layout is not None and files_layout.read_by_trainer(path)
 
 
-def classify(files: list[str], manifests: dict[int, UnitManifest], plan: Plan | None) -> Ownership:
-    """Sort ``files`` (every file of an output) by who wrote them (the module docstring)."""
+def classify(files: list[str], manifests: dict[int, UnitManifest], plan: Plan | None,
+             links: list[str] | tuple[str, ...] = ()) -> Ownership:
+    """Sort ``files`` (every file of an output; ``links``: those that are symbolic links) by who wrote them (the
+    module docstring)."""
     named = data_files(manifests, plan)
 
     def is_ours(path: str) -> bool:
         return path in named or named_by_name(path)
 
     ours, locks, foreign = [], [], []
-    for path in sorted(files):
+    linked = set(links)
+    for path in sorted(set(files) | linked):
         folder, _, rest = path.partition("/")
-        if folder == contract.STATE_DIR and contract.is_lock_file(rest):
+        if path in linked:
+            foreign.append(path)
+        elif folder == contract.STATE_DIR and contract.is_lock_file(rest):
             locks.append(path)
         elif is_ours(path) or any(is_ours(target) for target in temp_targets(path)):
             ours.append(path)
         else:
             foreign.append(path)
-    return Ownership(tuple(ours), tuple(locks), tuple(foreign))
+    return Ownership(tuple(ours), tuple(locks), tuple(foreign), tuple(sorted(linked)))
 
 
 def temp_targets(path: str) -> list[str]:
@@ -160,7 +201,19 @@ def temp_targets(path: str) -> list[str]:
 
 def ownership(output: Any) -> Ownership:
     """Who wrote each file of ``output`` (a folder or a bucket prefix), by its manifests and its plan."""
-    return classify(output.files(), output.state.manifests(), output.state.plan())
+    return classify(output.files(), output.state.manifests(), output.state.plan(), output.links())
+
+
+def refuse_links(output: Any, plan: Plan | None = None) -> None:
+    """Before a command writes into a written dataset (finalize, validation, statistics, an ignore list): a link
+    where it writes (``in_the_way`` of ``plan``'s files, the output's own plan by default) is refused by name."""
+    links = output.links()
+    if not links:
+        return
+    plan = plan if plan is not None else output.state.plan()
+    in_the_way = Ownership((), (), tuple(links), tuple(links)).links_in_the_way(plan)
+    if in_the_way:
+        raise LinkInOutputError(link_message(output.local, in_the_way))
 
 
 def listed(names: list[str] | tuple[str, ...], limit: int = SHOWN) -> str:
@@ -169,4 +222,4 @@ def listed(names: list[str] | tuple[str, ...], limit: int = SHOWN) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-__all__ = ["Ownership", "classify", "listed", "ownership", "planned_files"]
+__all__ = ["Ownership", "classify", "listed", "ownership", "planned_files", "refuse_links"]

@@ -44,7 +44,7 @@ from diffprep.fetch import fetch
 from diffprep.launch import Group, my_units
 from diffprep.long_videos import confirm_discarded, scenes_summary
 from diffprep.output import Output, OutputRef, ref_of
-from diffprep.ownership import ownership
+from diffprep.ownership import ownership, refuse_links
 from diffprep.plan import Plan, fingerprint
 from diffprep.sanity import SanityReport
 from diffprep.sources import open_source
@@ -216,7 +216,8 @@ def finalize_output(output: Output, encoding: str, config: FinalizeConfig, ask: 
                     replace_split: bool = False, finalizer: Callable[..., FinalizeResult] | None = None,
                     ) -> FinalizeResult:
     """Phase 6: Energon metadata over the committed shards (the encoding's, for a trainer's own layout); a change
-    of split is asked first."""
+    of split is asked first; a link where it writes (Energon writes its indexes itself) is refused first."""
+    refuse_links(output)
     own = get_encoding(encoding).own_folders(output.state.plan())
     question = None if replace_split or own else split_question(output, train_split=config.train_split,
                                                                  seed=config.shuffle_seed)

@@ -77,11 +77,17 @@ def test_foreign_files_need_a_choice(tmp_path: Path, plan) -> None:
     with pytest.raises(ExistingOutputError) as info:
         decide(inspection, None)
     message = str(info.value)
-    for choice in ("new-dir", "overwrite", "reuse", "abort"):
+    for choice in ("new-dir", "overwrite", "abort"):
         assert f"`{choice}`" in message
     assert "--on-existing" in message
     assert "`notes.md`" in message and "`shard.tar`" in message
     assert "holds no diffprep plan" in message
+    # No dataset of diffprep's is there: nothing to reuse, nothing to resume, and neither is said to be.
+    assert "`reuse`" not in message and "reuse" not in inspection.question().choices
+    with pytest.raises(ExistingOutputError, match="cannot reuse .*: it holds no diffprep plan"):
+        decide(inspection, "reuse")
+    with pytest.raises(ExistingOutputError, match="cannot resume .*: it holds no diffprep plan: diffprep did not "):
+        decide(inspection, "resume")
 
 
 def test_same_settings_partly_done_resumes(tmp_path: Path, plan, write_unit) -> None:

@@ -42,7 +42,8 @@ from diffprep.layouts import Layout
 from diffprep.media.windows import parse_clip_id
 from diffprep.encodings.unit_files import UnitFilesWriter, save_report
 from diffprep.plan import Plan, dtype_name, shape_matches
-from diffprep.shards import Reject, UnitManifest, torch_bytes
+from diffprep.errors import LinkInOutputError
+from diffprep.shards import Reject, UnitManifest, link_message, torch_bytes
 from diffprep.sources.base import unescape_id
 
 UNIT_FILES = True  # its units write files, not shards (diffprep.encodings.unit_files_layout)
@@ -58,7 +59,10 @@ def precomputed_root(output_dir: str) -> str:
     name = os.path.basename(os.path.normpath(output_dir))
     if name == contract.PRECOMPUTED_DIR or name.startswith(contract.PRECOMPUTED_DIR + "-v"):
         return output_dir
-    return os.path.join(output_dir, contract.PRECOMPUTED_DIR)
+    root = os.path.join(output_dir, contract.PRECOMPUTED_DIR)
+    if "://" not in root and os.path.islink(root):  # the dataset folder inside the output: never through a link
+        raise LinkInOutputError(link_message(output_dir, contract.PRECOMPUTED_DIR))
+    return root
 
 
 def dataset_root(location: str) -> str:

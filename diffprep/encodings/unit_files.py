@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diffprep import contract
-from diffprep.shards import ShardInfo, atomic_write_bytes
+from diffprep.shards import ShardInfo, atomic_write_bytes, no_link_below
 
 
 class UnitFilesWriter:
@@ -29,7 +29,7 @@ class UnitFilesWriter:
 
     def put(self, relative: str, data: bytes) -> None:
         """Write ``data`` to ``<root>/<relative>`` atomically and list it."""
-        path = self.root / relative
+        path = no_link_below(self.root, self.root / relative)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, data)
         self.files[relative] = len(data)
@@ -47,7 +47,7 @@ class UnitFilesWriter:
         """Remove what this unit wrote: without its manifest, none of it is data."""
         self._done = True
         for relative in self.files:
-            (self.root / relative).unlink(missing_ok=True)
+            no_link_below(self.root, self.root / relative).unlink(missing_ok=True)
 
     def __enter__(self):
         return self

@@ -24,6 +24,7 @@ from diffprep.shards import (
     ShardSink,
     UnitManifest,
     atomic_write_bytes,
+    no_link_below,
     shard_digest,
     tar_keys,
     temp_pid,
@@ -67,6 +68,25 @@ class Output:
             for name in names + [d for d in dirs if (Path(root) / d).is_symlink()]:
                 found.append((folder / name).as_posix())
         return sorted(found)
+
+    def links(self) -> list[str]:
+        """Every symbolic link below the output (files and folders), never followed: none is the output's own, and
+        nothing is written, renamed or removed through one (``diffprep.ownership``)."""
+        found: list[str] = []
+        pending = [self.local] if self.local.is_dir() else []
+        while pending:
+            with os.scandir(pending.pop()) as scan:
+                for entry in scan:
+                    if entry.is_symlink():
+                        found.append(Path(entry.path).relative_to(self.local).as_posix())
+                    elif entry.is_dir():
+                        pending.append(Path(entry.path))
+        return sorted(found)
+
+    def writable(self, relative: str) -> Path:
+        """Where the file ``relative`` is written, once no folder or file on its way is a symbolic link
+        (``LinkInOutputError`` otherwise): every write and removal of the output goes through here."""
+        return no_link_below(self.local, self.local / relative)
 
     def size(self, name: str) -> int | None:
         """Size of the top-level file ``name``; None when there is none."""
@@ -151,7 +171,7 @@ class Output:
 
     def write_file(self, relative: str, data: bytes) -> Path:
         """Write a small file of the output (metadata) atomically in the working folder, and publish it."""
-        path = self.local / relative
+        path = self.writable(relative)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, data)
         self.publish_file(relative)
@@ -167,7 +187,7 @@ class Output:
         are diffprep's), then the folders that removing them left empty; every other file stays."""
         folders = set()
         for relative in paths:
-            path = self.local / relative
+            path = self.writable(relative)
             path.unlink(missing_ok=True)
             folders.update(parent for parent in path.parents if parent != self.local and self.local in parent.parents)
         for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
@@ -183,6 +203,8 @@ class Output:
         """
         host = socket.gethostname()
         removed = []
+        if self.state.root.is_symlink():
+            return []  # not ours to clean: the run refuses such an output (``diffprep.ownership``)
         for root, _dirs, files in os.walk(self.state.root):
             for name in sorted(files):
                 pid = temp_pid(name, host)
@@ -198,9 +220,9 @@ class Output:
         (``fingerprint``) already started: a run resumed after a question finds the folder it chose before."""
         version = 2
         while True:
-            candidate = Output(self.local.with_name(f"{self.local.name}-v{version}"))
-            if candidate.free_for(fingerprint):
-                return candidate
+            path = self.local.with_name(f"{self.local.name}-v{version}")
+            if not path.is_symlink() and (candidate := Output(path)).free_for(fingerprint):
+                return candidate  # a link of that name points at someone else's folder: not free
             version += 1
 
     def free_for(self, fingerprint: str | None) -> bool:

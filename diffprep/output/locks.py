@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from diffprep import contract
 from diffprep.errors import LockedError
+from diffprep.shards import no_link_below
 from diffprep.storage import ObjectChangedError
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ class OutputLock:
     def acquire(self) -> None:
         if self._fd is not None:
             return
+        no_link_below(self.path.parents[1], self.path)  # the lock file of a folder whose .diffprep is a link: not ours
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -38,7 +38,7 @@ from diffprep.output.base import Output
 from diffprep.output.locks import S3Lock
 from diffprep.output.msc import energon_path
 from diffprep.output.upload import MULTIPART_CHUNK, ObjectUpload, etag_of, request
-from diffprep.shards import ShardSink, UnitManifest, json_file_bytes, tar_keys
+from diffprep.shards import ShardSink, UnitManifest, json_file_bytes, no_link_below, tar_keys
 from diffprep.storage import (
     S3_SCHEME,
     ObjectInfo,
@@ -234,9 +234,9 @@ class S3Output(Output):
     def _pull(self, objects: dict[str, ObjectInfo], wanted: list[str], staged: list[Path]) -> None:
         for path in staged:
             if str(path.relative_to(self.local)) not in objects:
-                path.unlink(missing_ok=True)
+                no_link_below(self.local, path).unlink(missing_ok=True)
         for name in wanted:
-            target = self.local / name
+            target = self.writable(name)
             # A single-part object's ETag is its MD5: a staged copy with the same one is already up to date.
             if (target.is_file()
                     and hashlib.md5(target.read_bytes(), usedforsecurity=False).hexdigest() == objects[name].etag):

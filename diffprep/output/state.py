@@ -115,7 +115,7 @@ class StateStore:
     @contextlib.contextmanager
     def writing(self, relative: str) -> Iterator[Path]:
         """A path for a writer that takes one (a contact sheet); published when the block ends without error."""
-        path = self.path(relative)
+        path = self.output.writable(self._rel(relative))
         path.parent.mkdir(parents=True, exist_ok=True)
         yield path
         if path.is_file():
@@ -124,7 +124,7 @@ class StateStore:
     def discard_scratch(self, relative: str) -> None:
         """Remove a folder that lives in the working copy only (``text_cache/...``: never published, never data),
         and the folders above it that it leaves empty."""
-        path = self.path(relative)
+        path = self.output.writable(self._rel(relative))
         shutil.rmtree(path, ignore_errors=True)
         for parent in path.parents:
             if parent == self.root:

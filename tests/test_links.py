@@ -1,0 +1,197 @@
+"""Nothing is written, renamed or removed through a symbolic link inside an output (``diffprep.ownership``).
+
+Every layout's dataset is written once; then, one case at a time, a folder of it, or one file in each of its
+folders, is replaced by a link to a copy outside the output, and the run is made again with every answer. The
+copies outside are compared byte for byte after each run, and every link must still point where it did.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from flow_runs import tree
+from scene_render import render
+from test_ltx2_pipeline import settings_for as ltx_settings
+from test_ltx2_pipeline import write_dataset
+from test_ownership import image_settings, images, never_ask  # noqa: F401 - images is a fixture
+
+from diffprep import contract
+from diffprep.config import load_settings
+from diffprep.errors import ExistingOutputError, LinkInOutputError
+from diffprep.ownership import classify
+from diffprep.pipeline import run
+
+# A run of a layout: (the output folder, on_existing, whether with other settings than the first run) -> result.
+Again = Callable[[Path, "str | None", bool], object]
+
+
+def link_cases(root: Path) -> list[str]:
+    """The paths a case replaces by a link: every folder below ``root``, and the first file of every folder."""
+    folders = sorted(p for p in root.rglob("*") if p.is_dir())
+    cases = [p.relative_to(root).as_posix() for p in folders]
+    for folder in [root, *folders]:
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+        if files:
+            cases.append(files[0].relative_to(root).as_posix())
+    return cases
+
+
+def plant_link(root: Path, relative: str, outside: Path) -> Path:
+    """Move ``root/relative`` to ``outside`` and put a link to it in its place; the link's target."""
+    target = outside / relative.replace("/", "__")
+    shutil.move(root / relative, target)
+    os.symlink(target, root / relative)
+    return target
+
+
+def untouched(root: Path, relative: str, target: Path, before: dict[str, str]) -> None:
+    assert (root / relative).is_symlink() and os.readlink(root / relative) == str(target), relative
+    assert tree(target.parent) == before, f"written through the link {relative}"
+
+
+def every_answer_leaves_the_links_alone(dataset: Path, out_of: Callable[[Path], Path], again: Again,
+                                        tmp_path: Path) -> None:
+    """``dataset``: a finished dataset folder (``out_of(folder)``: its output inside a copy of it); every case of
+    ``link_cases`` with the answers that write (same settings: resume; other settings: overwrite, resume) refused
+    naming the link, then one case with new-dir, reuse and abort."""
+    cases = link_cases(out_of(dataset))
+    assert len(cases) >= 4, cases
+    for number, relative in enumerate(cases):
+        copy, outside = tmp_path / f"case{number}", tmp_path / f"outside{number}"
+        shutil.copytree(dataset, copy, symlinks=True)
+        outside.mkdir()
+        root = out_of(copy)
+        target = plant_link(root, relative, outside)
+        before = tree(outside)
+        for answer, other in ((None, False), ("overwrite", False), ("overwrite", True), ("resume", True)):
+            # Same settings write at every link of these cases; other settings may not (an LTX run without audio
+            # writes no audio latents), but their trainer would read through it: refused all the same.
+            named = rf"`{relative}` -> {target}.*symbolic link" if not other else rf"`{relative}`|other settings"
+            with pytest.raises(ExistingOutputError, match=named):
+                again(copy, answer, other)
+            untouched(root, relative, target, before)
+        if number:
+            shutil.rmtree(copy)
+            continue
+        # The first case (a folder of the dataset a link): the answers that write nothing there go on.
+        with pytest.raises(ExistingOutputError, match="on_existing=abort"):
+            again(copy, "abort", True)
+        assert again(copy, "reuse", True).action == "reuse"
+        result = again(copy, "new-dir", True)
+        assert Path(result.out_dir) == root.with_name(root.name + "-v2") and result.samples
+        untouched(root, relative, target, before)
+
+
+def test_a_link_is_foreign_and_blocks_where_the_run_writes(make_plan, write_unit, tmp_path) -> None:
+    plan = make_plan((4, 4))
+    manifests = {0: write_unit(tmp_path / "out", plan, 0)}
+    links = ["000000.tar", "000001.tar.idx", "empty_encodings", ".nv-meta", ".nv-meta/dataset.yaml",
+             ".diffprep/sanity", ".diffprep/notes", "notes", "photos/000000.tar", "extra.txt"]
+    owned = classify(["000000.tar.idx", "README.md"], manifests, plan, links)
+    assert set(owned.foreign) == {*links, "README.md"} and owned.ours == ("000000.tar.idx",)
+    in_the_way = ["000000.tar", "000001.tar.idx", "empty_encodings", ".nv-meta", ".nv-meta/dataset.yaml",
+                  ".diffprep/sanity", ".diffprep/notes"]
+    assert owned.links_in_the_way(plan) == sorted(in_the_way)
+    assert owned.blocking(plan) == sorted(in_the_way)
+
+
+def test_the_users_command_leaves_a_linked_folder_of_empty_encodings_alone(tmp_path, images, tiny_model) -> None:
+    """The report's case, as typed: ``empty_encodings`` a link to another dataset's, ``--on-existing overwrite``."""
+    from diffprep.cli import main
+
+    shared, out = tmp_path / "shared", tmp_path / "out"
+    shared.mkdir()
+    out.mkdir()
+    (shared / contract.T5_EMPTY).write_bytes(b"another dataset's empty encodings")
+    os.symlink(shared, out / contract.EMPTY_ENCODINGS_DIR)
+    args = ["encode", "--source-type", "directory", "--input-dir", str(images), "--output-dir", str(out),
+            "--model-path", str(tiny_model), "--image-size", "32", "--t5-max-length", "16", "--device", "cpu",
+            "--precision", "fp32", "--min-psnr", "0"]
+    for answer in ("overwrite", "resume", "reuse", "abort"):
+        assert main([*args, "--on-existing", answer]) != 0
+        assert tree(shared) == {contract.T5_EMPTY: tree(shared)[contract.T5_EMPTY]}
+        assert (shared / contract.T5_EMPTY).read_bytes() == b"another dataset's empty encodings"
+    assert sorted(os.listdir(out)) == [contract.EMPTY_ENCODINGS_DIR]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["energon", "fastgen", "raw", "edm-zip"])
+def test_no_answer_writes_through_a_link_in_an_image_layout(layout, tmp_path, images, tiny_model,
+                                                            settings_for) -> None:
+    encoding = "raw" if layout in ("raw", "edm-zip") else "preencoded"
+    output = {} if layout == "raw" else {"layout": layout}
+    sections = {"model": {"negative_prompt": "blurry"}} if layout == "fastgen" else {}
+    if layout == "edm-zip":
+        sections["raw"] = {"image_format": "png"}
+    dataset = tmp_path / "dataset"
+    assert run(image_settings(settings_for, dataset / "out", images, tiny_model, output, **sections), encoding,
+               ask=never_ask).samples == 4
+
+    def again(folder: Path, answer: str | None, other: bool):
+        image = {"image_size": 64} if other else {}
+        settings = image_settings(settings_for, folder / "out", images, tiny_model,
+                                  {**output, "on_existing": answer}, image=image, **sections)
+        return run(settings, encoding, ask=never_ask)
+
+    every_answer_leaves_the_links_alone(dataset, lambda folder: folder / "out", again, tmp_path)
+
+
+@pytest.mark.slow
+def test_no_answer_writes_through_a_link_in_the_ltx_layout(tiny_ltx2, tmp_path) -> None:
+    dataset = tmp_path / "dataset"
+    write_dataset(dataset, {"a.mp4": {}, "b.mp4": {}})
+
+    def again(folder: Path, answer: str | None, other: bool):
+        video = {"skip_audio": True} if other else {}
+        listing = folder / "dataset.json"
+        settings = ltx_settings(folder, listing, tiny_ltx2, output={"layout": "ltx", "on_existing": answer},
+                                video=video)
+        return run(settings, "preencoded", ask=never_ask)
+
+    assert again(dataset, None, False).samples == 2
+    every_answer_leaves_the_links_alone(dataset, lambda folder: folder / contract.PRECOMPUTED_DIR, again, tmp_path)
+
+    # The .precomputed folder itself a link, inside the --output-dir the user named.
+    outside = tmp_path / "elsewhere"
+    shutil.move(dataset / contract.PRECOMPUTED_DIR, outside)
+    os.symlink(outside, dataset / contract.PRECOMPUTED_DIR)
+    before = tree(outside)
+    with pytest.raises(LinkInOutputError, match=rf"`{contract.PRECOMPUTED_DIR}` -> {outside}"):
+        again(dataset, "overwrite", True)
+    assert tree(outside) == before
+
+
+def test_no_answer_writes_through_a_link_in_the_gae_layout(tmp_path) -> None:
+    inp, dataset = tmp_path / "in", tmp_path / "dataset"
+    for scene in ("s0", "s1"):
+        render(inp, "mvssynth", scene=scene, frames=6)
+
+    def again(folder: Path, answer: str | None, other: bool):
+        return run(load_settings(overrides={
+            "source": {"type": "scenes", "input_dir": str(inp), "scene_format": "mvssynth"},
+            "output": {"output_dir": str(folder / "out"), "layout": "gae", "on_existing": answer},
+            "scenes": {"frames": 5, "resolution": 48 if other else 32}, "image": {"decode_workers": 1}}),
+            "raw", ask=never_ask)
+
+    assert again(dataset, None, False).samples == 2
+    every_answer_leaves_the_links_alone(dataset, lambda folder: folder / "out", again, tmp_path)
+
+
+@pytest.mark.parametrize("linked", ["000000.tar.idx", contract.NV_META, f"{contract.NV_META}/{contract.SPLIT_YAML}"])
+def test_finalize_of_a_written_dataset_refuses_a_link_where_it_writes(linked, tmp_path, images, tiny_model,
+                                                                      settings_for, capsys) -> None:
+    """Energon's prepare writes the shards' indexes and ``.nv-meta`` itself: the link is refused before it runs."""
+    from diffprep.cli import main
+
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    assert run(image_settings(settings_for, out, images, tiny_model, {}), "preencoded", ask=never_ask).samples == 4
+    outside.mkdir()
+    target = plant_link(out, linked, outside)
+    before = tree(outside)
+    assert main(["finalize", str(out), "--replace-split"]) != 0
+    assert f"`{linked}` -> {target}" in capsys.readouterr().err
+    untouched(out, linked, target, before)
