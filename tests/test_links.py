@@ -17,6 +17,7 @@ from flow_runs import tree
 from scene_render import render
 from test_ltx2_pipeline import settings_for as ltx_settings
 from test_ltx2_pipeline import write_dataset
+from test_ingest import mlperf  # noqa: F401 - a fixture
 from test_ownership import image_settings, images, never_ask  # noqa: F401 - images is a fixture
 
 from diffprep import contract
@@ -195,3 +196,23 @@ def test_finalize_of_a_written_dataset_refuses_a_link_where_it_writes(linked, tm
     assert main(["finalize", str(out), "--replace-split"]) != 0
     assert f"`{linked}` -> {target}" in capsys.readouterr().err
     untouched(out, linked, target, before)
+
+
+def test_no_answer_writes_through_a_link_in_an_ingested_dataset(mlperf, tmp_path, capsys) -> None:
+    """``diffprep ingest``: every folder of an ingested dataset, and a file of each, a link in turn."""
+    from test_ingest import _args
+
+    from diffprep.cli import main
+
+    dataset = tmp_path / "dataset"
+    assert main(_args(mlperf, dataset / "out")) == 0
+    for number, relative in enumerate(link_cases(dataset / "out")):
+        copy, outside = tmp_path / f"case{number}", tmp_path / f"outside{number}"
+        shutil.copytree(dataset, copy, symlinks=True)
+        outside.mkdir()
+        target = plant_link(copy / "out", relative, outside)
+        before = tree(outside)
+        for answer in ("overwrite", "resume", "new-dir" if not number else "abort"):
+            main(_args(mlperf, copy / "out", "--on-existing", answer))
+            untouched(copy / "out", relative, target, before)
+        assert f"`{relative}` -> {target}" in capsys.readouterr().err
