@@ -504,3 +504,31 @@ def test_concurrent_runs_have_one_winner(admin, proxy, tmp_path) -> None:
     assert all("being written by another run" in str(error) for error in errors)
     winners[0].release()
     assert ".diffprep/lock.json" not in objects(admin, str(url))
+
+
+@pytest.mark.slow
+def test_a_link_in_the_staging_folder_is_never_written_through(prefect_server, admin, proxy, tmp_path,
+                                                               capsys) -> None:
+    """A bucket output is worked through a local staging folder: a link there is refused as in an output folder."""
+    from diffprep.cli import main
+    from diffprep.demo import write_demo_dataset
+
+    data = write_demo_dataset(tmp_path / "data", samples=4)
+    url = prefix_url()
+    args = ["raw", "--source-type", "directory", "--input-dir", str(data), "--output-dir", url,
+            "--output-s3-endpoint-url", proxy.url, "--shard-size", "4", "--image-size", "32"]
+    assert main(args) == 0
+    staging = open_output(url, endpoint_url=proxy.url).local
+    for linked in (".diffprep", ".nv-meta", ".diffprep/units"):
+        outside = tmp_path / f"outside-{linked.replace('/', '_')}"
+        os.replace(staging / linked, outside)
+        os.symlink(outside, staging / linked)
+        before = {p.relative_to(outside).as_posix(): p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+        stored = objects(admin, url)
+        for answer in ("overwrite", "resume"):
+            assert main([*args, "--image-size", "64", "--on-existing", answer]) != 0
+            assert f"`{linked}` -> {outside}" in capsys.readouterr().err
+        assert {p.relative_to(outside).as_posix(): p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+        assert objects(admin, url) == stored  # nothing in the bucket changed either
+        (staging / linked).unlink()
+        os.replace(outside, staging / linked)
