@@ -32,7 +32,7 @@ from diffprep import contract
 from diffprep.checks import Check
 from diffprep.encodings import get_encoding
 from diffprep.encodings.ltx_layout import dataset_root
-from diffprep.errors import ConfigError, SourceError
+from diffprep.errors import ConfigError, DiffprepError, SourceError
 from diffprep.layouts import Layout
 from diffprep.output import Output, OutputRef, as_output
 from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
@@ -176,6 +176,9 @@ def _report(output: Output, checks: list[Check], summary: dict[str, Any]) -> Val
     """The report, written to ``.diffprep/validation.json`` when the output exists."""
     ok = bool(checks) and all(check.ok for check in checks)
     report = ValidationReport(out_dir=output.uri, ok=ok, checks=checks, summary=summary)
+    # Rendered here, in every validation: a run's own validation (which shows only its summary) then fails on a
+    # report that `diffprep validate` could not print, instead of saying "passed" over it.
+    report.to_markdown()
     if output.local.is_dir() and (not output.remote or output.exists()):
         output.state.write_json(contract.VALIDATION_JSON, report.to_json())
     return report
@@ -190,6 +193,8 @@ def _previews(output: Output, count: int) -> dict[str, Any]:
     try:
         # local_only: validation downloads nothing; a VAE that is not at hand means no previews.
         report = decode_dataset(out, count, sheet=out / contract.STATE_DIR / CONTACT_SHEET, local_only=True)
+    except DiffprepError as error:  # its message says why in words (no VAE at hand, an encoding with no pictures)
+        return {"note": f"no previews: {error}"}
     except Exception as error:  # noqa: BLE001 - previews inform; what stopped them is reported, never raised
         # A dataset without a reachable VAE (a copy elsewhere, a model not cached) is still valid, and a damaged
         # shard already fails the checks above.
