@@ -211,6 +211,29 @@ def test_sanity_fails_below_min_psnr_and_passes_at_zero(dataset: Dataset, tmp_pa
     assert all(isinstance(v, float) and math.isfinite(v) for v in passed.psnr_db)
 
 
+def test_the_sanity_round_trip_is_said_in_words_and_only_where_there_was_one(dataset: Dataset,
+                                                                             tmp_path: Path) -> None:
+    """The run's log line and the sanity artifact: PSNRs where a VAE decoded back, "lossless" for a raw png batch
+    (None per image, never "[None, None]"), nothing for a run that decodes nothing (an ingest, prompts)."""
+    from dataclasses import replace
+
+    from diffprep.sanity import round_trip_text, sanity_markdown
+
+    spec = ImageSpec.from_config(dataset.settings.image)
+    report = sanity_check(tmp_path / "out", dataset.plan, dataset.encoders, dataset.source, spec, batch_size=4,
+                          min_psnr=1.0)
+    text = round_trip_text(report.psnr_db, report.min_psnr)
+    assert re.fullmatch(r"round-trip PSNR (-?[0-9.]+, ){3}-?[0-9.]+ dB \(the median must reach model\.min_psnr, "
+                        r"1\.0 dB\)", text), text
+    assert f"| round trip | {text} |" in sanity_markdown(report.to_json())
+    lossless = replace(report, psnr_db=[None] * 4, min_psnr=0.0)  # a png run's: every image stored as prepared
+    assert round_trip_text(lossless.psnr_db) == "round trip lossless: the 4 stored images give the prepared pixels back"
+    assert "None" not in sanity_markdown(lossless.to_json())
+    nothing = replace(report, psnr_db=[])
+    assert round_trip_text(nothing.psnr_db) is None
+    assert "round" not in sanity_markdown(nothing.to_json()) and "PSNR" not in sanity_markdown(nothing.to_json())
+
+
 @pytest.mark.slow
 def test_sanity_threshold_fails_the_flow_and_its_artifact_shows_the_contact_sheet(
         prefect_server, dataset: Dataset, tmp_path: Path, capsys) -> None:
@@ -288,7 +311,7 @@ def test_validate_without_a_reachable_vae_skips_previews_with_a_note(dataset: Da
         source=str(tmp_path / "no-model")))
     report = validate_dataset(out, previews=2)
     assert report.ok, report.to_markdown()
-    assert report.summary["previews"]["note"].startswith("no previews: ConfigError: VAE:")
+    assert report.summary["previews"]["note"].startswith("no previews: VAE:")  # in words, no class name
     assert "no previews" in report.to_markdown()
 
 
