@@ -123,8 +123,7 @@ def validate_dataset(
         files |= unit_files
         passed_checks += unit_checks
         passed_summary = _with_units_stats(passed_summary, unit_summary)
-        for name, data in files.items():
-            output.state.write_bytes(name, data)
+        passed_checks += _write_state(output, output.state.plan(), files)
         checks += passed_checks
         summary.update(passed_summary)
     return _report(output, checks, summary)
@@ -150,10 +149,24 @@ def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> V
     if not report.ok:
         return report
     checks, summary, files = finalized_stats(output, plan)
-    for name, data in files.items():
-        output.state.write_bytes(name, data)
+    checks += _write_state(output, plan, files)
     return (_report(output, report.checks + checks, _with_units_stats(report.summary, summary)) if checks or summary
             else report)
+
+
+def _write_state(output: Output, plan: Any, files: dict[str, bytes]) -> list[Check]:
+    """Write what a passed validation adds to the state folder; per-channel statistics never replace a file with
+    the covariance (``diffprep.latent_stats.kept_richer``), and the check says what was kept."""
+    from diffprep.latent_stats import kept_richer
+
+    checks = []
+    for name, data in files.items():
+        if name == contract.LATENT_STATS:
+            data, kept = kept_richer(output, plan, data)
+            if kept:
+                checks.append(Check("latent stats with the covariance", True, kept))
+        output.state.write_bytes(name, data)
+    return checks
 
 
 def _with_units_stats(summary: dict[str, Any], units: dict[str, Any]) -> dict[str, Any]:
