@@ -366,3 +366,24 @@ def test_a_plans_source_description_reopens_the_same_source(make, tmp_path: Path
     assert [s.image for s in again.read(ids)] == [s.image for s in first.read(ids)]
     with pytest.raises(SourceError, match="type 'ftp'"):
         source_config({"type": "ftp"})
+
+
+@pytest.mark.parametrize("count, size", [(24, (1440 + 256, 1760)), (256, (1998 + 256, 2040))])
+def test_a_scenes_cameras_picture_is_a_grid_of_bounded_size(count: int, size: tuple[int, int]) -> None:
+    """`<key>.cameras.png`: the camera views above the frames in rows (24 frames of 352x288: 5 x 5 at full size;
+    256: 15 x 18, shrunk to fit 2048 px), never one strip that grows with every frame (24 frames: 8,704 px wide)."""
+    from diffprep.camera_pictures import PANEL
+    from diffprep.decode import camera_picture
+
+    frames = torch.arange(count, dtype=torch.uint8).view(count, 1, 1, 1).expand(count, 3, 288, 352).contiguous()
+    c2w = np.tile(np.eye(4), (count, 1, 1))
+    c2w[:, 0, 3] = np.linspace(0.0, 1.0, count)  # a dolly along x
+    rows = np.tile([300.0, 300.0, 176.0, 144.0], (count, 1))
+    picture = camera_picture(frames, c2w, rows, {"width": 352, "height": 288})
+    assert tuple(picture.shape) == (3, *size) and picture.shape[2] <= 2048
+    columns = 5 if count == 24 else 15
+    tile_w, tile_h = (352, 288) if count == 24 else (136, 111)
+    last = count - 1  # read left to right, then down: the last frame's tile, under the camera views
+    centre = (PANEL + (last // columns) * tile_h + tile_h // 2, (last % columns) * tile_w + tile_w // 2)
+    assert picture[:, centre[0], centre[1]].tolist() == [last] * 3
+    assert picture[:, PANEL + tile_h // 2, tile_w // 2].tolist() == [0, 0, 0]
