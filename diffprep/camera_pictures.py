@@ -7,7 +7,8 @@ camera centre is a dot on the path, coloured from blue (first) to red (last); it
 frustum is the four image corners back-projected through K to a depth of a tenth of
 the path's extent, joined to the centre, with the first frame's in green. A flipped
 axis shows at a glance: the frustums point away from the path, or upside down in
-the side view. ``diffprep decode`` writes it beside the frames.
+the side view. ``diffprep decode`` writes it above the scene's frames, laid out in a grid of bounded size
+(``with_frames``).
 """
 
 from __future__ import annotations
@@ -70,18 +71,14 @@ def camera_views(c2w: np.ndarray, intrinsics: np.ndarray, width: int, height: in
     return torch.from_numpy(np.array(picture)).permute(2, 0, 1).contiguous()
 
 
-def beside(frames: torch.Tensor, views: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[3, H, W]`` frames and the camera views side by side, at the taller one's height (small frames
-    enlarged by whole pixels, nearest, so they stay sharp)."""
-    height = max(int(frames.shape[1]), int(views.shape[1]))
-
-    def at_height(picture: torch.Tensor, filter: int) -> torch.Tensor:
-        image = Image.fromarray(picture.permute(1, 2, 0).numpy())
-        if image.height != height:
-            image = image.resize((max(1, round(image.width * height / image.height)), height), filter)
-        return torch.from_numpy(np.array(image)).permute(2, 0, 1)
-
-    return torch.cat([at_height(frames, Image.NEAREST), at_height(views, Image.BILINEAR)], dim=2).contiguous()
+def with_frames(views: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[3, H, W]``: the camera views above the frames' grid (``diffprep.pictures.frame_grid``), left-aligned
+    on a light background; as wide as the wider of the two, so as bounded as the grid."""
+    width = max(int(views.shape[2]), int(grid.shape[2]))
+    picture = torch.full((3, int(views.shape[1]) + int(grid.shape[1]), width), 250, dtype=torch.uint8)
+    picture[:, : views.shape[1], : views.shape[2]] = views
+    picture[:, views.shape[1]:, : grid.shape[2]] = grid
+    return picture
 
 
-__all__ = ["beside", "camera_views", "frustum_points"]
+__all__ = ["camera_views", "frustum_points", "with_frames"]

@@ -177,7 +177,8 @@ def print_summary(result: dict) -> None:
         print(f"  long videos: {scenes['sources']} sources, {scenes['shots']} shots, {scenes['frames']} frames; "
               f"clips per bucket: {clips}; frames in no clip: {discarded}")
     for name, count in result.get("notes", {}).items():
-        print(f"    kept, {name}: {count}")
+        if count:  # an earlier diffprep's manifests may count a note at 0 (mask_not_binary without masks)
+            print(f"    kept, {name}: {count}")
     if result.get("retried"):
         print(f"    retried: {result['retried']} rejected samples whose inputs changed (in new units)")
     finalize = result.get("finalize")
@@ -207,8 +208,8 @@ def print_summary(result: dict) -> None:
             values = [f"{p['psnr_db']:.1f}" for p in previews["samples"] if p["psnr_db"] is not None]
             psnr = f"PSNR {', '.join(values)} dB; " if values else ""
             print(f"  previews: {psnr}contact sheet {previews['contact_sheet']}")
-        elif previews:
-            print(f"  previews: {previews['note']}")
+        elif previews:  # the note says why there are none ("no previews: ...")
+            print(f"  {previews['note']}")
     else:
         print("  not finalized (--no-finalize): run `diffprep finalize OUT` when ready")
 

@@ -81,7 +81,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_latent_stats(args: argparse.Namespace) -> int:
     from diffprep.encodings.ltx_layout import dataset_root
     from diffprep.errors import DatasetValidationError
-    from diffprep.latent_stats import dataset_stats, summary
+    from diffprep.latent_stats import dataset_stats, has_covariance, load_stats, summary
     from diffprep.output import OutputRef
     from diffprep.shards import torch_bytes
 
@@ -91,7 +91,14 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
     if plan is None:
         raise DatasetValidationError(f"{output.uri} holds no {contract.STATE_DIR}/{contract.PLAN_JSON}: not a "
                                      "diffprep dataset, or encoding has not started")
-    stats = dataset_stats(output, plan, full_cov=args.full_cov)
+    # The file this replaces: one with the covariance is never replaced by per-channel statistics unless asked
+    # (--no-full-cov), since a trainer that whitens with it (GAE) would silently lose the whitening.
+    target = Path(args.output) if args.output else None
+    existing = ((target.read_bytes() if target.is_file() else None) if target is not None
+                else output.state.read_bytes(contract.LATENT_STATS))
+    richer = has_covariance(load_stats(existing))
+    full_cov = args.full_cov if args.full_cov is not None else richer
+    stats = dataset_stats(output, plan, full_cov=full_cov)
     if not stats:
         raise DatasetValidationError(f"{output.uri} has no committed latents (encoding {plan.encoding!r})")
     data = torch_bytes(stats)
@@ -106,6 +113,8 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
     of = f"the {line['of']} of " if "of" in line else ""  # e.g. the posterior mean of an sd-vae archive's samples
     print(f"latent statistics of {of}{line['samples']} samples ({line['count']} values per channel, "
           f"{line['channels']} channels{condition}) written to {where}")
+    if richer and args.full_cov is None:
+        print("  with the full covariance, as the file it replaces held it (--no-full-cov: mean/std only)")
     return 0
 
 
@@ -160,8 +169,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     stats = sub.add_parser("latent-stats", help="per-channel mean/std (and with --full-cov the covariance and its "
                            "whitening) of every stored latent of a finished dataset, without re-encoding")
     stats.add_argument("out", help="the output folder, s3://bucket/prefix, or an LTX layout's --output-dir")
-    stats.add_argument("--full-cov", action="store_true",
-                       help="also the channel covariance, whiten = cov^-1/2 and unwhiten = cov^1/2 (ZCA)")
+    stats.add_argument("--full-cov", action=argparse.BooleanOptionalAction, default=None,
+                       help="also the channel covariance, whiten = cov^-1/2 and unwhiten = cov^1/2 (ZCA); default: "
+                            "as the file it replaces (one with the covariance keeps it); --no-full-cov: mean/std only, "
+                            "even over a file with the covariance")
     stats.add_argument("--output", default=None, metavar="FILE",
                        help=f"where to write the statistics (default: OUT/{contract.STATE_DIR}/{contract.LATENT_STATS})")
     _s3_arguments(stats)

@@ -45,7 +45,7 @@ from diffprep.media.buckets import Bucket
 from diffprep.media.clip_inputs import prepare_with_inputs
 from diffprep.media.mp4 import mp4_bytes
 from diffprep.media.video import ClipSpec
-from diffprep.pictures import CONTACT_SHEET, Preview, frame_strip, png_bytes, write_contact_sheet
+from diffprep.pictures import CONTACT_SHEET, Preview, frame_grid, frame_strip, png_bytes, write_contact_sheet
 from diffprep.plan import Plan, read_plan
 from diffprep.shards import atomic_write_bytes, load_tensor, read_manifests
 from diffprep.sources import SOURCE_TYPES, open_source
@@ -344,8 +344,9 @@ def decode_dataset(
                 atomic_write_bytes(folder / f"{preview.key}.source.png", png_bytes(preview.source))
             cameras = getattr(encoding, "cameras", None)  # posed scenes: the path and frustums beside the frames
             if cameras is not None:
+                frames = clips[preview.key][0] if preview.key in clips else preview.decoded.unsqueeze(0)
                 atomic_write_bytes(folder / f"{preview.key}.cameras.png", png_bytes(camera_picture(
-                    preview.decoded, *cameras(sample), sample.meta)))
+                    frames, *cameras(sample), sample.meta)))
         sheet = sheet or folder / CONTACT_SHEET
     if sheet is not None:
         report.contact_sheet = str(write_contact_sheet(sheet, previews))
@@ -356,10 +357,11 @@ def decode_dataset(
 # --- pictures --------------------------------------------------------------------------------------
 
 
-def camera_picture(strip: torch.Tensor, c2w: Any, intrinsics: Any, meta: dict) -> torch.Tensor:
-    """A scene's decoded frames (side by side) with its cameras' top and side views beside them."""
-    from diffprep.camera_pictures import beside, camera_views
+def camera_picture(frames: torch.Tensor, c2w: Any, intrinsics: Any, meta: dict) -> torch.Tensor:
+    """A scene's decoded frames ``[F, 3, H, W]`` in a grid that fits ``diffprep.pictures.GRID_SIDE`` (side by side,
+    a 256-frame scene was some 100,000 px wide), its cameras' top and side views above them."""
+    from diffprep.camera_pictures import PANEL, camera_views, with_frames
 
-    width = int(meta.get("width") or strip.shape[2])
-    height = int(meta.get("height") or strip.shape[1])
-    return beside(strip, camera_views(c2w, intrinsics, width, height))
+    width = int(meta.get("width") or frames.shape[3])
+    height = int(meta.get("height") or frames.shape[2])
+    return with_frames(camera_views(c2w, intrinsics, width, height), frame_grid(frames, min_width=2 * PANEL))

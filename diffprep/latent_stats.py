@@ -388,6 +388,39 @@ def same_stats(merged: dict[str, Any], seen: dict[str, Any]) -> bool:
     return all(torch.allclose(merged[k].double(), seen[k].double(), rtol=1e-6, atol=1e-8) for k in ("mean", "std"))
 
 
+def has_covariance(stats: dict[str, Any] | None) -> bool:
+    """Whether a statistics dict holds a channel covariance anywhere: the latents', another field's (LTX-2 audio),
+    or a bucket's."""
+    if not stats:
+        return False
+    return "cov" in stats or any(isinstance(value, dict) and has_covariance(value) for value in stats.values())
+
+
+def load_stats(data: bytes | None) -> dict[str, Any] | None:
+    """A statistics file's dict (weights only), or None for no file."""
+    return None if data is None else torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def kept_richer(output: Any, plan: Any, data: bytes) -> tuple[bytes, str | None]:
+    """What to write over ``.diffprep/latent_stats.pt`` instead of ``data``, and why: where the file there holds a
+    covariance and ``data`` does not (units encoded without ``--full-cov``, after ``diffprep latent-stats
+    --full-cov``), the statistics of every stored latent with the covariance, computed again, so a trainer's
+    whitening is never lost to a re-validation; otherwise ``data`` itself (and no reason)."""
+    from diffprep.shards import torch_bytes
+
+    if has_covariance(load_stats(data)) or not has_covariance(load_stats(
+            output.state.read_bytes(contract.LATENT_STATS))):
+        return data, None
+    if plan is None:  # nothing to compute them again from: the richer file stays as it is
+        return output.state.read_bytes(contract.LATENT_STATS), (
+            f"{contract.STATE_DIR}/{contract.LATENT_STATS} holds the full covariance: kept as it is (no plan.json "
+            "to compute it again from)")
+    return torch_bytes(dataset_stats(output, plan, full_cov=True)), (
+        f"{contract.STATE_DIR}/{contract.LATENT_STATS} held the full covariance: computed again with it over every "
+        "stored latent, not replaced by per-channel statistics (`diffprep latent-stats OUT --no-full-cov` writes "
+        "those)")
+
+
 def summary(stats: dict[str, Any]) -> dict[str, Any]:
     """What the validation summary and the command print: the count, samples and (full covariance) condition."""
     if "mean" not in stats:  # audio only: its field's
@@ -401,5 +434,6 @@ def summary(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["LATENT_FIELDS", "LATENT_READERS", "LatentField", "LatentStats", "UnitStats", "dataset_stats",
-           "fields_stats", "finalized_stats", "latent_of", "merge_units", "merged_unit_stats", "same_stats",
-           "stored_latents", "summary", "unit_moments", "unit_stats_path"]
+           "fields_stats", "finalized_stats", "has_covariance", "kept_richer", "latent_of", "load_stats",
+           "merge_units", "merged_unit_stats", "same_stats", "stored_latents", "summary", "unit_moments",
+           "unit_stats_path"]

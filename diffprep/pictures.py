@@ -4,7 +4,9 @@
 - :func:`contact_sheet` / :func:`write_contact_sheet`: a grid of source next to decoded, labelled with the
   sample key and the PSNR (the sanity check, validation and ``diffprep decode`` all write one);
 - :func:`markdown_image`: a picture embedded in a Prefect Markdown artifact as a ``data:`` URI;
-- :func:`file_pixels`, :func:`png_bytes`: image files to pixels and back.
+- :func:`file_pixels`, :func:`png_bytes`: image files to pixels and back;
+- :func:`frame_strip` (a clip's frames side by side, one PSNR over them) and :func:`frame_grid` (in rows, of a
+  bounded size: what a person looks at).
 """
 
 from __future__ import annotations
@@ -76,6 +78,31 @@ def frame_strip(frames: torch.Tensor) -> torch.Tensor:
     """A clip's frames ``[F, 3, H, W]`` side by side, ``[3, H, F * W]``: one picture, one PSNR over every frame."""
     f, c, h, w = frames.shape
     return frames.permute(1, 2, 0, 3).reshape(c, h, f * w)
+
+
+GRID_SIDE = 2048  # a frame grid fits a square of this side: a long scene's frames shrink, never widen the picture
+
+
+def frame_grid(frames: torch.Tensor, side: int = GRID_SIDE, min_width: int = 0) -> torch.Tensor:
+    """A clip's frames ``[F, 3, H, W]`` in rows, read left to right then down, as one uint8 ``[3, H', W']`` picture
+    that fits a ``side`` square (unlike ``frame_strip``, whose width grows with every frame: a 256-frame scene was
+    some 100,000 px wide). The grid is about as wide as tall; a grid that would not fit shrinks its frames, and one
+    narrower than ``min_width`` enlarges them by a whole factor without smoothing (a 48 px frame stays sharp)."""
+    count, _, height, width = frames.shape
+    columns = min(count, max(1, math.ceil(math.sqrt(count * height / width))))
+    rows = math.ceil(count / columns)
+    scale = min(1.0, side / (columns * width), side / (rows * height))
+    if scale == 1.0 and min_width > columns * width:
+        scale = float(max(1, min(min_width // (columns * width), side // (columns * width),
+                                 side // (rows * height))))
+    tile_w, tile_h = max(1, int(width * scale)), max(1, int(height * scale))
+    grid = Image.new("RGB", (columns * tile_w, rows * tile_h), _EMPTY_TILE)
+    for i, frame in enumerate(frames):
+        image = _to_pil(frame)
+        if image.size != (tile_w, tile_h):
+            image = image.resize((tile_w, tile_h), Image.NEAREST if scale > 1 else Image.BILINEAR)
+        grid.paste(image, ((i % columns) * tile_w, (i // columns) * tile_h))
+    return torch.from_numpy(np.array(grid)).permute(2, 0, 1).contiguous()
 
 
 def png_bytes(pixels: torch.Tensor) -> bytes:

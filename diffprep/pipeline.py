@@ -46,7 +46,7 @@ from diffprep.long_videos import confirm_discarded, scenes_summary
 from diffprep.output import Output, OutputRef, ref_of
 from diffprep.ownership import ownership, refuse_links
 from diffprep.plan import Plan, fingerprint
-from diffprep.sanity import SanityReport
+from diffprep.sanity import SanityReport, round_trip_text
 from diffprep.sources import open_source
 from diffprep.threads import CpuRecord, encoding_device, planned_threads
 from diffprep.unit_progress import UnitProgress
@@ -491,9 +491,10 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
                 sanity = steps.sanity(settings, output, plan, units_left)
             finally:
                 events.sanity(output, sanity_started)
-            log.info("sanity: %s s per batch, projected %.2f GiB and %.0f s for %d units; round-trip PSNR %s dB",
+            round_trip = round_trip_text(sanity.psnr_db, sanity.min_psnr)  # None: nothing was decoded back
+            log.info("sanity: %s s per batch, projected %.2f GiB and %.0f s for %d units%s",
                      sanity.seconds_per_batch, sanity.projected_bytes / 2**30, sanity.projected_seconds,
-                     len(units_left), sanity.psnr_db)
+                     len(units_left), f"; {round_trip}" if round_trip else "")
             result.sanity = sanity.to_json()
             try:
                 steps.units(settings, output, plan, units_left, events.progress(len(units_left), output))

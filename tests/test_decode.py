@@ -211,6 +211,29 @@ def test_sanity_fails_below_min_psnr_and_passes_at_zero(dataset: Dataset, tmp_pa
     assert all(isinstance(v, float) and math.isfinite(v) for v in passed.psnr_db)
 
 
+def test_the_sanity_round_trip_is_said_in_words_and_only_where_there_was_one(dataset: Dataset,
+                                                                             tmp_path: Path) -> None:
+    """The run's log line and the sanity artifact: PSNRs where a VAE decoded back, "lossless" for a raw png batch
+    (None per image, never "[None, None]"), nothing for a run that decodes nothing (an ingest, prompts)."""
+    from dataclasses import replace
+
+    from diffprep.sanity import round_trip_text, sanity_markdown
+
+    spec = ImageSpec.from_config(dataset.settings.image)
+    report = sanity_check(tmp_path / "out", dataset.plan, dataset.encoders, dataset.source, spec, batch_size=4,
+                          min_psnr=1.0)
+    text = round_trip_text(report.psnr_db, report.min_psnr)
+    assert re.fullmatch(r"round-trip PSNR (-?[0-9.]+, ){3}-?[0-9.]+ dB \(the median must reach model\.min_psnr, "
+                        r"1\.0 dB\)", text), text
+    assert f"| round trip | {text} |" in sanity_markdown(report.to_json())
+    lossless = replace(report, psnr_db=[None] * 4, min_psnr=0.0)  # a png run's: every image stored as prepared
+    assert round_trip_text(lossless.psnr_db) == "round trip lossless: the 4 stored images give the prepared pixels back"
+    assert "None" not in sanity_markdown(lossless.to_json())
+    nothing = replace(report, psnr_db=[])
+    assert round_trip_text(nothing.psnr_db) is None
+    assert "round" not in sanity_markdown(nothing.to_json()) and "PSNR" not in sanity_markdown(nothing.to_json())
+
+
 @pytest.mark.slow
 def test_sanity_threshold_fails_the_flow_and_its_artifact_shows_the_contact_sheet(
         prefect_server, dataset: Dataset, tmp_path: Path, capsys) -> None:
@@ -288,7 +311,7 @@ def test_validate_without_a_reachable_vae_skips_previews_with_a_note(dataset: Da
         source=str(tmp_path / "no-model")))
     report = validate_dataset(out, previews=2)
     assert report.ok, report.to_markdown()
-    assert report.summary["previews"]["note"].startswith("no previews: ConfigError: VAE:")
+    assert report.summary["previews"]["note"].startswith("no previews: VAE:")  # in words, no class name
     assert "no previews" in report.to_markdown()
 
 
@@ -343,3 +366,24 @@ def test_a_plans_source_description_reopens_the_same_source(make, tmp_path: Path
     assert [s.image for s in again.read(ids)] == [s.image for s in first.read(ids)]
     with pytest.raises(SourceError, match="type 'ftp'"):
         source_config({"type": "ftp"})
+
+
+@pytest.mark.parametrize("count, size", [(24, (1440 + 256, 1760)), (256, (1998 + 256, 2040))])
+def test_a_scenes_cameras_picture_is_a_grid_of_bounded_size(count: int, size: tuple[int, int]) -> None:
+    """`<key>.cameras.png`: the camera views above the frames in rows (24 frames of 352x288: 5 x 5 at full size;
+    256: 15 x 18, shrunk to fit 2048 px), never one strip that grows with every frame (24 frames: 8,704 px wide)."""
+    from diffprep.camera_pictures import PANEL
+    from diffprep.decode import camera_picture
+
+    frames = torch.arange(count, dtype=torch.uint8).view(count, 1, 1, 1).expand(count, 3, 288, 352).contiguous()
+    c2w = np.tile(np.eye(4), (count, 1, 1))
+    c2w[:, 0, 3] = np.linspace(0.0, 1.0, count)  # a dolly along x
+    rows = np.tile([300.0, 300.0, 176.0, 144.0], (count, 1))
+    picture = camera_picture(frames, c2w, rows, {"width": 352, "height": 288})
+    assert tuple(picture.shape) == (3, *size) and picture.shape[2] <= 2048
+    columns = 5 if count == 24 else 15
+    tile_w, tile_h = (352, 288) if count == 24 else (136, 111)
+    last = count - 1  # read left to right, then down: the last frame's tile, under the camera views
+    centre = (PANEL + (last // columns) * tile_h + tile_h // 2, (last % columns) * tile_w + tile_w // 2)
+    assert picture[:, centre[0], centre[1]].tolist() == [last] * 3
+    assert picture[:, PANEL + tile_h // 2, tile_w // 2].tolist() == [0, 0, 0]

@@ -7,6 +7,7 @@ import hashlib
 import http.server
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -260,6 +261,42 @@ def test_an_ingest_killed_before_a_commit_resumes_to_the_same_dataset(mlperf, tm
     # Complete: a third run ingests nothing and changes nothing.
     assert main(_args(mlperf, out)) == 0
     assert _snapshot(out) == _snapshot(reference)
+
+
+def test_validate_as_a_fresh_process_passes_an_ingested_dataset_as_the_run_did(mlperf, server, tmp_path, capsys,
+                                                                             caplog):
+    """`diffprep validate OUT` on an ingest's output (its manifest served over HTTP): the report the run's own
+    validation passed prints, with each field's shapes as every encoding gives them; the previews say in words
+    why there are none, and the run's summary says nothing of a round trip that did not happen."""
+    names = [f"data-{i:05d}.arrow" for i in range(3)]
+    server.files = {name: (mlperf / name).read_bytes() for name in names}
+    served = tmp_path / "served"
+    served.mkdir()
+    for name in names:
+        (served / name).write_bytes(server.files[name])
+    manifest = write_manifest(served, "flux-1-tiny-preprocessed", dict.fromkeys(names), base=server.url)
+    out = tmp_path / "out"
+    caplog.set_level(logging.INFO, logger="diffprep")
+    assert main(["ingest", "--manifest", str(manifest), "--output-dir", str(out), "--accept-rejects", "0.2",
+                 "--retries", "1", "--backoff-s", "0.01"]) == 0
+    summary = capsys.readouterr()
+    assert "validation: passed" in summary.out and "    mean: 4x2x2 bfloat16" in summary.out
+    assert "no previews: this dataset was encoded elsewhere" in summary.out
+    assert "previews: no previews" not in summary.out and "ConfigError" not in summary.out + summary.err
+    sanity = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sanity: ")]
+    assert len(sanity) == 1 and "PSNR" not in sanity[0] and "round trip" not in sanity[0], sanity
+    assert sorted(server.requests) == names
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PYTHONPATH": str(REPO)}
+    checked = subprocess.run([sys.executable, "-m", "diffprep.cli", "validate", str(out)], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    report = checked.stdout
+    assert f"# Validation passed: `{out}`" in report and "Traceback" not in checked.stderr
+    assert "| mean | 4x2x2 ×8; bfloat16 |" in report and "| prompt_embeds | 6x8 ×8; bfloat16 |" in report
+    assert "no previews: this dataset was encoded elsewhere" in report and "ConfigError" not in report
+    validation = json.loads((out / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())
+    assert validation["summary"]["fields"]["logvar"] == {"shapes": {"4x2x2": 8}, "dtypes": {"bfloat16": 8}}
 
 
 def test_a_manifest_naming_a_path_outside_the_folder_is_refused_before_any_download(mlperf, tmp_path, capsys):

@@ -12,6 +12,7 @@ from diffprep import contract
 from diffprep.checks import Check
 from diffprep.latent_stats import EIGEN_FLOOR, LatentStats
 from diffprep.shards import load_tensor
+from diffprep.validation import validate_dataset
 from diffprep.validation.report import ValidationReport
 from flow_runs import shard_samples
 from latent_direct import close32, direct
@@ -103,6 +104,24 @@ def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, de
     # Without --output, into the dataset's state folder (per channel only).
     assert main(["latent-stats", str(out)]) == 0
     assert sorted(torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)) == sorted(saved)
+
+    # Richer statistics are never replaced by poorer ones unless asked: over a file with the covariance, the
+    # command without --full-cov computes it again, and a re-validation (whose units saved no co-moments) keeps it.
+    stats_file = out / contract.STATE_DIR / contract.LATENT_STATS
+    assert main(["latent-stats", str(out), "--full-cov"]) == 0
+    capsys.readouterr()
+    assert main(["latent-stats", str(out)]) == 0
+    assert "with the full covariance, as the file it replaces held it" in capsys.readouterr().out
+    again = torch.load(stats_file, weights_only=True)
+    assert close32(again["cov"], cov) and close32(again["whiten"], computed["whiten"])
+    report = validate_dataset(out, previews=0)
+    assert report.ok and "computed again with it" in {c.name: c.detail for c in report.checks}[
+        "latent stats with the covariance"]
+    after = torch.load(stats_file, weights_only=True)
+    assert close32(after["cov"], cov) and close32(after["mean"], mean)
+    # Asked for (--no-full-cov): per channel only.
+    assert main(["latent-stats", str(out), "--no-full-cov"]) == 0
+    assert sorted(torch.load(stats_file, weights_only=True)) == sorted(saved)
 
 
 def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path, demo_data, tiny_model,

@@ -77,6 +77,25 @@ def test_soft_masks_are_counted():
     assert notes["mask_not_binary"] == 1 and found[contract.VIDEO_MASK].shape == (2, 2, 2, 2)
 
 
+def test_a_run_without_masks_says_nothing_about_them(capsys):
+    """No mask column: no mask_not_binary note at all (not a count of 0), and the summary prints no zero count that
+    an earlier diffprep's manifests recorded."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from diffprep.cli import print_summary
+    from diffprep.encodings.ltx2_masks import masks_of
+
+    notes: Counter = Counter()
+    assert masks_of(SimpleNamespace(video_masks=None, audio_masks=None), torch.zeros(1, 128, 2, 2, 2), None,
+                    notes) == {}
+    assert "mask_not_binary" not in notes
+    print_summary({"out_dir": "out", "action": "fresh", "fingerprint": "f", "samples": 2, "rejected": 0, "units": 1,
+                   "encoded_units": 1, "seconds": 1.0, "notes": {"caption_truncated": 1, "mask_not_binary": 0}})
+    printed = capsys.readouterr().out
+    assert "kept, caption_truncated: 1" in printed and "mask_not_binary" not in printed
+
+
 def test_audio_mask_latent_is_nearest_resampled():
     assert audio_mask_latent(torch.tensor([0.0, 1.0, 1.0, 0.2]), 8).tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
     envelope = audio_mask_envelope("m.pt", _saved({"mask": torch.tensor([[0, 1], [1, 0]])}), 1.0)

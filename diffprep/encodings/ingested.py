@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
+from diffprep.checks import Check, Findings, shape_str
 from diffprep.config import Settings
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.errors import ConfigError
@@ -140,8 +140,9 @@ class Ingested(Encoding):
         return contract.T5_BYTES in fields and contract.MEAN_BYTES in fields
 
     def decode_stored(self, stored: Sequence[Any], plan: Plan | None, **options: Any):
-        raise ConfigError("an ingested dataset stores the VAE posterior, which diffprep does not decode yet; "
-                          "load it with diffprep.cooker.NumpyPreencodedTaskEncoder")
+        raise ConfigError("this dataset was encoded elsewhere and ingested as stored (MLPerf Flux's VAE posterior "
+                          "mean and logvar as bfloat16 .npy): it names no VAE that diffprep could decode pictures "
+                          "with; its samples load with diffprep.cooker.NumpyPreencodedTaskEncoder")
 
     def task_encoder(self) -> Any:
         from diffprep.cooker import NumpyPreencodedTaskEncoder  # Energon: finalize and validation only
@@ -164,19 +165,22 @@ class IngestedInspector:
         self.expected = dict(expected or {})
         self.shapes = Findings("shapes and dtypes")
         self.finite = Findings("finite values")
-        self.fields: dict[str, dict[str, int]] = {}
+        # field -> {"shapes": {shape: samples}, "dtypes": {dtype: samples}}: every inspector's summary shape, which
+        # the report and the run summary read
+        self.fields: dict[str, dict[str, dict[str, int]]] = {}
         self.stats = LatentStats()
 
     def inspect(self, sample: Any) -> None:
         tensors = {name: getattr(sample, name) for name in self.TENSORS}
         for name, tensor in tensors.items():
-            shape = list(tensor.shape)
-            seen = self.fields.setdefault(name, {})
-            seen[str(shape)] = seen.get(str(shape), 0) + 1
+            shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+            seen = self.fields.setdefault(name, {"shapes": {}, "dtypes": {}})
+            seen["shapes"][shape_str(shape)] = seen["shapes"].get(shape_str(shape), 0) + 1
+            seen["dtypes"][dtype] = seen["dtypes"].get(dtype, 0) + 1
             want = self.expected.setdefault(name, shape)
             if not shape_matches(shape, want):
                 self.shapes.add(f"{sample.__key__} {name} has shape {shape}, the dataset's is {want}")
-            if str(tensor.dtype).removeprefix("torch.") != LOADED_DTYPE:
+            if dtype != LOADED_DTYPE:
                 self.shapes.add(f"{sample.__key__} {name} is {tensor.dtype}, expected {LOADED_DTYPE}")
             if not bool(torch.isfinite(tensor).all()):
                 self.finite.add(f"{sample.__key__} {name} has {int((~torch.isfinite(tensor)).sum())} NaN/Inf values")
@@ -190,8 +194,7 @@ class IngestedInspector:
         return [self.shapes.check("bfloat16, one shape per field"), self.finite.check("no NaN or Inf")]
 
     def summary(self) -> dict[str, Any]:
-        return {"fields": {name: {"shapes": list(shapes), "dtypes": [LOADED_DTYPE]}
-                           for name, shapes in self.fields.items()}}
+        return {"fields": self.fields}
 
     def passed(self) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
         from diffprep.shards import torch_bytes

@@ -68,8 +68,9 @@ def masks_of(batch, latents: torch.Tensor | None, audio_latents: torch.Tensor | 
              notes: Counter | None = None) -> dict[str, torch.Tensor]:
     """A batch's masks stacked per field (none when its spec reads none); ``notes`` counts the soft ones."""
     if notes is not None:
-        for masks in (batch.video_masks, batch.audio_masks):
-            notes["mask_not_binary"] += sum(is_soft(m) for m in masks or ())
+        soft = sum(is_soft(m) for masks in (batch.video_masks, batch.audio_masks) for m in masks or ())
+        if soft:  # counted only when there is one: a run without masks has nothing to say about them
+            notes["mask_not_binary"] += soft
     found: dict[str, torch.Tensor] = {}
     if batch.video_masks is not None:
         found[contract.VIDEO_MASK] = torch.stack([video_mask_latent(m, latents.shape[1:]) for m in batch.video_masks])

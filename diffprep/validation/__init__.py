@@ -32,7 +32,7 @@ from diffprep import contract
 from diffprep.checks import Check
 from diffprep.encodings import get_encoding
 from diffprep.encodings.ltx_layout import dataset_root
-from diffprep.errors import ConfigError, SourceError
+from diffprep.errors import ConfigError, DiffprepError, SourceError
 from diffprep.layouts import Layout
 from diffprep.output import Output, OutputRef, as_output
 from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
@@ -123,8 +123,7 @@ def validate_dataset(
         files |= unit_files
         passed_checks += unit_checks
         passed_summary = _with_units_stats(passed_summary, unit_summary)
-        for name, data in files.items():
-            output.state.write_bytes(name, data)
+        passed_checks += _write_state(output, output.state.plan(), files)
         checks += passed_checks
         summary.update(passed_summary)
     return _report(output, checks, summary)
@@ -150,10 +149,24 @@ def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> V
     if not report.ok:
         return report
     checks, summary, files = finalized_stats(output, plan)
-    for name, data in files.items():
-        output.state.write_bytes(name, data)
+    checks += _write_state(output, plan, files)
     return (_report(output, report.checks + checks, _with_units_stats(report.summary, summary)) if checks or summary
             else report)
+
+
+def _write_state(output: Output, plan: Any, files: dict[str, bytes]) -> list[Check]:
+    """Write what a passed validation adds to the state folder; per-channel statistics never replace a file with
+    the covariance (``diffprep.latent_stats.kept_richer``), and the check says what was kept."""
+    from diffprep.latent_stats import kept_richer
+
+    checks = []
+    for name, data in files.items():
+        if name == contract.LATENT_STATS:
+            data, kept = kept_richer(output, plan, data)
+            if kept:
+                checks.append(Check("latent stats with the covariance", True, kept))
+        output.state.write_bytes(name, data)
+    return checks
 
 
 def _with_units_stats(summary: dict[str, Any], units: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +189,9 @@ def _report(output: Output, checks: list[Check], summary: dict[str, Any]) -> Val
     """The report, written to ``.diffprep/validation.json`` when the output exists."""
     ok = bool(checks) and all(check.ok for check in checks)
     report = ValidationReport(out_dir=output.uri, ok=ok, checks=checks, summary=summary)
+    # Rendered here, in every validation: a run's own validation (which shows only its summary) then fails on a
+    # report that `diffprep validate` could not print, instead of saying "passed" over it.
+    report.to_markdown()
     if output.local.is_dir() and (not output.remote or output.exists()):
         output.state.write_json(contract.VALIDATION_JSON, report.to_json())
     return report
@@ -190,6 +206,8 @@ def _previews(output: Output, count: int) -> dict[str, Any]:
     try:
         # local_only: validation downloads nothing; a VAE that is not at hand means no previews.
         report = decode_dataset(out, count, sheet=out / contract.STATE_DIR / CONTACT_SHEET, local_only=True)
+    except DiffprepError as error:  # its message says why in words (no VAE at hand, an encoding with no pictures)
+        return {"note": f"no previews: {error}"}
     except Exception as error:  # noqa: BLE001 - previews inform; what stopped them is reported, never raised
         # A dataset without a reachable VAE (a copy elsewhere, a model not cached) is still valid, and a damaged
         # shard already fails the checks above.
