@@ -83,11 +83,14 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
     from diffprep.errors import DatasetValidationError
     from diffprep.latent_stats import dataset_stats, has_covariance, load_stats, summary
     from diffprep.output import OutputRef
+    from diffprep.ownership import refuse_links
     from diffprep.shards import torch_bytes
 
     output = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
                        profile=args.s3_profile).open()
     plan = output.state.plan()
+    if not args.output:
+        refuse_links(output, plan)
     if plan is None:
         raise DatasetValidationError(f"{output.uri} holds no {contract.STATE_DIR}/{contract.PLAN_JSON}: not a "
                                      "diffprep dataset, or encoding has not started")
@@ -120,9 +123,12 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
 
 def cmd_ignore_list(args: argparse.Namespace) -> int:
     from diffprep.output import OutputRef
+    from diffprep.ownership import refuse_links
     from diffprep.validation.ignore_list import scan_output, write_ignore_list
 
     output = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
+    if not args.check:
+        refuse_links(output)  # its report goes into the state folder, the list beside the shards
     scan = scan_output(output)
     print(scan.to_markdown())
     if args.check:

@@ -182,18 +182,28 @@ def test_no_answer_writes_through_a_link_in_the_gae_layout(tmp_path) -> None:
     every_answer_leaves_the_links_alone(dataset, lambda folder: folder / "out", again, tmp_path)
 
 
-@pytest.mark.parametrize("linked", ["000000.tar.idx", contract.NV_META, f"{contract.NV_META}/{contract.SPLIT_YAML}"])
-def test_finalize_of_a_written_dataset_refuses_a_link_where_it_writes(linked, tmp_path, images, tiny_model,
-                                                                      settings_for, capsys) -> None:
-    """Energon's prepare writes the shards' indexes and ``.nv-meta`` itself: the link is refused before it runs."""
+@pytest.mark.parametrize(("command", "linked"), [
+    ("finalize", "000000.tar.idx"),  # Energon's prepare writes the indexes and .nv-meta itself: refused before it
+    ("finalize", contract.NV_META),
+    ("finalize", f"{contract.NV_META}/{contract.SPLIT_YAML}"),
+    ("validate", contract.STATE_DIR),
+    ("validate", f"{contract.STATE_DIR}/{contract.VALIDATION_JSON}"),
+    ("latent-stats", contract.STATE_DIR),
+    ("ignore-list", contract.STATE_DIR),
+    ("ignore-list", "ignore_index.json"),
+])
+def test_a_command_over_a_written_dataset_refuses_a_link_where_it_writes(command, linked, tmp_path, images,
+                                                                         tiny_model, settings_for, capsys) -> None:
     from diffprep.cli import main
 
     out, outside = tmp_path / "out", tmp_path / "outside"
     assert run(image_settings(settings_for, out, images, tiny_model, {}), "preencoded", ask=never_ask).samples == 4
+    (out / "ignore_index.json").write_text("{}\n")  # a list of the user's, for the file link
     outside.mkdir()
     target = plant_link(out, linked, outside)
     before = tree(outside)
-    assert main(["finalize", str(out), "--replace-split"]) != 0
+    extra = {"finalize": ["--replace-split"]}.get(command, [])
+    assert main([command, str(out), *extra]) != 0
     assert f"`{linked}` -> {target}" in capsys.readouterr().err
     untouched(out, linked, target, before)
 

@@ -35,6 +35,7 @@ from diffprep.encodings.ltx_layout import dataset_root
 from diffprep.errors import ConfigError, DiffprepError, SourceError
 from diffprep.layouts import Layout
 from diffprep.output import Output, OutputRef, as_output
+from diffprep.ownership import refuse_links
 from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
 from diffprep.validation.dataset import normalize_expected, read_dataset
 from diffprep.validation.report import ValidationReport
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
                         profile=args.s3_profile).open()
+        refuse_links(out)  # its report and statistics go into the dataset's state folder
         if args.json:
             # Energon prints progress and errors on stdout; keep stdout for the JSON alone.
             with contextlib.redirect_stdout(sys.stderr):
