@@ -49,14 +49,48 @@ def test_a_window_never_crosses_a_shot_and_its_frames_are_its_buckets():
     spans = [(0, 30), (30, 75), (75, 100)]
     windows, discarded = source_windows(32, 24, spans, buckets, SceneSettings(clip_mode="chain"))
     assert [(w.shot, w.first, w.last, w.bucket.frames) for w in windows] == [
-        (0, 0, 19, 20), (1, 30, 49, 20), (1, 50, 69, 20), (2, 75, 94, 20)]
-    assert discarded == {"chain_tail": 10 + 5 + 5}
+        (0, 0, 19, 20), (0, 20, 27, 8), (1, 30, 49, 20), (1, 50, 69, 20), (2, 75, 94, 20)]
+    assert discarded == {"chain_tail": 2 + 5 + 5}  # shot 0's tail of 10 takes an 8-frame window
     for w in windows:
         start, end = spans[w.shot]
         assert start <= w.first <= w.last < end and w.frames == w.bucket.frames
     # A shot shorter than every bucket gives no window; its frames are named.
     windows, discarded = source_windows(32, 24, [(0, 5), (5, 30)], buckets, SceneSettings(clip_mode="head"))
     assert [(w.first, w.last) for w in windows] == [(5, 24)] and discarded == {"short_shot": 5, "not_sampled": 5}
+
+
+README_BUCKETS = "832x480x81;832x480x49;832x480x17"  # the README's long-video example, at --target-fps 16
+
+
+def test_a_chain_fills_its_tail_with_the_shorter_buckets():
+    """The README example's buckets on a shot of every length from one 17-frame window to 10 s at 16 fps: chaining
+    only each shot's own bucket throws away 31% of the frames; filling each tail with the longest bucket that fits,
+    again and again, leaves under 17 frames a shot (9%)."""
+    from diffprep.media.buckets import parse_buckets
+
+    buckets = parse_buckets(README_BUCKETS, 8, 4)
+    lengths = list(range(17, 161))
+    spans, start = [], 0
+    for length in lengths:
+        spans.append((start, start + length))
+        start += length
+    windows, discarded = source_windows(832, 480, spans, buckets, SceneSettings(clip_mode="chain"))
+    total = sum(lengths)
+    # Before: each shot chained with its own bucket only (the tail thrown away).
+    before = sum(shot_windows(n, max(b.frames for b in buckets if b.frames <= n), SceneSettings())[1] for n in lengths)
+    assert round(before / total, 3) == 0.306
+    assert round(discarded["chain_tail"] / total, 3) == 0.085 and set(discarded) == {"chain_tail"}
+    assert sum(w.frames for w in windows) + discarded["chain_tail"] == total
+    for shot, (first, end) in enumerate(spans):
+        mine = [w for w in windows if w.shot == shot]
+        # Back to back from the shot's start, longest first, each window its bucket's length, under 17 frames left.
+        assert [w.first for w in mine] == [first + sum(w.frames for w in mine[:k]) for k in range(len(mine))]
+        assert [w.frames for w in mine] == sorted((w.frames for w in mine), reverse=True)
+        assert all(w.frames == w.bucket.frames for w in mine) and 0 <= end - 1 - mine[-1].last < 17
+    # A shot of 98 frames: 81 + 17; of 66: 49 + 17; of 40: 17 + 17 (6 left).
+    assert [w.frames for w in windows if w.shot == 98 - 17] == [81, 17]
+    assert [w.frames for w in windows if w.shot == 66 - 17] == [49, 17]
+    assert [w.frames for w in windows if w.shot == 40 - 17] == [17, 17]
 
 
 def test_chain_slide_and_uniform_give_the_windows_they_promise():
@@ -148,9 +182,9 @@ def test_a_lying_container_is_planned_from_its_frames(long_data):
     record = scene_record(data, spec)
     assert record["decoded_frames"] == 40 and record["timeline_frames"] == 40
     assert record["shots"] == [[0, 11], [12, 39]]
-    # The 12-frame shot gives one 8-frame window (head of chain), the 28-frame shot one of 20: tails named.
-    assert record["windows"] == [[0, 0, 7, "32x24x8"], [1, 12, 31, "32x24x20"]]
-    assert record["discarded"] == {"chain_tail": 4 + 8}
+    # The 12-frame shot gives one 8-frame window, the 28-frame shot one of 20 and its tail one of 8: tails named.
+    assert record["windows"] == [[0, 0, 7, "32x24x8"], [1, 12, 31, "32x24x20"], [1, 32, 39, "32x24x8"]]
+    assert record["discarded"] == {"chain_tail": 4}
 
 
 @pytest.mark.parametrize(("mode", "extra", "windows"), [
@@ -188,25 +222,25 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     assert set(plan.scenes) == {"talk.mp4", "game.mkv"}
     assert plan.scenes["talk.mp4"]["shots"] == [[0, 29], [30, 74], [75, 99]]
     planned = {sid: unit.bucket for unit in plan.units for sid in unit.source_ids}
-    assert sorted(planned) == sorted(["game.mkv#0:0-7", "game.mkv#1:12-31", "talk.mp4#0:0-19",
-                                      "talk.mp4#1:30-49", "talk.mp4#1:50-69", "talk.mp4#2:75-94"])
+    assert sorted(planned) == sorted(["game.mkv#0:0-7", "game.mkv#1:12-31", "game.mkv#1:32-39", "talk.mp4#0:0-19",
+                                      "talk.mp4#0:20-27", "talk.mp4#1:30-49", "talk.mp4#1:50-69", "talk.mp4#2:75-94"])
     per_bucket: dict[str, int] = {}
     for bucket in planned.values():
         per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
     assert result.validation["summary"]["samples_per_bucket"] == per_bucket
     # Frames no clip takes are counted and named, per source in plan.json and in total in the audit.
-    assert plan.scenes["talk.mp4"]["discarded"] == {"chain_tail": 10 + 5 + 5}
+    assert plan.scenes["talk.mp4"]["discarded"] == {"chain_tail": 2 + 5 + 5}  # shot 0's tail: an 8-frame clip
     from diffprep import contract
 
     audit = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
-    assert audit["discarded_frames"] == {"chain_tail": 20 + 12} and audit["inputs"] == len(planned)
+    assert audit["discarded_frames"] == {"chain_tail": 12 + 4} and audit["inputs"] == len(planned)
     from diffprep.long_videos import scenes_table
 
     assert scenes_table(plan.scenes) == [
-        {"source": "game.mkv", "frames": 40, "shots": 2, "clips": {"32x24x8": 1, "32x24x20": 1},
-         "discarded": {"chain_tail": 12}, "note": ""},
-        {"source": "talk.mp4", "frames": 100, "shots": 3, "clips": {"32x24x20": 4}, "discarded": {"chain_tail": 20},
-         "note": ""}]
+        {"source": "game.mkv", "frames": 40, "shots": 2, "clips": {"32x24x8": 2, "32x24x20": 1},
+         "discarded": {"chain_tail": 4}, "note": ""},
+        {"source": "talk.mp4", "frames": 100, "shots": 3, "clips": {"32x24x20": 4, "32x24x8": 1},
+         "discarded": {"chain_tail": 12}, "note": ""}]
 
     stored = shard_samples(out)
     assert len(stored) == len(planned)
@@ -407,14 +441,14 @@ def test_the_plan_names_its_short_shots_and_asks_before_encoding(tmp_path):
     plan = read_plan(out)
     assert plan.scenes["cut.mp4"]["short_shots"] == [6] and plan.scenes["cut.mp4"]["discarded"]["short_shot"] == 6
     summary = scenes_summary(plan.scenes)
-    assert summary == {"sources": 1, "unreadable": 0, "shots": 3, "frames": 60, "clips": {"32x24x20": 2},
-                       "discarded": {"chain_tail": 10 + 4, "short_shot": 6}}
+    assert summary == {"sources": 1, "unreadable": 0, "shots": 3, "frames": 60,
+                       "clips": {"32x24x20": 2, "32x24x8": 1}, "discarded": {"chain_tail": 2 + 4, "short_shot": 6}}
     markdown = scenes_markdown(plan.scenes)
     assert "| 32x24x20 | 2 | 40 |" in markdown and "| `short_shot` | 6 |" in markdown and "`cut.mp4`" in markdown
 
     accepted = []
     result = run(settings, "raw", ask=lambda q, preset=None, *, release=False: accepted.append(q.key) or "accept")
-    assert accepted == ["discarded-frames"] and result.samples == 2 and result.scenes == summary
+    assert accepted == ["discarded-frames"] and result.samples == 3 and result.scenes == summary
     assert (out / contract.STATE_DIR / contract.DISCARD_ANSWER_JSON).is_file()
     settings.output.on_existing = "resume"
     run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))  # the same shots: not asked again
@@ -538,7 +572,8 @@ def test_scene_captions_caption_a_shot_or_one_window(long_data, tmp_path, caplog
         ids, _, _ = plan_clips(source, ["talk.mp4"], spec, {}, workers=1)
     assert "gone.mp4#3" in caplog.text  # a key that names nothing is named
     got = {s.source_id: s.caption for s in read_clips(source, ids, spec.scenes)}
-    assert got == {"talk.mp4#0:0-19": "the first window", "talk.mp4#1:30-49": "the second shot",
+    assert got == {"talk.mp4#0:0-19": "the first window", "talk.mp4#0:20-27": "a talk in three shots",
+                   "talk.mp4#1:30-49": "the second shot",
                    "talk.mp4#1:50-69": "the second shot", "talk.mp4#2:75-94": "a talk in three shots"}
     captions.write_text(json.dumps({"talk.mp4": "no shot"}), encoding="utf-8")
     with pytest.raises(ConfigError, match="keys must be"):

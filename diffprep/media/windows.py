@@ -7,11 +7,14 @@ the source's frames after ``--target-fps`` resampling (by decoded timestamps, as
 bucket it goes to.
 
 A window's bucket follows the clip path's rule (:func:`~diffprep.media.buckets.choose_bucket`: nearest aspect,
-then the most frames not above the shot's frame count, then area), so every window of a shot has that
-bucket's ``F`` frames. ``--clip-mode`` says where the windows lie in a shot of ``n`` frames:
+then the most frames not above the shot's frame count, then area), so a shot's windows have that bucket's ``F``
+frames (a chain's tail: its own bucket's). ``--clip-mode`` says where the windows lie in a shot of ``n`` frames:
 
 - ``head``: the first ``F`` frames;
-- ``chain``: back-to-back windows ``[0, F), [F, 2F), ...``; the last ``n mod F`` frames are the chain's tail;
+- ``chain``: back-to-back windows ``[0, F), [F, 2F), ...``, then the tail (the last ``n mod F`` frames) filled the
+  same way with the bucket the same rule gives the tail (the longest that fits it), and so on until no bucket fits
+  what is left: a tail of 40 frames with buckets of 81, 49 and 17 frames gives two 17-frame windows. The frames
+  left, fewer than the shortest bucket's, are the chain's tail;
 - ``slide``: a window every ``--clip-stride`` frames, overlapping when the stride is below ``F``;
 - ``uniform``: ``--clips-per-scene`` windows whose starts are spread evenly from ``0`` to ``n - F``.
 
@@ -33,8 +36,8 @@ from typing import Any
 from diffprep.errors import RejectError
 from diffprep.media.buckets import Bucket, choose_bucket
 
-__all__ = ["CLIP_MODES", "DETECTORS", "SceneSettings", "Window", "clip_id", "parse_clip_id", "read_scene_captions",
-           "shot_spans", "shot_windows", "source_windows"]
+__all__ = ["CLIP_MODES", "DETECTORS", "SceneSettings", "Window", "chain_windows", "clip_id", "parse_clip_id",
+           "read_scene_captions", "shot_spans", "shot_windows", "source_windows"]
 
 CLIP_MODES: tuple[str, ...] = ("head", "chain", "slide", "uniform")
 DETECTORS: tuple[str, ...] = ("content", "adaptive", "threshold", "histogram")
@@ -159,7 +162,7 @@ def shot_spans(shots: Sequence[Sequence[int]], timeline: Sequence[int]) -> list[
 
 def shot_windows(length: int, frames: int, scene: SceneSettings) -> tuple[list[int], int]:
     """Window starts (offsets in a shot of ``length`` frames) for windows of ``frames`` frames, and how many
-    of the shot's frames no window takes."""
+    of the shot's frames no window takes (``chain``: of one length; :func:`chain_windows` fills its tail)."""
     if not 1 <= frames <= length:
         raise ValueError(f"a window of {frames} frames does not fit a shot of {length}")
     if scene.clip_mode == "head":
@@ -180,6 +183,24 @@ def shot_windows(length: int, frames: int, scene: SceneSettings) -> tuple[list[i
     return starts, length - len(covered)
 
 
+def chain_windows(width: int, height: int, length: int,
+                  buckets: Sequence[Bucket]) -> tuple[list[tuple[int, Bucket]], int]:
+    """``--clip-mode chain`` in a shot of ``length`` frames: (offset, bucket) of each window, back to back, and the
+    frames left at its end. The shot's bucket is chained first; what its chain leaves goes to the bucket the same
+    rule gives that many frames (the longest that fits), chained again, until no bucket fits what is left. A tail
+    is never thrown away while a bucket the user gave would take it."""
+    placed: list[tuple[int, Bucket]] = []
+    offset = 0
+    while True:
+        try:
+            bucket = choose_bucket(width, height, length - offset, buckets)
+        except RejectError:  # too_few_frames: what is left is shorter than every bucket
+            return placed, length - offset
+        count = (length - offset) // bucket.frames  # >= 1: the bucket fits
+        placed += [(offset + k * bucket.frames, bucket) for k in range(count)]
+        offset += count * bucket.frames
+
+
 def source_windows(width: int, height: int, spans: Sequence[tuple[int, int]], buckets: Sequence[Bucket],
                    scene: SceneSettings) -> tuple[list[Window], dict[str, int]]:
     """Every window of a ``width`` x ``height`` source whose shots lie at ``spans`` on its timeline, and the
@@ -195,7 +216,12 @@ def source_windows(width: int, height: int, spans: Sequence[tuple[int, int]], bu
         except RejectError:  # too_few_frames: the whole shot is shorter than every bucket
             discarded["short_shot"] += length
             continue
-        starts, left = shot_windows(length, bucket.frames, scene)
-        discarded["chain_tail" if scene.clip_mode == "chain" else "not_sampled"] += left
-        windows += [Window(shot, start + s, start + s + bucket.frames - 1, bucket) for s in starts]
+        if scene.clip_mode == "chain":
+            placed, left = chain_windows(width, height, length, buckets)
+            discarded["chain_tail"] += left
+        else:
+            starts, left = shot_windows(length, bucket.frames, scene)
+            placed = [(s, bucket) for s in starts]
+            discarded["not_sampled"] += left
+        windows += [Window(shot, start + s, start + s + b.frames - 1, b) for s, b in placed]
     return windows, {reason: count for reason, count in discarded.items() if count}
