@@ -5,8 +5,10 @@ Tiny real mp4 clips with hard cuts at known frames (solid blocks of very differe
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from diffprep.media.buckets import Bucket
 from diffprep.media.mp4 import mp4_bytes
@@ -35,6 +37,119 @@ def test_shots_are_found_at_the_hard_cuts(detector):
     shots = detect_shots(cut_clip([30, 75], 100), detector, 0.5)
     assert shots.shots == ((0, 29), (30, 74), (75, 99))
     assert shots.decoded_frames == 100 and shots.container_frames == 100
+
+
+# --- the hard-cut suite: every cut the default detector must find, and a clip it must not cut ------------------
+
+SUITE_W, SUITE_H, SUITE_SHOT = 64, 48, 20  # 20-frame shots at 10 fps
+
+
+def texture(seed: int, width: int = SUITE_W) -> np.ndarray:
+    """uint8 [H, W, 3]: smooth coloured blobs (a random 8x6 grid of colours upsampled), a picture with detail."""
+    grid = np.random.default_rng(seed).integers(0, 256, (6, 8 * width // SUITE_W, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(grid).resize((width, SUITE_H), Image.Resampling.BICUBIC))
+
+
+def flat(colour: tuple[int, int, int]) -> np.ndarray:
+    return np.broadcast_to(np.array(colour, np.uint8), (SUITE_H, SUITE_W, 3)).copy()
+
+
+def with_square(picture: np.ndarray, x: int, y: int) -> np.ndarray:
+    out = picture.copy()
+    out[y:y + 10, x:x + 10] = 255
+    return out
+
+
+def suite_clip(kind: str) -> tuple[bytes, list[int]]:
+    """A clip of the suite (mp4 at 10 fps) and the frames its hard cuts are at.
+
+    ``flat``: flat colours, blue to green first (ContentDetector scores it about 20, under its 27), then other hues
+    and greys; ``texture``: four textures, each panning a pixel a frame; ``motion``: a white square moving across
+    every shot at one speed while the background changes under it (flat blue, flat green, two textures);
+    ``none``: no cut: a camera over a texture, still, then panning fast (2 pixels a frame), then still again, the
+    square moving across it all the while."""
+    if kind == "flat":
+        colours = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (128, 128, 128), (20, 20, 20), (240, 240, 240),
+                   (255, 255, 0)]
+        frames = [flat(colour) for colour in colours for _ in range(SUITE_SHOT)]
+    elif kind == "texture":
+        frames = [np.roll(texture(shot), i, axis=1) for shot in range(4) for i in range(SUITE_SHOT)]
+    elif kind == "motion":
+        backgrounds = [flat((0, 0, 255)), flat((0, 255, 0)), texture(10), texture(11)]
+        frames = [with_square(backgrounds[n // SUITE_SHOT], 54 * n // 79, 10 + n // 8) for n in range(80)]
+    else:
+        wide = texture(20, 2 * SUITE_W)
+        pan = [2 * min(max(i - SUITE_SHOT, 0), SUITE_SHOT) for i in range(60)]  # 0 ... 0, 2, 4 ... 40 ... 40
+        frames = [with_square(wide[:, x:x + SUITE_W], 54 * i // 59, 15) for i, x in enumerate(pan)]
+    pixels = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()
+    return mp4_bytes(pixels, 10.0), list(range(SUITE_SHOT, len(frames), SUITE_SHOT)) if kind != "none" else []
+
+
+def shots_at(cuts: list[int], frames: int) -> tuple[tuple[int, int], ...]:
+    starts = [0, *cuts]
+    return tuple((a, b - 1) for a, b in zip(starts, [*cuts, frames]))
+
+
+@pytest.mark.parametrize("kind", ["flat", "texture", "motion", "none"])
+def test_the_default_detector_finds_every_hard_cut_of_the_suite(kind):
+    """`--split-scenes` alone (adaptive, PySceneDetect's own default detector) with the default threshold and
+    shortest shot finds every cut of the suite, each at its frame, and cuts nothing in the clip without cuts."""
+    from diffprep.cli import build_parser, overrides_from
+    from diffprep.config import load_settings
+    from diffprep.encodings.clips import clip_spec
+
+    typed = overrides_from(build_parser().parse_args(["raw", "--split-scenes", "--clip-mode", "chain"]))
+    assert typed["video"] == {"split_scenes": "adaptive", "clip_mode": "chain"}  # the flag alone
+    scene = clip_spec(load_settings(overrides=typed).video, "64x48x8", 2, 1).scenes
+    assert scene.detector == "adaptive" and scene.threshold is None and scene.min_scene_seconds == 0.5
+    data, cuts = suite_clip(kind)
+    shots = detect_shots(data, scene.detector, scene.min_scene_seconds, threshold=scene.threshold)
+    assert shots.shots == shots_at(cuts, shots.decoded_frames)
+
+
+def test_scene_threshold_sets_the_detectors_own_threshold():
+    """content's default 27 misses the flat blue-to-green and green-to-red cuts (about 20); --scene-threshold 18
+    finds them, but also cuts where the fast pan starts and ends (21 to 27 a frame): why the default detector is
+    adaptive. A threshold reaches adaptive too (its texture cuts score about 5 times their neighbours)."""
+    flat_clip, flat_cuts = suite_clip("flat")
+    assert detect_shots(flat_clip, "content", 0.5).shots == shots_at(flat_cuts[2:], 140)
+    assert detect_shots(flat_clip, "content", 0.5, threshold=18).shots == shots_at(flat_cuts, 140)
+    pan, _ = suite_clip("none")
+    assert detect_shots(pan, "content", 0.5).shots == ((0, 59),)
+    assert len(detect_shots(pan, "content", 0.5, threshold=18).shots) > 1
+    textured, cuts = suite_clip("texture")
+    assert detect_shots(textured, "adaptive", 0.5).shots == shots_at(cuts, 80)
+    assert detect_shots(textured, "adaptive", 0.5, threshold=6).shots == ((0, 79),)
+
+
+def test_scene_threshold_is_checked_and_fingerprinted_only_when_it_changes_the_cuts():
+    import inspect
+
+    from scenedetect import AdaptiveDetector, ContentDetector, HistogramDetector, ThresholdDetector
+
+    from diffprep.errors import ConfigError
+    from diffprep.media.windows import DEFAULT_THRESHOLDS
+
+    # An unset threshold is PySceneDetect's own default, so plans made before the flag keep their fingerprints.
+    for name, kind, key in [("content", ContentDetector, "threshold"), ("adaptive", AdaptiveDetector,
+                            "adaptive_threshold"), ("threshold", ThresholdDetector, "threshold"),
+                            ("histogram", HistogramDetector, "threshold")]:
+        assert DEFAULT_THRESHOLDS[name] == inspect.signature(kind).parameters[key].default
+        assert SceneSettings(name, threshold=DEFAULT_THRESHOLDS[name]) == SceneSettings(name)
+        assert "threshold" not in SceneSettings(name, threshold=DEFAULT_THRESHOLDS[name]).to_json()
+    changed = SceneSettings("content", threshold=18)
+    assert changed.to_json()["threshold"] == 18 and SceneSettings.from_json(changed.to_json()) == changed
+    assert SceneSettings.from_json({"detector": "content", "min_scene_seconds": 0.5, "clip_mode": "chain",
+                                    "clip_stride": None, "clips_per_scene": 1}).threshold is None
+    with pytest.raises(ConfigError, match=r"--scene-threshold 2 is outside -1..1.*histogram"):
+        SceneSettings("histogram", threshold=2)
+    with pytest.raises(ConfigError, match=r"--scene-threshold 300 is outside 0..255.*content"):
+        SceneSettings("content", threshold=300)
+    # The settings refuse it before anything starts (the CLI, a YAML config, a flow's parameters).
+    from diffprep.config import load_settings
+
+    with pytest.raises(ConfigError, match=r"--scene-threshold 2 is outside -1..1.*histogram"):
+        load_settings(overrides={"video": {"split_scenes": "histogram", "scene_threshold": 2}})
 
 
 def test_min_scene_seconds_keeps_a_cut_from_following_too_soon():
