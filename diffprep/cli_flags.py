@@ -65,6 +65,7 @@ ENCODE_FLAGS: dict[str, tuple[str, str]] = {
     "--frame-sampling": ("video", "frame_sampling"),
     "--split-scenes": ("video", "split_scenes"),
     "--min-scene-seconds": ("video", "min_scene_seconds"),
+    "--scene-threshold": ("video", "scene_threshold"),
     "--clip-mode": ("video", "clip_mode"),
     "--clip-stride": ("video", "clip_stride"),
     "--clips-per-scene": ("video", "clips_per_scene"),
@@ -103,8 +104,8 @@ SCENE_FLAGS: dict[str, tuple[str, str]] = {
     "--scene-fps": ("scenes", "fps"),
 }
 ENCODE_FLAGS.update(SCENE_FLAGS)
-LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--clip-mode", "--clip-stride", "--clips-per-scene",
-                    "--scene-captions")
+LONG_VIDEO_FLAGS = ("--split-scenes", "--min-scene-seconds", "--scene-threshold", "--clip-mode", "--clip-stride",
+                    "--clips-per-scene", "--scene-captions")
 # `diffprep raw`: the same flags without the encoders, workers and member names, plus the stored formats; the clip
 # flags (--resolution-buckets: store clips) without the VAE's tiling.
 RAW_FLAGS: dict[str, tuple[str, str]] = {
@@ -128,6 +129,9 @@ BOOLEAN_FLAGS = {"--hf-streaming", "--compress", "--center-crop", "--variable-si
                  "--prompts-only", "--full-cov"}
 LIST_FLAGS = {"--hf-data-files"}
 APPEND_FLAGS = {"--score-column"}  # repeatable (each may also be a comma list)
+# Flags whose value may be left out, and the value they then take: `--split-scenes` alone is PySceneDetect's own
+# default detector.
+OPTIONAL_VALUE_FLAGS = {"--split-scenes": "adaptive"}
 # Second names of a flag: the LTX trainer's names for the metadata file's columns.
 FLAG_ALIASES = {"--caption-key": ("--caption-column",), "--video-key": ("--video-column",)}
 
@@ -150,6 +154,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, str]]
             parser.add_argument(flag, dest=dest, action="append", default=argparse.SUPPRESS, help=help_text)
         elif flag in LIST_FLAGS:
             parser.add_argument(flag, dest=dest, nargs="+", default=argparse.SUPPRESS, help=help_text)
+        elif flag in OPTIONAL_VALUE_FLAGS:
+            parser.add_argument(*names, dest=dest, nargs="?", const=OPTIONAL_VALUE_FLAGS[flag],
+                                default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=help_text)
 

@@ -343,10 +343,18 @@ class VideoConfig(_Section):
     )
     split_scenes: Literal["content", "adaptive", "threshold", "histogram"] | None = Field(
         None, description="Long videos: cut each clip at its shot boundaries (PySceneDetect's detector of this name, "
-        "found once in the plan) and take many windows per shot (--clip-mode). Unset: one clip per file.",
+        "found once in the plan; the flag alone: adaptive, PySceneDetect's default, which finds hard cuts between "
+        "flat colours that content misses) and take many windows per shot (--clip-mode). Unset: one clip per file.",
     )
     min_scene_seconds: float = Field(
-        0.5, ge=0, description="--split-scenes: the detector places no cut sooner than this after the previous one.",
+        0.5, ge=0, description="--split-scenes: the shortest shot, in seconds: the detector places no cut sooner "
+        "than this after the previous one.",
+    )
+    scene_threshold: float | None = Field(
+        None, description="--split-scenes: the detector's threshold in its own units (unset: PySceneDetect's "
+        "default): content 27 (mean HSV change, 0-255; lower finds more cuts), adaptive 3 (times its neighbours' "
+        "change), threshold 12 (black level, 0-255), histogram 0.2 (luma histogram correlation, -1..1; higher finds "
+        "more cuts).",
     )
     clip_mode: Literal["head", "chain", "slide", "uniform"] = Field(
         "chain", description="--split-scenes: the windows of each shot: head (the first) | chain (back to back) | "
@@ -376,6 +384,16 @@ class VideoConfig(_Section):
         False, description="Encode each frame in overlapping tiles (long 720p clips on a small GPU); the latents "
         "differ slightly from untiled ones.",
     )
+
+    @model_validator(mode="after")
+    def _scene_threshold_in_range(self) -> VideoConfig:
+        """--scene-threshold is in its detector's own units: out of range, the settings are refused before anything
+        starts (SceneSettings' ConfigError names the range and the default)."""
+        if self.split_scenes is not None and self.scene_threshold is not None:
+            from diffprep.media.windows import SceneSettings
+
+            SceneSettings(self.split_scenes, threshold=self.scene_threshold)
+        return self
 
 
 class SceneConfig(_Section):

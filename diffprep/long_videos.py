@@ -49,7 +49,7 @@ def scene_record(data: bytes, spec: ClipSpec) -> dict[str, Any]:
     """What plan.json keeps of one source: size, frame counts, shots, windows and discarded frames."""
     scene = spec.scenes
     info = probe(data)
-    shots = detect_shots(data, scene.detector, scene.min_scene_seconds, info=info)
+    shots = detect_shots(data, scene.detector, scene.min_scene_seconds, info=info, threshold=scene.threshold)
     frames = timeline(info, spec.target_fps)
     on_timeline = timeline(info, spec.target_fps, shots.decoded_frames)
     spans = shot_spans(shots.shots, on_timeline)

@@ -5,8 +5,10 @@ Tiny real mp4 clips with hard cuts at known frames (solid blocks of very differe
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from diffprep.media.buckets import Bucket
 from diffprep.media.mp4 import mp4_bytes
@@ -37,6 +39,119 @@ def test_shots_are_found_at_the_hard_cuts(detector):
     assert shots.decoded_frames == 100 and shots.container_frames == 100
 
 
+# --- the hard-cut suite: every cut the default detector must find, and a clip it must not cut ------------------
+
+SUITE_W, SUITE_H, SUITE_SHOT = 64, 48, 20  # 20-frame shots at 10 fps
+
+
+def texture(seed: int, width: int = SUITE_W) -> np.ndarray:
+    """uint8 [H, W, 3]: smooth coloured blobs (a random 8x6 grid of colours upsampled), a picture with detail."""
+    grid = np.random.default_rng(seed).integers(0, 256, (6, 8 * width // SUITE_W, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(grid).resize((width, SUITE_H), Image.Resampling.BICUBIC))
+
+
+def flat(colour: tuple[int, int, int]) -> np.ndarray:
+    return np.broadcast_to(np.array(colour, np.uint8), (SUITE_H, SUITE_W, 3)).copy()
+
+
+def with_square(picture: np.ndarray, x: int, y: int) -> np.ndarray:
+    out = picture.copy()
+    out[y:y + 10, x:x + 10] = 255
+    return out
+
+
+def suite_clip(kind: str) -> tuple[bytes, list[int]]:
+    """A clip of the suite (mp4 at 10 fps) and the frames its hard cuts are at.
+
+    ``flat``: flat colours, blue to green first (ContentDetector scores it about 20, under its 27), then other hues
+    and greys; ``texture``: four textures, each panning a pixel a frame; ``motion``: a white square moving across
+    every shot at one speed while the background changes under it (flat blue, flat green, two textures);
+    ``none``: no cut: a camera over a texture, still, then panning fast (2 pixels a frame), then still again, the
+    square moving across it all the while."""
+    if kind == "flat":
+        colours = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (128, 128, 128), (20, 20, 20), (240, 240, 240),
+                   (255, 255, 0)]
+        frames = [flat(colour) for colour in colours for _ in range(SUITE_SHOT)]
+    elif kind == "texture":
+        frames = [np.roll(texture(shot), i, axis=1) for shot in range(4) for i in range(SUITE_SHOT)]
+    elif kind == "motion":
+        backgrounds = [flat((0, 0, 255)), flat((0, 255, 0)), texture(10), texture(11)]
+        frames = [with_square(backgrounds[n // SUITE_SHOT], 54 * n // 79, 10 + n // 8) for n in range(80)]
+    else:
+        wide = texture(20, 2 * SUITE_W)
+        pan = [2 * min(max(i - SUITE_SHOT, 0), SUITE_SHOT) for i in range(60)]  # 0 ... 0, 2, 4 ... 40 ... 40
+        frames = [with_square(wide[:, x:x + SUITE_W], 54 * i // 59, 15) for i, x in enumerate(pan)]
+    pixels = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()
+    return mp4_bytes(pixels, 10.0), list(range(SUITE_SHOT, len(frames), SUITE_SHOT)) if kind != "none" else []
+
+
+def shots_at(cuts: list[int], frames: int) -> tuple[tuple[int, int], ...]:
+    starts = [0, *cuts]
+    return tuple((a, b - 1) for a, b in zip(starts, [*cuts, frames]))
+
+
+@pytest.mark.parametrize("kind", ["flat", "texture", "motion", "none"])
+def test_the_default_detector_finds_every_hard_cut_of_the_suite(kind):
+    """`--split-scenes` alone (adaptive, PySceneDetect's own default detector) with the default threshold and
+    shortest shot finds every cut of the suite, each at its frame, and cuts nothing in the clip without cuts."""
+    from diffprep.cli import build_parser, overrides_from
+    from diffprep.config import load_settings
+    from diffprep.encodings.clips import clip_spec
+
+    typed = overrides_from(build_parser().parse_args(["raw", "--split-scenes", "--clip-mode", "chain"]))
+    assert typed["video"] == {"split_scenes": "adaptive", "clip_mode": "chain"}  # the flag alone
+    scene = clip_spec(load_settings(overrides=typed).video, "64x48x8", 2, 1).scenes
+    assert scene.detector == "adaptive" and scene.threshold is None and scene.min_scene_seconds == 0.5
+    data, cuts = suite_clip(kind)
+    shots = detect_shots(data, scene.detector, scene.min_scene_seconds, threshold=scene.threshold)
+    assert shots.shots == shots_at(cuts, shots.decoded_frames)
+
+
+def test_scene_threshold_sets_the_detectors_own_threshold():
+    """content's default 27 misses the flat blue-to-green and green-to-red cuts (about 20); --scene-threshold 18
+    finds them, but also cuts where the fast pan starts and ends (21 to 27 a frame): why the default detector is
+    adaptive. A threshold reaches adaptive too (its texture cuts score about 5 times their neighbours)."""
+    flat_clip, flat_cuts = suite_clip("flat")
+    assert detect_shots(flat_clip, "content", 0.5).shots == shots_at(flat_cuts[2:], 140)
+    assert detect_shots(flat_clip, "content", 0.5, threshold=18).shots == shots_at(flat_cuts, 140)
+    pan, _ = suite_clip("none")
+    assert detect_shots(pan, "content", 0.5).shots == ((0, 59),)
+    assert len(detect_shots(pan, "content", 0.5, threshold=18).shots) > 1
+    textured, cuts = suite_clip("texture")
+    assert detect_shots(textured, "adaptive", 0.5).shots == shots_at(cuts, 80)
+    assert detect_shots(textured, "adaptive", 0.5, threshold=6).shots == ((0, 79),)
+
+
+def test_scene_threshold_is_checked_and_fingerprinted_only_when_it_changes_the_cuts():
+    import inspect
+
+    from scenedetect import AdaptiveDetector, ContentDetector, HistogramDetector, ThresholdDetector
+
+    from diffprep.errors import ConfigError
+    from diffprep.media.windows import DEFAULT_THRESHOLDS
+
+    # An unset threshold is PySceneDetect's own default, so plans made before the flag keep their fingerprints.
+    for name, kind, key in [("content", ContentDetector, "threshold"), ("adaptive", AdaptiveDetector,
+                            "adaptive_threshold"), ("threshold", ThresholdDetector, "threshold"),
+                            ("histogram", HistogramDetector, "threshold")]:
+        assert DEFAULT_THRESHOLDS[name] == inspect.signature(kind).parameters[key].default
+        assert SceneSettings(name, threshold=DEFAULT_THRESHOLDS[name]) == SceneSettings(name)
+        assert "threshold" not in SceneSettings(name, threshold=DEFAULT_THRESHOLDS[name]).to_json()
+    changed = SceneSettings("content", threshold=18)
+    assert changed.to_json()["threshold"] == 18 and SceneSettings.from_json(changed.to_json()) == changed
+    assert SceneSettings.from_json({"detector": "content", "min_scene_seconds": 0.5, "clip_mode": "chain",
+                                    "clip_stride": None, "clips_per_scene": 1}).threshold is None
+    with pytest.raises(ConfigError, match=r"--scene-threshold 2 is outside -1..1.*histogram"):
+        SceneSettings("histogram", threshold=2)
+    with pytest.raises(ConfigError, match=r"--scene-threshold 300 is outside 0..255.*content"):
+        SceneSettings("content", threshold=300)
+    # The settings refuse it before anything starts (the CLI, a YAML config, a flow's parameters).
+    from diffprep.config import load_settings
+
+    with pytest.raises(ConfigError, match=r"--scene-threshold 2 is outside -1..1.*histogram"):
+        load_settings(overrides={"video": {"split_scenes": "histogram", "scene_threshold": 2}})
+
+
 def test_min_scene_seconds_keeps_a_cut_from_following_too_soon():
     # The second cut is 0.5 s after the first: a 1 s shortest shot leaves it out.
     assert detect_shots(cut_clip([20, 25], 60), "content", 1.0).shots == ((0, 19), (20, 59))
@@ -49,14 +164,48 @@ def test_a_window_never_crosses_a_shot_and_its_frames_are_its_buckets():
     spans = [(0, 30), (30, 75), (75, 100)]
     windows, discarded = source_windows(32, 24, spans, buckets, SceneSettings(clip_mode="chain"))
     assert [(w.shot, w.first, w.last, w.bucket.frames) for w in windows] == [
-        (0, 0, 19, 20), (1, 30, 49, 20), (1, 50, 69, 20), (2, 75, 94, 20)]
-    assert discarded == {"chain_tail": 10 + 5 + 5}
+        (0, 0, 19, 20), (0, 20, 27, 8), (1, 30, 49, 20), (1, 50, 69, 20), (2, 75, 94, 20)]
+    assert discarded == {"chain_tail": 2 + 5 + 5}  # shot 0's tail of 10 takes an 8-frame window
     for w in windows:
         start, end = spans[w.shot]
         assert start <= w.first <= w.last < end and w.frames == w.bucket.frames
     # A shot shorter than every bucket gives no window; its frames are named.
     windows, discarded = source_windows(32, 24, [(0, 5), (5, 30)], buckets, SceneSettings(clip_mode="head"))
     assert [(w.first, w.last) for w in windows] == [(5, 24)] and discarded == {"short_shot": 5, "not_sampled": 5}
+
+
+README_BUCKETS = "832x480x81;832x480x49;832x480x17"  # the README's long-video example, at --target-fps 16
+
+
+def test_a_chain_fills_its_tail_with_the_shorter_buckets():
+    """The README example's buckets on a shot of every length from one 17-frame window to 10 s at 16 fps: chaining
+    only each shot's own bucket throws away 31% of the frames; filling each tail with the longest bucket that fits,
+    again and again, leaves under 17 frames a shot (9%)."""
+    from diffprep.media.buckets import parse_buckets
+
+    buckets = parse_buckets(README_BUCKETS, 8, 4)
+    lengths = list(range(17, 161))
+    spans, start = [], 0
+    for length in lengths:
+        spans.append((start, start + length))
+        start += length
+    windows, discarded = source_windows(832, 480, spans, buckets, SceneSettings(clip_mode="chain"))
+    total = sum(lengths)
+    # Before: each shot chained with its own bucket only (the tail thrown away).
+    before = sum(shot_windows(n, max(b.frames for b in buckets if b.frames <= n), SceneSettings())[1] for n in lengths)
+    assert round(before / total, 3) == 0.306
+    assert round(discarded["chain_tail"] / total, 3) == 0.085 and set(discarded) == {"chain_tail"}
+    assert sum(w.frames for w in windows) + discarded["chain_tail"] == total
+    for shot, (first, end) in enumerate(spans):
+        mine = [w for w in windows if w.shot == shot]
+        # Back to back from the shot's start, longest first, each window its bucket's length, under 17 frames left.
+        assert [w.first for w in mine] == [first + sum(w.frames for w in mine[:k]) for k in range(len(mine))]
+        assert [w.frames for w in mine] == sorted((w.frames for w in mine), reverse=True)
+        assert all(w.frames == w.bucket.frames for w in mine) and 0 <= end - 1 - mine[-1].last < 17
+    # A shot of 98 frames: 81 + 17; of 66: 49 + 17; of 40: 17 + 17 (6 left).
+    assert [w.frames for w in windows if w.shot == 98 - 17] == [81, 17]
+    assert [w.frames for w in windows if w.shot == 66 - 17] == [49, 17]
+    assert [w.frames for w in windows if w.shot == 40 - 17] == [17, 17]
 
 
 def test_chain_slide_and_uniform_give_the_windows_they_promise():
@@ -148,9 +297,9 @@ def test_a_lying_container_is_planned_from_its_frames(long_data):
     record = scene_record(data, spec)
     assert record["decoded_frames"] == 40 and record["timeline_frames"] == 40
     assert record["shots"] == [[0, 11], [12, 39]]
-    # The 12-frame shot gives one 8-frame window (head of chain), the 28-frame shot one of 20: tails named.
-    assert record["windows"] == [[0, 0, 7, "32x24x8"], [1, 12, 31, "32x24x20"]]
-    assert record["discarded"] == {"chain_tail": 4 + 8}
+    # The 12-frame shot gives one 8-frame window, the 28-frame shot one of 20 and its tail one of 8: tails named.
+    assert record["windows"] == [[0, 0, 7, "32x24x8"], [1, 12, 31, "32x24x20"], [1, 32, 39, "32x24x8"]]
+    assert record["discarded"] == {"chain_tail": 4}
 
 
 @pytest.mark.parametrize(("mode", "extra", "windows"), [
@@ -188,25 +337,25 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     assert set(plan.scenes) == {"talk.mp4", "game.mkv"}
     assert plan.scenes["talk.mp4"]["shots"] == [[0, 29], [30, 74], [75, 99]]
     planned = {sid: unit.bucket for unit in plan.units for sid in unit.source_ids}
-    assert sorted(planned) == sorted(["game.mkv#0:0-7", "game.mkv#1:12-31", "talk.mp4#0:0-19",
-                                      "talk.mp4#1:30-49", "talk.mp4#1:50-69", "talk.mp4#2:75-94"])
+    assert sorted(planned) == sorted(["game.mkv#0:0-7", "game.mkv#1:12-31", "game.mkv#1:32-39", "talk.mp4#0:0-19",
+                                      "talk.mp4#0:20-27", "talk.mp4#1:30-49", "talk.mp4#1:50-69", "talk.mp4#2:75-94"])
     per_bucket: dict[str, int] = {}
     for bucket in planned.values():
         per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
     assert result.validation["summary"]["samples_per_bucket"] == per_bucket
     # Frames no clip takes are counted and named, per source in plan.json and in total in the audit.
-    assert plan.scenes["talk.mp4"]["discarded"] == {"chain_tail": 10 + 5 + 5}
+    assert plan.scenes["talk.mp4"]["discarded"] == {"chain_tail": 2 + 5 + 5}  # shot 0's tail: an 8-frame clip
     from diffprep import contract
 
     audit = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
-    assert audit["discarded_frames"] == {"chain_tail": 20 + 12} and audit["inputs"] == len(planned)
+    assert audit["discarded_frames"] == {"chain_tail": 12 + 4} and audit["inputs"] == len(planned)
     from diffprep.long_videos import scenes_table
 
     assert scenes_table(plan.scenes) == [
-        {"source": "game.mkv", "frames": 40, "shots": 2, "clips": {"32x24x8": 1, "32x24x20": 1},
-         "discarded": {"chain_tail": 12}, "note": ""},
-        {"source": "talk.mp4", "frames": 100, "shots": 3, "clips": {"32x24x20": 4}, "discarded": {"chain_tail": 20},
-         "note": ""}]
+        {"source": "game.mkv", "frames": 40, "shots": 2, "clips": {"32x24x8": 2, "32x24x20": 1},
+         "discarded": {"chain_tail": 4}, "note": ""},
+        {"source": "talk.mp4", "frames": 100, "shots": 3, "clips": {"32x24x20": 4, "32x24x8": 1},
+         "discarded": {"chain_tail": 12}, "note": ""}]
 
     stored = shard_samples(out)
     assert len(stored) == len(planned)
@@ -407,14 +556,14 @@ def test_the_plan_names_its_short_shots_and_asks_before_encoding(tmp_path):
     plan = read_plan(out)
     assert plan.scenes["cut.mp4"]["short_shots"] == [6] and plan.scenes["cut.mp4"]["discarded"]["short_shot"] == 6
     summary = scenes_summary(plan.scenes)
-    assert summary == {"sources": 1, "unreadable": 0, "shots": 3, "frames": 60, "clips": {"32x24x20": 2},
-                       "discarded": {"chain_tail": 10 + 4, "short_shot": 6}}
+    assert summary == {"sources": 1, "unreadable": 0, "shots": 3, "frames": 60,
+                       "clips": {"32x24x20": 2, "32x24x8": 1}, "discarded": {"chain_tail": 2 + 4, "short_shot": 6}}
     markdown = scenes_markdown(plan.scenes)
     assert "| 32x24x20 | 2 | 40 |" in markdown and "| `short_shot` | 6 |" in markdown and "`cut.mp4`" in markdown
 
     accepted = []
     result = run(settings, "raw", ask=lambda q, preset=None, *, release=False: accepted.append(q.key) or "accept")
-    assert accepted == ["discarded-frames"] and result.samples == 2 and result.scenes == summary
+    assert accepted == ["discarded-frames"] and result.samples == 3 and result.scenes == summary
     assert (out / contract.STATE_DIR / contract.DISCARD_ANSWER_JSON).is_file()
     settings.output.on_existing = "resume"
     run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))  # the same shots: not asked again
@@ -538,7 +687,8 @@ def test_scene_captions_caption_a_shot_or_one_window(long_data, tmp_path, caplog
         ids, _, _ = plan_clips(source, ["talk.mp4"], spec, {}, workers=1)
     assert "gone.mp4#3" in caplog.text  # a key that names nothing is named
     got = {s.source_id: s.caption for s in read_clips(source, ids, spec.scenes)}
-    assert got == {"talk.mp4#0:0-19": "the first window", "talk.mp4#1:30-49": "the second shot",
+    assert got == {"talk.mp4#0:0-19": "the first window", "talk.mp4#0:20-27": "a talk in three shots",
+                   "talk.mp4#1:30-49": "the second shot",
                    "talk.mp4#1:50-69": "the second shot", "talk.mp4#2:75-94": "a talk in three shots"}
     captions.write_text(json.dumps({"talk.mp4": "no shot"}), encoding="utf-8")
     with pytest.raises(ConfigError, match="keys must be"):

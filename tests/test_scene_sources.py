@@ -309,6 +309,22 @@ def test_mvssynth_missing_pose_and_colmap_missing_image(tmp_path):
     assert rejected(source(tmp_path / "cm", "colmap"), cm.source_id)[0] == "missing_frame"
 
 
+@pytest.mark.parametrize("fmt", ["re10k", "re10k-txt", "dl3dv", "nerfstudio", "colmap"])
+def test_a_listed_frame_without_its_image_is_missing_frame_even_when_sampling_skips_it(tmp_path, fmt):
+    # 11 frames, 3 kept (uniform: 0, 5, 10): frame 2's image is never read, yet the camera file lists it. One rule
+    # for every format: the scene is the reject missing_frame, never stored with source_frames counting a frame
+    # that is not there.
+    scene = render(tmp_path, fmt, frames=11)
+    spec = SceneSpec(resolution=40, frames=3, sampling="uniform")
+    whole = spec.prepare(
+        read_one(source(tmp_path, scene.fmt, spec), scene.source_id).scene)
+    assert [f["original_idx"] for f in whole.meta["frames"]] == [0, 5, 10] and whole.meta["source_frames"] == 11
+    (image,) = [path for path in tmp_path.rglob(f"{scene.names[2]}.png")]
+    image.unlink()
+    reason, detail = rejected(source(tmp_path, scene.fmt, spec), scene.source_id)
+    assert reason == "missing_frame" and scene.names[2] in detail, detail
+
+
 def test_two_frames_of_one_name_are_a_reject_not_one_kept(tmp_path):
     scene = render(tmp_path, "re10k", frames=3)
     edit_json(tmp_path / scene.source_id / "transforms.json",

@@ -52,7 +52,8 @@ def clip_spec(video: VideoConfig, buckets: str, spatial: int, temporal: int, *, 
     scenes = None
     if video.split_scenes is not None:
         scenes = SceneSettings(video.split_scenes, video.min_scene_seconds, video.clip_mode, video.clip_stride,
-                               video.clips_per_scene, read_scene_captions(video.scene_captions))
+                               video.clips_per_scene, read_scene_captions(video.scene_captions),
+                               threshold=video.scene_threshold)
     return ClipSpec(tuple(parse_buckets(buckets, spatial, temporal, why=why)), target_fps=video.target_fps,
                     frame_sampling=video.frame_sampling, scenes=scenes)
 

@@ -4,7 +4,13 @@ PySceneDetect (``scenedetect-headless``: its OpenCV without GUI libraries) decod
 backend, the decoder the rest of :mod:`diffprep.media` uses, and its detectors place the cuts:
 ``content`` (HSV change between frames), ``adaptive`` (that change against its rolling average: fewer false cuts
 in fast motion), ``threshold`` (fades through black), ``histogram`` (YUV histogram change).
-``min_scene_seconds`` is the detector's own shortest shot: no cut is placed sooner after the previous one.
+``min_scene_seconds`` is the detector's own shortest shot: no cut is placed sooner after the previous one;
+``threshold`` (``--scene-threshold``) the detector's own threshold, in its units (``windows.THRESHOLD_RANGES``;
+None: PySceneDetect's default). ``adaptive`` is PySceneDetect's own default detector, and the one that finds
+every hard cut of the suite ``tests/test_long_videos.py`` writes with its default threshold: ``content`` scores
+a cut between two flat colours of one brightness (blue to green) about 20, under its 27, and each frame of a fast
+pan over a texture 21 to 27, so a ``content`` threshold low enough for the first also cuts where such a pan starts
+and stops.
 
 The frames are counted by decoding them (the detector's pass), never from the container's stated frame count
 or duration × fps; the timeline the windows are cut on (:mod:`diffprep.media.windows`) is the demuxer's
@@ -38,7 +44,7 @@ class Shots:
                 "container_frames": self.container_frames}
 
 
-def _detector(name: str, min_scene_seconds: float):
+def _detector(name: str, min_scene_seconds: float, threshold: float | None = None):
     from scenedetect import AdaptiveDetector, ContentDetector, HistogramDetector, ThresholdDetector
 
     kinds = {"content": ContentDetector, "adaptive": AdaptiveDetector, "threshold": ThresholdDetector,
@@ -46,11 +52,14 @@ def _detector(name: str, min_scene_seconds: float):
     if name not in kinds:
         raise ValueError(f"split_scenes must be one of {', '.join(kinds)}, got {name!r}")
     # A float is seconds to PySceneDetect, an int frames: 0 frames lets a cut follow any other.
-    return kinds[name](min_scene_len=float(min_scene_seconds) if min_scene_seconds > 0 else 0)
+    options: dict[str, Any] = {"min_scene_len": float(min_scene_seconds) if min_scene_seconds > 0 else 0}
+    if threshold is not None:  # AdaptiveDetector names its threshold adaptive_threshold
+        options["adaptive_threshold" if name == "adaptive" else "threshold"] = float(threshold)
+    return kinds[name](**options)
 
 
-def detect_shots(data: bytes, detector: str = "content", min_scene_seconds: float = 0.0,
-                 info: ClipInfo | None = None) -> Shots:
+def detect_shots(data: bytes, detector: str = "adaptive", min_scene_seconds: float = 0.0,
+                 info: ClipInfo | None = None, threshold: float | None = None) -> Shots:
     """The shots of the clip ``data`` (its file bytes), with the frames counted by decoding them.
 
     Raises :class:`~diffprep.errors.RejectError` as :func:`~diffprep.media.video.probe` does, and
@@ -63,7 +72,7 @@ def detect_shots(data: bytes, detector: str = "content", min_scene_seconds: floa
     try:
         video = VideoStreamAv(io.BytesIO(bytes(data)), name="source", suppress_output=True)
         manager = SceneManager()
-        manager.add_detector(_detector(detector, min_scene_seconds))
+        manager.add_detector(_detector(detector, min_scene_seconds, threshold))
         decoded = manager.detect_scenes(video=video, show_progress=False)
         cuts = sorted({int(cut.frame_num) for cut in manager.get_cut_list()})
     except RejectError:

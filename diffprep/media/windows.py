@@ -7,11 +7,14 @@ the source's frames after ``--target-fps`` resampling (by decoded timestamps, as
 bucket it goes to.
 
 A window's bucket follows the clip path's rule (:func:`~diffprep.media.buckets.choose_bucket`: nearest aspect,
-then the most frames not above the shot's frame count, then area), so every window of a shot has that
-bucket's ``F`` frames. ``--clip-mode`` says where the windows lie in a shot of ``n`` frames:
+then the most frames not above the shot's frame count, then area), so a shot's windows have that bucket's ``F``
+frames (a chain's tail: its own bucket's). ``--clip-mode`` says where the windows lie in a shot of ``n`` frames:
 
 - ``head``: the first ``F`` frames;
-- ``chain``: back-to-back windows ``[0, F), [F, 2F), ...``; the last ``n mod F`` frames are the chain's tail;
+- ``chain``: back-to-back windows ``[0, F), [F, 2F), ...``, then the tail (the last ``n mod F`` frames) filled the
+  same way with the bucket the same rule gives the tail (the longest that fits it), and so on until no bucket fits
+  what is left: a tail of 40 frames with buckets of 81, 49 and 17 frames gives two 17-frame windows. The frames
+  left, fewer than the shortest bucket's, are the chain's tail;
 - ``slide``: a window every ``--clip-stride`` frames, overlapping when the stride is below ``F``;
 - ``uniform``: ``--clips-per-scene`` windows whose starts are spread evenly from ``0`` to ``n - F``.
 
@@ -30,14 +33,26 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from diffprep.errors import RejectError
+from diffprep.errors import ConfigError, RejectError
 from diffprep.media.buckets import Bucket, choose_bucket
 
-__all__ = ["CLIP_MODES", "DETECTORS", "SceneSettings", "Window", "clip_id", "parse_clip_id", "read_scene_captions",
-           "shot_spans", "shot_windows", "source_windows"]
+__all__ = ["CLIP_MODES", "DEFAULT_THRESHOLDS", "DETECTORS", "THRESHOLD_RANGES", "SceneSettings", "Window",
+           "chain_windows", "clip_id", "parse_clip_id", "read_scene_captions", "shot_spans", "shot_windows",
+           "source_windows"]
 
 CLIP_MODES: tuple[str, ...] = ("head", "chain", "slide", "uniform")
 DETECTORS: tuple[str, ...] = ("content", "adaptive", "threshold", "histogram")
+# --scene-threshold: PySceneDetect's own default of each detector (what an unset threshold means, so a run that
+# does not set it keeps its fingerprint), and the values that mean something in the detector's own units.
+DEFAULT_THRESHOLDS: dict[str, float] = {"content": 27.0, "adaptive": 3.0, "threshold": 12.0, "histogram": 0.2}
+THRESHOLD_RANGES: dict[str, tuple[float, float, str]] = {
+    "content": (0.0, 255.0, "the mean HSV change between two frames that makes a cut; lower finds more cuts"),
+    "adaptive": (0.0, 255.0, "how many times its neighbours' mean HSV change a frame's must be to make a cut (and "
+                 "at least 15); lower finds more cuts"),
+    "threshold": (0.0, 255.0, "the mean brightness under which a frame is black (a fade's end)"),
+    "histogram": (-1.0, 1.0, "the correlation of two frames' luma histograms at or below which they are cut "
+                  "apart; higher finds more cuts"),
+}
 
 _SHOT_KEY = re.compile(r"^.+#\d+$")
 _CLIP_ID = re.compile(r"^(?P<source>.+)#(?P<shot>\d+):(?P<first>\d+)-(?P<last>\d+)$")
@@ -47,7 +62,7 @@ _CLIP_ID = re.compile(r"^(?P<source>.+)#(?P<shot>\d+):(?P<first>\d+)-(?P<last>\d
 class SceneSettings:
     """How a run cuts long sources: the shot detector, its shortest shot, and the windows taken in each shot."""
 
-    detector: str = "content"
+    detector: str = "adaptive"
     min_scene_seconds: float = 0.0
     clip_mode: str = "chain"
     clip_stride: int | None = None  # slide: frames between window starts (default: the window's own length)
@@ -55,10 +70,21 @@ class SceneSettings:
     # --scene-captions: (key, caption) pairs, a key "<source>#<shot>" or a clip id; in the plan's byte settings
     # (the fingerprint covers them), so a re-run, a resume and decode caption every clip the same.
     captions: tuple[tuple[str, str], ...] = ()
+    # --scene-threshold, in the detector's own units (THRESHOLD_RANGES); None: PySceneDetect's default, to which a
+    # value equal to it is normalized (the same cuts, the same fingerprint).
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.detector not in DETECTORS:
             raise ValueError(f"split_scenes must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
+        if self.threshold is not None:
+            low, high, meaning = THRESHOLD_RANGES[self.detector]
+            if not low <= self.threshold <= high:
+                raise ConfigError(f"--scene-threshold {self.threshold:g} is outside {low:g}..{high:g}, the range of "
+                                  f"the {self.detector} detector's threshold ({meaning}; default "
+                                  f"{DEFAULT_THRESHOLDS[self.detector]:g}): give a value in that range or unset it")
+            if float(self.threshold) == DEFAULT_THRESHOLDS[self.detector]:
+                object.__setattr__(self, "threshold", None)
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)}, got {self.clip_mode!r}")
         if self.clip_stride is not None and self.clip_stride < 1:
@@ -71,6 +97,8 @@ class SceneSettings:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        if data["threshold"] is None:  # runs without --scene-threshold keep their fingerprints
+            del data["threshold"]
         if not data["captions"]:  # runs without --scene-captions keep their fingerprints
             del data["captions"]
         else:
@@ -120,8 +148,6 @@ def parse_clip_id(value: str) -> tuple[str, int, int, int] | None:
 def read_scene_captions(path: str | None) -> tuple[tuple[str, str], ...]:
     """``--scene-captions``: a JSON object of captions by ``<source>#<shot>`` or clip id, sorted by key; a file that
     does not read as one is a ConfigError naming what is wrong."""
-    from diffprep.errors import ConfigError
-
     if path is None:
         return ()
     try:
@@ -159,7 +185,7 @@ def shot_spans(shots: Sequence[Sequence[int]], timeline: Sequence[int]) -> list[
 
 def shot_windows(length: int, frames: int, scene: SceneSettings) -> tuple[list[int], int]:
     """Window starts (offsets in a shot of ``length`` frames) for windows of ``frames`` frames, and how many
-    of the shot's frames no window takes."""
+    of the shot's frames no window takes (``chain``: of one length; :func:`chain_windows` fills its tail)."""
     if not 1 <= frames <= length:
         raise ValueError(f"a window of {frames} frames does not fit a shot of {length}")
     if scene.clip_mode == "head":
@@ -180,6 +206,24 @@ def shot_windows(length: int, frames: int, scene: SceneSettings) -> tuple[list[i
     return starts, length - len(covered)
 
 
+def chain_windows(width: int, height: int, length: int,
+                  buckets: Sequence[Bucket]) -> tuple[list[tuple[int, Bucket]], int]:
+    """``--clip-mode chain`` in a shot of ``length`` frames: (offset, bucket) of each window, back to back, and the
+    frames left at its end. The shot's bucket is chained first; what its chain leaves goes to the bucket the same
+    rule gives that many frames (the longest that fits), chained again, until no bucket fits what is left. A tail
+    is never thrown away while a bucket the user gave would take it."""
+    placed: list[tuple[int, Bucket]] = []
+    offset = 0
+    while True:
+        try:
+            bucket = choose_bucket(width, height, length - offset, buckets)
+        except RejectError:  # too_few_frames: what is left is shorter than every bucket
+            return placed, length - offset
+        count = (length - offset) // bucket.frames  # >= 1: the bucket fits
+        placed += [(offset + k * bucket.frames, bucket) for k in range(count)]
+        offset += count * bucket.frames
+
+
 def source_windows(width: int, height: int, spans: Sequence[tuple[int, int]], buckets: Sequence[Bucket],
                    scene: SceneSettings) -> tuple[list[Window], dict[str, int]]:
     """Every window of a ``width`` x ``height`` source whose shots lie at ``spans`` on its timeline, and the
@@ -195,7 +239,12 @@ def source_windows(width: int, height: int, spans: Sequence[tuple[int, int]], bu
         except RejectError:  # too_few_frames: the whole shot is shorter than every bucket
             discarded["short_shot"] += length
             continue
-        starts, left = shot_windows(length, bucket.frames, scene)
-        discarded["chain_tail" if scene.clip_mode == "chain" else "not_sampled"] += left
-        windows += [Window(shot, start + s, start + s + bucket.frames - 1, bucket) for s in starts]
+        if scene.clip_mode == "chain":
+            placed, left = chain_windows(width, height, length, buckets)
+            discarded["chain_tail"] += left
+        else:
+            starts, left = shot_windows(length, bucket.frames, scene)
+            placed = [(s, bucket) for s in starts]
+            discarded["not_sampled"] += left
+        windows += [Window(shot, start + s, start + s + b.frames - 1, b) for s, b in placed]
     return windows, {reason: count for reason, count in discarded.items() if count}

@@ -22,7 +22,7 @@ from diffprep.media import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene
 from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, image_size, inside,
-                                            make_frame, make_scene, own_caption, read_text, relative_id, require,
+                                            make_frame, make_scene, own_caption, read_text, relative_id,
                                             walk_scenes)
 
 NAME = "colmap"
@@ -114,7 +114,7 @@ def load(root: Path, found: SceneDir, pose_key: str) -> Scene:
             raise reject("invalid_intrinsics", f"frame {stem}: {model_name} takes {PINHOLE[model_name]} parameters, "
                          f"cameras.txt gives {len(params)}")
         fx, fy, cx, cy = params if model_name == "PINHOLE" else (params[0], params[0], params[1], params[2])
-        image = require(found.path / "images" / name, stem)
+        image = str(found.path / "images" / name)
         K = cameras.intrinsics(fx, fy, cx, cy)
         if index == 0:
             size = image_size(Path(image), stem)

@@ -2,7 +2,8 @@
 rejects, and every frame's camera checked before a ``Scene`` is built.
 
 Rejects a scene format gives (``RejectError`` with phase ``read``): ``scene_unreadable`` (a camera file that is
-not valid JSON or text of the format), ``missing_frame`` (a frame image that does not exist), ``missing_pose``
+not valid JSON or text of the format), ``missing_frame`` (a frame the camera file lists whose image does not
+exist, whether or not sampling would keep it: ``make_frame``), ``missing_pose``
 (a frame with no camera), ``invalid_pose`` (not 4x4 / 3x4, non-finite, last row not [0, 0, 0, 1]),
 ``invalid_rotation`` (|det R - 1| > 1e-3 or not orthonormal), ``invalid_intrinsics`` (fx, fy <= 0, non-finite),
 ``unsupported_camera_model`` (a model with distortion), ``too_few_frames`` (under two frames),
@@ -174,7 +175,13 @@ def camera(frame: str, build: Callable[[], np.ndarray], reason: str = "invalid_p
 
 def make_frame(name: str, image: str, c2w: np.ndarray, K: np.ndarray, original_idx: int,
                depth: str | None = None) -> SceneFrame:
-    """A checked frame: its pose a rotation, its K a pinhole K with positive focal lengths (else the reject)."""
+    """A checked frame: its image a file, its pose a rotation, its K a pinhole K with positive focal lengths (else
+    the reject).
+
+    Every format builds its frames here, so a frame its camera file lists without an image is ``missing_frame`` in
+    every format, whichever frames sampling keeps later: a scene is never stored with ``source_frames`` counting a
+    frame that is not there (one stat per frame, no pixels read)."""
+    require(Path(image), name)
     for problem in (pose_problem(c2w), intrinsics_problem(K)):
         if problem is not None:
             raise reject(problem[0], f"frame {name}: {problem[1]}")
