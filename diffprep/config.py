@@ -16,7 +16,7 @@ import contextvars
 import os
 from typing import Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from diffprep.config_files import read_config
@@ -60,10 +60,32 @@ class Settings(BaseSettings):
     auth: AuthConfig = AuthConfig()
     workers: WorkersConfig = WorkersConfig()
 
+    @model_validator(mode="after")
+    def _layout_defaults(self) -> Settings:
+        """A value the user did not give follows what the layout or source allows (``implied_defaults``)."""
+        for section, key, value in implied_defaults(self):
+            setattr(getattr(self, section), key, value)
+        return self
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return (init_settings, env_settings, _YamlSource(settings_cls, _YAML_DATA.get()))
+
+
+def implied_defaults(settings: Settings) -> list[tuple[str, str, Any]]:
+    """(section, key, value) for each setting the user left unset (no flag, parameter, env or YAML key) whose
+    default the run's layout or source contradicts: EDM's archive (``--layout edm-zip``) holds PNGs only, and
+    CIFAR-10 is stored at its own 32 px. Given, such a value is the user's: a contradiction is an error naming it
+    (``edm_zip.check_settings``), never a silent change."""
+    implied = []
+    if settings.output.layout == "edm-zip" and "image_format" not in settings.raw.model_fields_set:
+        implied.append(("raw", "image_format", "png"))
+    if settings.source.type == "cifar10" and "image_size" not in settings.image.model_fields_set:
+        from diffprep.sources.cifar10 import SIDE as CIFAR_SIZE  # only then: the reader imports numpy and Pillow
+
+        implied.append(("image", "image_size", CIFAR_SIZE))
+    return implied
 
 
 class _RunParameters(BaseModel):
