@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.cli_flags import INGEST_OUTPUT_FLAGS, RAW_FLAGS, add_flags, overrides_from
 from diffprep.errors import ConfigError, DiffprepError
@@ -76,7 +77,8 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
     ranks = launch.detect_ranks()
     settings = load_settings(config, overrides)
     check_runnable(settings)  # fail on bad settings before Prefect starts,
-    preflight(settings)  # and on what the settings name that is not there (nothing started, nothing written)
+    # and on what the settings name that is not there or the encoding refuses (nothing started, nothing written)
+    preflight(settings, contract.ENCODING_RAW if raw else contract.ENCODING_PREENCODED)
     if ranks.many:
         quiet_diffusers()  # the encoders load in this process
         if settings.workers.num_shards is not None or settings.workers.devices or settings.workers.deployment:
