@@ -154,7 +154,8 @@ def _raw_flow():
     return encode_raw
 
 
-def print_summary(result: dict) -> None:
+def print_summary(result: dict, settings: Any = None) -> None:
+    """The run's summary; ``settings`` (the run's) add what they did to every image (``config.stretch_note``)."""
     print()
     if "rank" in result:  # a rank other than 0: rank 0 prints the dataset's summary
         units = ", ".join(f"{u:06d}" for u in result["units"]) or "none"
@@ -171,6 +172,10 @@ def print_summary(result: dict) -> None:
         return
     print(f"  samples written: {result['samples']}   rejected: {result['rejected']}   "
           f"units: {result['units']} ({result['encoded_units']} encoded this run)   time: {result['seconds']} s")
+    from diffprep.config import stretch_note
+
+    if settings is not None and (note := stretch_note(settings)):
+        print(f"  {note}")
     for reason, count in result.get("rejects_by_reason", {}).items():
         print(f"    rejected {reason}: {count}")
     if scenes := result.get("scenes"):  # long videos: what the plan cut
@@ -216,12 +221,18 @@ def print_summary(result: dict) -> None:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    print_summary(run_encode(args.config, overrides_from(args)))
+    from diffprep.config import load_settings
+
+    overrides = overrides_from(args)
+    print_summary(run_encode(args.config, overrides), load_settings(args.config, overrides))
     return 0
 
 
 def cmd_raw(args: argparse.Namespace) -> int:
-    print_summary(run_encode(args.config, overrides_from(args), raw=True))
+    from diffprep.config import load_settings
+
+    overrides = overrides_from(args)
+    print_summary(run_encode(args.config, overrides, raw=True), load_settings(args.config, overrides))
     return 0
 
 

@@ -88,6 +88,21 @@ def implied_defaults(settings: Settings) -> list[tuple[str, str, Any]]:
     return implied
 
 
+def stretch_note(settings: Settings) -> str | None:
+    """What a run does to a non-square image that the settings alone do not make plain: with ``center_crop``
+    off (every shipped Primus config has ``center_crop: false``) a fixed-size image is stretched to the square,
+    its aspect ratio lost. Said in the plan's log and the run's summary; None when images are cropped, keep
+    their ratio (variable size, buckets) or none are prepared (clips, scenes, captions only, audio)."""
+    image, video = settings.image, settings.video
+    if image.center_crop or image.variable_size or image.buckets:
+        return None
+    if settings.source.type == "scenes" or video.resolution_buckets or video.audio_durations or settings.raw.prompts_only:
+        return None
+    size = image.image_size
+    return (f"images are stretched to {size}x{size}, not cropped (image.center_crop is off): a non-square image "
+            "loses its aspect ratio; --center-crop (center_crop: true) crops its centre instead")
+
+
 class _RunParameters(BaseModel):
     """Flow parameters (a form in the Prefect UI): only the fields given count.
 
