@@ -6,15 +6,15 @@ thing), so an error a user can act on comes in a second and leaves nothing
 behind (no server, no flow run recorded as Failed): a missing input folder,
 metadata file or tarball, a token file others can read, a device that is not
 here, a ``--devices`` spec that does not parse, a ``--num-classes`` that the
-source type contradicts, and every check the run's encoding makes on its
-settings (``Encoding.planned``: a layout and the values it allows, resolution
-buckets against the VAE's factors, flags another encoding takes), which needs
-no source listing; with a hub model it needs the model's configs, so there only
-the family-free edm-zip checks run here and the rest in the plan phase.
-Checks that need the source's listing (a class-folder count, an impossible
-split against the planned shards) are the plan phase's; nothing of a run is
-written before it (plan.json is written when the output is prepared, after the
-plan).
+source type (or a class-folder tree's top level) contradicts, and every check
+the run's encoding makes on its settings (``Encoding.planned``: a layout and
+the values it allows, resolution buckets against the VAE's factors, flags
+another encoding takes), which needs no source listing; with a hub model it
+needs the model's configs, so there only the family-free edm-zip checks run
+here and the rest in the plan phase. Checks that need the source's listing (an
+impossible split against the planned shards) or a download (a Hugging Face
+dataset's classes) are the plan phase's; nothing of a run is written before it
+(plan.json is written when the output is prepared, after the plan).
 """
 
 from __future__ import annotations
@@ -81,14 +81,22 @@ def _source_location(settings: Settings) -> None:
 
 
 def _num_classes(settings: Settings) -> None:
-    """``--num-classes`` against what the source type alone says: CIFAR-10 has 10, some sources have no labels
-    (a class-folder tree or a Hugging Face column is counted when the plan opens it)."""
+    """``--num-classes`` against what the source type says: CIFAR-10 has 10, some sources have no labels, a local
+    class-folder tree has its top-level folders (opening it reads that one listing, and checks --class-names
+    against it); a Hugging Face column is counted when the plan opens the dataset."""
     source = settings.source
-    if source.num_classes is None:
+    local_folders = source.type == "imagefolder" and source.input_dir and not is_s3_url(source.input_dir)
+    if source.num_classes is None and not local_folders:
         return
     from diffprep.sources.labels import check_num_classes
 
-    if source.type == "cifar10":
+    if local_folders:
+        from diffprep.sources.imagefolder import ImageFolderSource
+
+        folders = ImageFolderSource(source.input_dir, class_names=source.class_names,
+                                    caption_template=source.caption_template)
+        check_num_classes(source.num_classes, folders.describe())
+    elif source.type == "cifar10":
         from diffprep.sources.cifar10 import NUM_CLASSES
 
         check_num_classes(source.num_classes, {"type": source.type, "classes": NUM_CLASSES})

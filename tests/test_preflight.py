@@ -101,7 +101,7 @@ def _refused_before_prefect(tmp_path: Path, message: str, *args: str) -> None:
 @pytest.mark.slow
 def test_settings_errors_a_plan_used_to_find_end_the_command_before_any_prefect_server(demo_data, tiny_model,
                                                                                        tmp_path):
-    from test_edm_zip import write_cifar
+    from test_edm_zip import write_cifar, write_classes
 
     tarball = tmp_path / "cifar-10-python.tar.gz"
     write_cifar(tarball, count=1)
@@ -115,6 +115,10 @@ def test_settings_errors_a_plan_used_to_find_end_the_command_before_any_prefect_
     # The source type alone says how many classes there are (or that there are none).
     _refused_before_prefect(tmp_path, "contradicts the cifar10 source's 10 classes", *cifar, "--num-classes", "100")
     _refused_before_prefect(tmp_path, "this directory source has no labels", *images, "--num-classes", "10")
+    folders = write_classes(tmp_path / "train", {"a": [(40, 40)], "b": [(40, 40)]})  # a class folder's top level
+    _refused_before_prefect(tmp_path, "contradicts the imagefolder source's 2 classes", "raw", "--source-type",
+                            "imagefolder", "--input-dir", str(folders), "--output-dir", str(tmp_path / "o"),
+                            "--num-classes", "5")
     _refused_before_prefect(tmp_path, "source.input_path", "raw", "--source-type", "cifar10", "--input-path",
                             str(tmp_path / "cifar-typo.tar.gz"), "--output-dir", str(tmp_path / "c"))
     # A pre-encoded run with a local model: its family's checks; a --devices spec that does not parse.
