@@ -96,7 +96,8 @@ def stretch_note(settings: Settings) -> str | None:
     image, video = settings.image, settings.video
     if image.center_crop or image.variable_size or image.buckets:
         return None
-    if settings.source.type == "scenes" or video.resolution_buckets or video.audio_durations or settings.raw.prompts_only:
+    clips_or_no_pixels = video.resolution_buckets or video.audio_durations or settings.raw.prompts_only
+    if settings.source.type == "scenes" or clips_or_no_pixels:
         return None
     size = image.image_size
     return (f"images are stretched to {size}x{size}, not cropped (image.center_crop is off): a non-square image "
