@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from diffprep import contract
 from diffprep.allocator import tune_malloc
 from diffprep.cli_flags import INGEST_OUTPUT_FLAGS, RAW_FLAGS, add_flags, overrides_from
 from diffprep.errors import ConfigError, DiffprepError
@@ -76,7 +77,8 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
     ranks = launch.detect_ranks()
     settings = load_settings(config, overrides)
     check_runnable(settings)  # fail on bad settings before Prefect starts,
-    preflight(settings)  # and on what the settings name that is not there (nothing started, nothing written)
+    # and on what the settings name that is not there or the encoding refuses (nothing started, nothing written)
+    preflight(settings, contract.ENCODING_RAW if raw else contract.ENCODING_PREENCODED)
     if ranks.many:
         quiet_diffusers()  # the encoders load in this process
         if settings.workers.num_shards is not None or settings.workers.devices or settings.workers.deployment:
@@ -152,7 +154,8 @@ def _raw_flow():
     return encode_raw
 
 
-def print_summary(result: dict) -> None:
+def print_summary(result: dict, settings: Any = None) -> None:
+    """The run's summary; ``settings`` (the run's) add what they did to every image (``config.stretch_note``)."""
     print()
     if "rank" in result:  # a rank other than 0: rank 0 prints the dataset's summary
         units = ", ".join(f"{u:06d}" for u in result["units"]) or "none"
@@ -169,6 +172,10 @@ def print_summary(result: dict) -> None:
         return
     print(f"  samples written: {result['samples']}   rejected: {result['rejected']}   "
           f"units: {result['units']} ({result['encoded_units']} encoded this run)   time: {result['seconds']} s")
+    from diffprep.config import stretch_note
+
+    if settings is not None and (note := stretch_note(settings)):
+        print(f"  {note}")
     for reason, count in result.get("rejects_by_reason", {}).items():
         print(f"    rejected {reason}: {count}")
     if scenes := result.get("scenes"):  # long videos: what the plan cut
@@ -215,12 +222,18 @@ def print_summary(result: dict) -> None:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    print_summary(run_encode(args.config, overrides_from(args)))
+    from diffprep.config import load_settings
+
+    overrides = overrides_from(args)
+    print_summary(run_encode(args.config, overrides), load_settings(args.config, overrides))
     return 0
 
 
 def cmd_raw(args: argparse.Namespace) -> int:
-    print_summary(run_encode(args.config, overrides_from(args), raw=True))
+    from diffprep.config import load_settings
+
+    overrides = overrides_from(args)
+    print_summary(run_encode(args.config, overrides, raw=True), load_settings(args.config, overrides))
     return 0
 
 

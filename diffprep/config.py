@@ -16,7 +16,7 @@ import contextvars
 import os
 from typing import Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from diffprep.config_files import read_config
@@ -60,10 +60,48 @@ class Settings(BaseSettings):
     auth: AuthConfig = AuthConfig()
     workers: WorkersConfig = WorkersConfig()
 
+    @model_validator(mode="after")
+    def _layout_defaults(self) -> Settings:
+        """A value the user did not give follows what the layout or source allows (``implied_defaults``)."""
+        for section, key, value in implied_defaults(self):
+            setattr(getattr(self, section), key, value)
+        return self
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return (init_settings, env_settings, _YamlSource(settings_cls, _YAML_DATA.get()))
+
+
+def implied_defaults(settings: Settings) -> list[tuple[str, str, Any]]:
+    """(section, key, value) for each setting the user left unset (no flag, parameter, env or YAML key) whose
+    default the run's layout or source contradicts: EDM's archive (``--layout edm-zip``) holds PNGs only, and
+    CIFAR-10 is stored at its own 32 px. Given, such a value is the user's: a contradiction is an error naming it
+    (``edm_zip.check_settings``), never a silent change."""
+    implied = []
+    if settings.output.layout == "edm-zip" and "image_format" not in settings.raw.model_fields_set:
+        implied.append(("raw", "image_format", "png"))
+    if settings.source.type == "cifar10" and "image_size" not in settings.image.model_fields_set:
+        from diffprep.sources.cifar10 import SIDE as CIFAR_SIZE  # only then: the reader imports numpy and Pillow
+
+        implied.append(("image", "image_size", CIFAR_SIZE))
+    return implied
+
+
+def stretch_note(settings: Settings) -> str | None:
+    """What a run does to a non-square image that the settings alone do not make plain: with ``center_crop``
+    off (every shipped Primus config has ``center_crop: false``) a fixed-size image is stretched to the square,
+    its aspect ratio lost. Said in the plan's log and the run's summary; None when images are cropped, keep
+    their ratio (variable size, buckets) or none are prepared (clips, scenes, captions only, audio)."""
+    image, video = settings.image, settings.video
+    if image.center_crop or image.variable_size or image.buckets:
+        return None
+    clips_or_no_pixels = video.resolution_buckets or video.audio_durations or settings.raw.prompts_only
+    if settings.source.type == "scenes" or clips_or_no_pixels:
+        return None
+    size = image.image_size
+    return (f"images are stretched to {size}x{size}, not cropped (image.center_crop is off): a non-square image "
+            "loses its aspect ratio; --center-crop (center_crop: true) crops its centre instead")
 
 
 class _RunParameters(BaseModel):

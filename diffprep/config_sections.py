@@ -283,7 +283,8 @@ class ModelConfig(_Section):
 
 
 class ImageConfig(_Section):
-    image_size: int = Field(1024, ge=16, le=8192, description="Square output size (fixed-size mode), a multiple of 16.")
+    image_size: int = Field(1024, ge=16, le=8192, description="Square output size (fixed-size mode), a multiple of 16. "
+                            "Unset: 32 for a cifar10 source (its own size), else 1024.")
     center_crop: bool = Field(
         True, description="Fixed size: resize the short side then crop the center. Off: stretch to a square."
     )
@@ -415,7 +416,8 @@ class SceneConfig(_Section):
 
 
 class RawConfig(_Section):
-    image_format: RawImageFormat = Field("jpg", description="Raw pipeline: file format of the stored images.")
+    image_format: RawImageFormat = Field("jpg", description="Raw pipeline: file format of the stored images. Unset: "
+                                         "png with layout edm-zip (EDM's archive holds PNGs only), else jpg.")
     image_quality: int = Field(
         95, ge=1, le=100, description="Raw pipeline: jpg/webp quality, 1-100 (ignored for png, which is lossless)."
     )

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from diffprep import contract
-from diffprep.config import Settings
+from diffprep.config import Settings, stretch_note
 from diffprep.hub import resolve_token
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import SourceError
@@ -103,6 +103,8 @@ def fetch(
         # The planned bits' CPU facts: a resume or an append keeps the first run's (diffprep/threads.py).
         cpu=previous.cpu if previous is not None and previous.cpu else record(settings.workers.encoder_threads).to_json(),
     )
+    if note := stretch_note(settings):
+        log.warning("%s", note)
     if plan.changed_units:
         log.warning("%d written units hold samples whose input files (a mask, a sound file, the clip) changed since "
                     "they were read; they are encoded again: units %s", len(plan.changed_units),

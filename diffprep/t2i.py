@@ -228,12 +228,26 @@ def write_shard(out: Path, index: int, source: ImageFolderSource, ids: Sequence[
     return manifest
 
 
+def split_folder(out_dir: str) -> Path:
+    """``out_dir`` resolved, when it is named as GAE's loader names the ImageNet split (``ImageNet-1K-T2I``): the
+    loader looks only for ``<data_dir>/ImageNet-1K-T2I/*.tar``, so shards under any other name would never be read,
+    whatever ``data_dir`` says."""
+    out = Path(out_dir).expanduser().resolve()
+    folder = contract.T2I_SPLIT_FOLDERS["imagenet"]
+    if out.name != folder:
+        raise ConfigError(f"--output {out_dir}: GAE's T2I loader reads ImageNet shards only from <data_dir>/{folder}/, "
+                          f"never from a folder named {out.name!r}: pass --output {out / folder} (GAE's data_dir "
+                          f"{out}) or --output {out.parent / folder} (data_dir {out.parent})")
+    return out
+
+
 def pack_imagenet(input_dir: str, out_dir: str, *, shard_size: int = DEFAULT_SHARD_SIZE, seed: int = DEFAULT_SEED,
                   class_names: str | None = None, caption_template: str | None = None,
                   progress: Callable[[str], None] = lambda line: None) -> PackResult:
-    """Pack (or resume, or append to) ``out_dir`` (the module docstring)."""
+    """Pack (or resume, or append to) ``out_dir`` (the module docstring), the split folder GAE's loader looks for:
+    any other name is refused before anything is read or written (``split_folder``)."""
+    out = split_folder(out_dir)
     source = ImageFolderSource(input_dir, class_names=class_names, caption_template=caption_template)
-    out = Path(out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     with OutputLock(out):
         plan, vanished = plan_shards(source, out, seed=seed, shard_size=shard_size)

@@ -16,7 +16,9 @@ def cmd_t2i_imagenet(args: argparse.Namespace) -> int:
         print(f"  rejected {item.source_id}: {item.reason} {item.detail}")
     if result.vanished:
         print(f"{len(result.vanished)} planned file(s) are no longer in the source; their shards are kept")
-    print(f"GAE reads it with cotrain_t2i.dataset.data_dir including {result.out.parent} and split 'imagenet'")
+    # pack_imagenet wrote it under the folder name GAE's loader looks for, so its parent is the data_dir to give.
+    print(f"GAE reads it as split 'imagenet' ({result.out.name}/) with cotrain_t2i.dataset.data_dir including "
+          f"{result.out.parent}")
     return 0
 
 
@@ -47,7 +49,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                   f"{contract.T2I_SPLIT_FOLDERS['imagenet']}/imagenet_*.tar with .done markers")
     imagenet.add_argument("--input-dir", required=True, help="the class folders: <input-dir>/<wnid>/<image>")
     imagenet.add_argument("--output", required=True,
-                          help=f"the split folder, e.g. $GAE_DATA_ROOT/Blip3o_style/"
+                          help=f"the split folder, named {contract.T2I_SPLIT_FOLDERS['imagenet']} (GAE's loader reads "
+                               f"no other name; its parent is the data_dir), e.g. $GAE_DATA_ROOT/Blip3o_style/"
                                f"{contract.T2I_SPLIT_FOLDERS['imagenet']}")
     imagenet.add_argument("--shard-size", type=int, default=contract.T2I_SHARD_SIZE)
     imagenet.add_argument("--seed", type=int, default=contract.T2I_SEED, help="the shuffle's seed (kept in the plan)")

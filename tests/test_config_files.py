@@ -190,3 +190,36 @@ def test_an_empty_hf_token_file_means_no_token_file(tmp_path: Path, value: str) 
     assert settings.auth.hf_token_file is None
     check_runnable(settings)
     assert load_settings(overrides={"auth": {"hf_token_file": ""}}).auth.hf_token_file is None
+
+
+# What a config does that its keys alone do not make plain
+
+
+def test_a_primus_config_with_center_crop_off_says_in_the_plan_log_and_the_summary_that_images_are_stretched(
+        tmp_path: Path, demo_data: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture) -> None:
+    import json
+    import tarfile
+
+    from diffprep.cli import print_summary
+    from diffprep.pipeline import run
+
+    # Primus's keys and nesting (tests/primus_configs/example_directory.yaml), small; its center_crop: false.
+    text = (f"source:\n  type: directory\n  input_dir: {demo_data}\noutput:\n  output_dir: {tmp_path / 'out'}\n"
+            "  shard_size: 1000\n  max_samples: null\n  compress: false\nimage:\n  image_size: 64\n"
+            "  center_crop: false\nfinalize:\n  enabled: false\n")
+    settings = load_settings(write_yaml(tmp_path, text))
+    with caplog.at_level("INFO", logger="diffprep"):
+        result = run(settings, "raw", ask=lambda question: pytest.fail("asked"))
+    said = "images are stretched to 64x64, not cropped (image.center_crop is off)"
+    assert any(said in record.getMessage() for record in caplog.records if record.name == "diffprep.fetch")
+    print_summary(result.to_json(), settings)
+    assert said in capsys.readouterr().out
+    # And so they are: a 160x112 source image's whole frame is in its stored 64x64 image.
+    with tarfile.open(tmp_path / "out" / "000000.tar") as tar:
+        metas = [json.load(tar.extractfile(m)) for m in tar.getmembers() if m.name.endswith(".meta.json")]
+    wide = [meta for meta in metas if meta["original_size"] == [160, 112]]
+    assert wide and all(meta["crop_box"] == [0, 0, 160, 112] for meta in wide)
+    # Cropped (the default), nothing to say.
+    cropped = load_settings(write_yaml(tmp_path, text.replace("center_crop: false", "center_crop: true"), "c.yaml"))
+    print_summary(result.to_json(), cropped)
+    assert "stretched" not in capsys.readouterr().out

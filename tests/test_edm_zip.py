@@ -207,6 +207,38 @@ def test_num_classes_contradicting_the_source_and_cifar_at_another_size_are_refu
     check_num_classes(None, {"type": "directory"})
 
 
+def command_settings(*flags: str) -> object:
+    """The settings a `diffprep raw` command line gives (only the flags typed override)."""
+    from diffprep.cli import build_parser
+    from diffprep.cli_flags import overrides_from
+
+    return load_settings(overrides=overrides_from(build_parser().parse_args(["raw", *flags])))
+
+
+def test_a_value_the_layout_or_source_allows_alone_is_the_default_and_typed_it_is_the_users(tmp_path: Path) -> None:
+    from diffprep.encodings.edm_zip import check_settings
+    from diffprep.fetch import fetch
+
+    tarball = tmp_path / "cifar-10-python.tar.gz"
+    write_cifar(tarball, count=1)
+    cifar = ["--source-type", "cifar10", "--input-path", str(tarball)]
+    # No --image-format, no --image-size: EDM's archive holds PNGs, CIFAR-10 is 32 px; nothing to refuse.
+    plan = fetch(command_settings(*cifar, "--layout", "edm-zip", "--output-dir", str(tmp_path / "a")),
+                 encoding="raw")[0]
+    assert plan.settings["raw"]["image_format"] == "png" and plan.settings["image"]["image_size"] == 32
+    # CIFAR-10 in any layout is 32 px unless asked otherwise; another source keeps 1024 and jpg.
+    assert command_settings(*cifar, "--output-dir", "o").image.image_size == 32
+    assert command_settings(*cifar, "--output-dir", "o", "--image-size", "64").image.image_size == 64
+    other = command_settings("--input-dir", "d", "--output-dir", "o")
+    assert (other.raw.image_format, other.image.image_size) == ("jpg", 1024)
+    assert command_settings("--input-dir", "d", "--output-dir", "o", "--layout", "edm-zip").raw.image_format == "png"
+    # A value typed that the layout contradicts is still refused, naming the flag typed.
+    with pytest.raises(ConfigError, match="remove --image-format jpg"):
+        check_settings(command_settings(*cifar, "--layout", "edm-zip", "--output-dir", "o", "--image-format", "jpg"))
+    with pytest.raises(ConfigError, match="remove --image-size 64"):
+        check_settings(command_settings(*cifar, "--layout", "edm-zip", "--output-dir", "o", "--image-size", "64"))
+
+
 @pytest.mark.slow
 def test_class_folders_become_edm_archive_fastgen_reads_and_a_resume_rebuilds_it_byte_for_byte(tmp_path) -> None:
     from diffprep.pipeline import run
@@ -285,7 +317,10 @@ def test_cifar_tarball_becomes_the_archive_fastgen_reads(tmp_path) -> None:
     tarball = tmp_path / "cifar-10-python.tar.gz"
     images, labels = write_cifar(tarball)
     out = tmp_path / "cifar"
-    settings = edm_settings({"type": "cifar10", "input_path": str(tarball)}, out)
+    # Neither --image-format nor --image-size: the layout's PNGs at CIFAR-10's own 32 px (compared pixel for pixel).
+    settings = command_settings("--source-type", "cifar10", "--input-path", str(tarball), "--layout", "edm-zip",
+                                "--output-dir", str(out), "--shard-size", "2", "--train-split", "1.0",
+                                "--decode-workers", "1")
     assert run(settings, "raw", ask=never).samples == 10
     files, stored, read_labels = fastgen_read(out / contract.EDM_ZIP)
     want = np.concatenate([images[f"data_batch_{b}"] for b in range(1, 6)]).reshape(-1, 3, 32, 32)

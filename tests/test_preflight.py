@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +70,61 @@ def test_missing_input_and_open_token_file_fail_before_the_server(nothing_starts
     assert main(_encode(demo_data, tiny_model, out, "--hf-token-file", str(token))) == 2
     assert "chmod 600" in capsys.readouterr().err
     assert not out.exists()
+
+
+# --- a fresh command, as a user runs it ------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _command(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``diffprep ARGS`` as a user starts it: a process of its own, no PREFECT_API_URL, a PREFECT_HOME of its own
+    (returned, to look into: the embedded server creates its database there when it starts)."""
+    home = tmp_path / f"prefect-home-{len(list(tmp_path.glob('prefect-home-*')))}"
+    env = {name: value for name, value in os.environ.items() if name not in ("PREFECT_API_URL", "DIFFPREP_LIVE_FLOW")}
+    env |= {"PYTHONPATH": str(REPO), "PREFECT_HOME": str(home)}
+    done = subprocess.run([sys.executable, "-m", "diffprep", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    return done, home
+
+
+def _refused_before_prefect(tmp_path: Path, message: str, *args: str) -> None:
+    done, home = _command(tmp_path, *args)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert message in done.stderr, said
+    # No server started, so no flow run recorded as Failed: the home's database is never created.
+    assert "embedded Prefect server" not in said and "recorded as flow run" not in said, said
+    assert not (home / "prefect.db").exists(), said
+
+
+@pytest.mark.slow
+def test_settings_errors_a_plan_used_to_find_end_the_command_before_any_prefect_server(demo_data, tiny_model,
+                                                                                       tmp_path):
+    from test_edm_zip import write_cifar, write_classes
+
+    tarball = tmp_path / "cifar-10-python.tar.gz"
+    write_cifar(tarball, count=1)
+    cifar = ["raw", "--source-type", "cifar10", "--input-path", str(tarball), "--output-dir", str(tmp_path / "c")]
+    images = ["raw", "--input-dir", str(demo_data), "--output-dir", str(tmp_path / "o")]
+    # What the layout allows, contradicted by a flag typed: the encoding's own check, named by that flag.
+    _refused_before_prefect(tmp_path, "--layout edm-zip stores PNG files (EDM's dataset_tool); remove --image-format "
+                            "jpg", *images, "--layout", "edm-zip", "--image-format", "jpg")
+    _refused_before_prefect(tmp_path, "CIFAR-10 is 32 px and its archive stores it as it is",
+                            *cifar, "--layout", "edm-zip", "--image-size", "64")
+    # The source type alone says how many classes there are (or that there are none).
+    _refused_before_prefect(tmp_path, "contradicts the cifar10 source's 10 classes", *cifar, "--num-classes", "100")
+    _refused_before_prefect(tmp_path, "this directory source has no labels", *images, "--num-classes", "10")
+    folders = write_classes(tmp_path / "train", {"a": [(40, 40)], "b": [(40, 40)]})  # a class folder's top level
+    _refused_before_prefect(tmp_path, "contradicts the imagefolder source's 2 classes", "raw", "--source-type",
+                            "imagefolder", "--input-dir", str(folders), "--output-dir", str(tmp_path / "o"),
+                            "--num-classes", "5")
+    _refused_before_prefect(tmp_path, "source.input_path", "raw", "--source-type", "cifar10", "--input-path",
+                            str(tmp_path / "cifar-typo.tar.gz"), "--output-dir", str(tmp_path / "c"))
+    # A pre-encoded run with a local model: its family's checks; a --devices spec that does not parse.
+    encode = ["encode", "--input-dir", str(demo_data), "--model-path", str(tiny_model), "--output-dir",
+              str(tmp_path / "e")]
+    _refused_before_prefect(tmp_path, "--audio-durations '2' is LTX-2's audio-only mode", *encode,
+                            "--audio-durations", "2")
+    _refused_before_prefect(tmp_path, "workers.devices 'cpu:two'", *encode, "--devices", "cpu:two")
+    assert not any((tmp_path / name).exists() for name in ("c", "o", "e"))

@@ -134,3 +134,21 @@ def test_verify_catches_a_missing_done_an_empty_split_and_a_corrupt_shard(tmp_pa
     (out / "imagenet_00000.tar").write_bytes(data[:1500])  # cut inside the first image
     (report,) = verify_roots([str(root)], ["imagenet"])
     assert not report.ok and any("imagenet_00000.tar" in p for p in report.problems)
+
+
+def test_an_output_gae_would_never_read_is_refused_and_the_data_dir_said_is_the_one_it_reads(tmp_path, capsys) -> None:
+    source = write_class_folders(tmp_path / "train", {"a": 2, "b": 1})
+    other = tmp_path / "x" / "other"
+    # GAE's loader looks for <data_dir>/ImageNet-1K-T2I only: shards in "other" would never be read.
+    assert main(["t2i", "imagenet", "--input-dir", str(source), "--output", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"reads ImageNet shards only from <data_dir>/{SPLIT}/" in err
+    assert f"--output {other / SPLIT} (GAE's data_dir {other})" in err and f"--output {tmp_path / 'x' / SPLIT}" in err
+    assert not other.exists()  # refused before anything was written
+    with pytest.raises(ConfigError, match=SPLIT):
+        pack_imagenet(str(source), str(other))
+    # Named as the loader looks for it: the data_dir the command names is one the loader finds every sample under.
+    assert main(["t2i", "imagenet", "--input-dir", str(source), "--output", str(other / SPLIT)]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    assert said.endswith(f"data_dir including {other}")
+    assert len(gae_loader([said.rsplit(" ", 1)[-1]], SPLIT)) == 3
