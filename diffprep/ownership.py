@@ -204,16 +204,19 @@ def ownership(output: Any) -> Ownership:
     return classify(output.files(), output.state.manifests(), output.state.plan(), output.links())
 
 
-def refuse_links(output: Any, plan: Plan | None = None) -> None:
-    """Before a command writes into a written dataset (finalize, validation, statistics, an ignore list): a link
-    where it writes (``in_the_way`` of ``plan``'s files, the output's own plan by default) is refused by name."""
+def refuse_links(output: Any, plan: Plan | None = None, *, writes: set[str] | None = None) -> None:
+    """Before a command writes into a written dataset (finalize, validation, statistics, an ignore list, a T2I
+    pack): a link where it writes is refused by name. ``writes``: the data files it writes (default: ``plan``'s,
+    the output's own plan by default); its state, metadata and empty encodings are always among them."""
     links = output.links()
     if not links:
         return
-    plan = plan if plan is not None else output.state.plan()
-    in_the_way = Ownership((), (), tuple(links), tuple(links)).links_in_the_way(plan)
-    if in_the_way:
-        raise LinkInOutputError(link_message(output.local, in_the_way))
+    if writes is None:
+        plan = plan if plan is not None else output.state.plan()
+        writes = set(planned_files(plan)) if plan is not None else set()
+    found = [link for link in links if in_the_way(link, writes)]
+    if found:
+        raise LinkInOutputError(link_message(output.local, found))
 
 
 def listed(names: list[str] | tuple[str, ...], limit: int = SHOWN) -> str:

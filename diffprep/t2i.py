@@ -48,7 +48,9 @@ from PIL import Image
 
 from diffprep import contract
 from diffprep.errors import ConfigError, RejectError
+from diffprep.output.base import Output
 from diffprep.output.locks import OutputLock
+from diffprep.ownership import refuse_links
 from diffprep.plan import fingerprint
 from diffprep.shards import (
     Reject,
@@ -251,6 +253,8 @@ def pack_imagenet(input_dir: str, out_dir: str, *, shard_size: int = DEFAULT_SHA
     out.mkdir(parents=True, exist_ok=True)
     with OutputLock(out):
         plan, vanished = plan_shards(source, out, seed=seed, shard_size=shard_size)
+        names = [contract.t2i_shard_name(index) for index in range(len(plan.shards))]
+        refuse_links(Output(out), writes={*names, *map(contract.t2i_done_name, names)})
         atomic_write_json(out / contract.STATE_DIR / contract.T2I_PLAN_JSON, asdict(plan))
         manifests = read_manifests(out)
         taken = {key for index, m in manifests.items() if index < len(plan.shards) for key in m.keys}

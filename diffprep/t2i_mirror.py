@@ -50,10 +50,12 @@ def mirror_split(split: str, repo: str, output: Path, *, token: str | None = Non
                  progress: Callable[[str], None] = lambda line: None) -> MirrorResult:
     from huggingface_hub import HfApi, hf_hub_download
 
-    from diffprep.shards import fsync_dir  # here: the CLI's parser reads this module's repos, torch not loaded
+    # here: the CLI's parser reads this module's repos, torch not loaded
+    from diffprep.shards import fsync_dir, no_link_below
 
-    folder = output / contract.T2I_SPLIT_FOLDERS[split]
-    tmp = output / contract.STATE_DIR / contract.TMP_DIR / split
+    # Nothing downloaded, renamed or skipped through a link inside the output: refused before the first download.
+    folder = no_link_below(output, output / contract.T2I_SPLIT_FOLDERS[split])
+    tmp = no_link_below(output, output / contract.STATE_DIR / contract.TMP_DIR / split)
     folder.mkdir(parents=True, exist_ok=True)
     api = HfApi(endpoint=endpoint, token=token)
     remote = sorted((entry.path, entry.size) for entry in api.list_repo_tree(repo, repo_type="dataset",
@@ -64,7 +66,7 @@ def mirror_split(split: str, repo: str, output: Path, *, token: str | None = Non
         raise ConfigError(f"{repo} holds two tars of one name in different folders; GAE's loader reads one folder")
     downloaded, skipped = [], []
     for path, size in remote:
-        final = folder / posixpath.basename(path)
+        final = no_link_below(output, folder / posixpath.basename(path))
         if final.is_file() and final.stat().st_size == size:
             skipped.append(final.name)
             continue

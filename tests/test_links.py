@@ -18,6 +18,7 @@ from scene_render import render
 from test_ltx2_pipeline import settings_for as ltx_settings
 from test_ltx2_pipeline import write_dataset
 from test_ingest import mlperf  # noqa: F401 - a fixture
+from test_t2i_mirror import hub  # noqa: F401 - a fixture: the stand-in hub
 from test_ownership import image_settings, images, never_ask  # noqa: F401 - images is a fixture
 
 from diffprep import contract
@@ -226,3 +227,54 @@ def test_no_answer_writes_through_a_link_in_an_ingested_dataset(mlperf, tmp_path
             main(_args(mlperf, copy / "out", "--on-existing", answer))
             untouched(copy / "out", relative, target, before)
         assert f"`{relative}` -> {target}" in capsys.readouterr().err
+
+
+def test_a_t2i_pack_refuses_a_link_where_it_writes(tmp_path) -> None:
+    """``diffprep t2i imagenet``: its folder, state folder and shards, each a link in turn, with a pack again."""
+    from class_folders import write_class_folders
+
+    from diffprep.t2i import pack_imagenet
+
+    source = write_class_folders(tmp_path / "train", {"a": 3, "b": 3})
+    split = contract.T2I_SPLIT_FOLDERS["imagenet"]
+    dataset = tmp_path / "dataset"
+    pack_imagenet(str(source), str(dataset / split), shard_size=2, seed=1)
+    cases = link_cases(dataset / split)
+    assert {contract.STATE_DIR, f"{contract.STATE_DIR}/{contract.UNITS_DIR}", "imagenet_00000.tar"} <= set(cases)
+    for number, relative in enumerate(cases):
+        copy, outside = tmp_path / f"case{number}", tmp_path / f"outside{number}"
+        shutil.copytree(dataset, copy, symlinks=True)
+        outside.mkdir()
+        target = plant_link(copy / split, relative, outside)
+        before = tree(outside)
+        for extra in ({}, {"a": 2}):  # complete, then grown: an append writes new shards beside
+            if extra:
+                write_class_folders(tmp_path / "train", {"a": 3 + extra["a"], "b": 3})
+            with pytest.raises(LinkInOutputError, match=rf"`{relative}` -> {target}"):
+                pack_imagenet(str(source), str(copy / split), shard_size=2, seed=1)
+            untouched(copy / split, relative, target, before)
+        write_class_folders(tmp_path / "train", {"a": 3, "b": 3})
+
+
+def test_the_blip3o_mirror_refuses_a_linked_split_folder(tmp_path, hub, monkeypatch) -> None:
+    from diffprep.t2i_mirror import mirror_blip3o, parse_repo_overrides
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    overrides = parse_repo_overrides(["long=Org/Long"])
+    folder, outside = contract.T2I_SPLIT_FOLDERS["long"], tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "00000.tar").write_bytes(b"someone else's, cut short")
+    (tmp_path / "out").mkdir()
+    os.symlink(outside, tmp_path / "out" / folder)
+    before = tree(outside)
+    with pytest.raises(LinkInOutputError, match=rf"`{folder}` -> {outside}"):
+        mirror_blip3o(str(tmp_path / "out"), ["long"], overrides, endpoint=hub)
+    assert tree(outside) == before
+    # A tar of the split a link (to a cut file): never replaced through it, nor the link replaced.
+    (tmp_path / "out" / folder).unlink()
+    (tmp_path / "out" / folder).mkdir()
+    os.symlink(outside / "00000.tar", tmp_path / "out" / folder / "00000.tar")
+    with pytest.raises(LinkInOutputError, match=rf"`{folder}/00000.tar` -> {outside}/00000.tar"):
+        mirror_blip3o(str(tmp_path / "out"), ["long"], overrides, endpoint=hub)
+    assert tree(outside) == before and (tmp_path / "out" / folder / "00000.tar").is_symlink()
