@@ -2,7 +2,9 @@
 
 - ``in-process``: one worker, the flow's own process (``model.device``).
 - ``process-pool``: one process per device (``workers.devices``); each claims a
-  device, loads the encoders once and takes units as it frees up.
+  device, loads the encoders once and takes units as it frees up. The workers
+  report to the flow run's own API, the embedded server of a terminal run
+  included (``workers_api``): none starts a server of its own.
 - ``fan-out``: chunks of units sent with ``run_deployment`` to the
   ``encode-units`` deployment (``workers.deployment``), i.e. to the workers of a
   work pool on other machines; the output must be on shared storage.
@@ -23,6 +25,7 @@ from typing import Any, Callable
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.settings import temporary_settings
 
 from diffprep import launch
 from diffprep.config import Settings
@@ -88,10 +91,27 @@ def process_pool(settings: Settings, output: Output, plan: Plan, units: list[int
     runner = ProcessPoolTaskRunner(max_workers=len(devices), initializer=claim_device,
                                    initargs=(devices, claim_dir(), torch.get_num_threads()))
     with runner:
-        futures = [runner.submit(encode_unit_task, {"settings": settings, "output": ref_of(output), "unit": unit})
-                   for unit in units]
+        with temporary_settings(updates=workers_api()):  # each submit hands its worker the settings it is made in
+            futures = [runner.submit(encode_unit_task, {"settings": settings, "output": ref_of(output), "unit": unit})
+                       for unit in units]
         for future in as_completed(futures):
             progress.unit_done(future.result(raise_on_failure=True))
+
+
+def workers_api() -> dict[Any, str]:
+    """The settings that send the pool's workers to this run's own API: ``PREFECT_API_URL`` as this process's
+    client reaches it, when no setting names it (a terminal run on its embedded server).
+
+    A worker gets the settings of the submit that sent it its unit. Without an API URL among them, each worker's
+    first API call started a temporary server of its own (about 40 s each on 2 cores: issue 35), on the same
+    ``PREFECT_HOME``; with it, the workers report to the server the flow run is on, and start none."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return {}  # the workers get it with the rest of the settings
+    with get_client(sync_client=True) as client:  # the embedded server this run is on (started already)
+        return {PREFECT_API_URL: str(client.api_url).rstrip("/")}
 
 
 def fan_out(settings: Settings, output: Output, plan: Plan, units: list[int], progress: Progress) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -66,6 +68,35 @@ def test_two_cpu_workers_write_the_same_bytes_as_one(prefect_server, data, tiny_
     out = tmp_path / "out"
     assert main(_args(data, tiny_model, out, "--devices", "cpu:2")) == 0
     assert _hashes(out) == reference
+
+
+def test_two_cpu_workers_of_a_terminal_run_report_to_its_one_server(data, tiny_model, reference, tmp_path):
+    """Issue 35: ``diffprep encode --devices cpu:2`` as a user types it (no PREFECT_API_URL, a fresh PREFECT_HOME)
+    starts one Prefect server, the run's own; its two workers encode on it and start none of their own (each
+    started one: ~40 s apiece on 2 cores). Every start of Prefect's temporary server says so on the command's
+    stderr (a worker's as well as the command's), so the lines count the servers."""
+    home = tmp_path / "prefect"
+    env = {name: value for name, value in os.environ.items() if name not in ("PREFECT_API_URL", "DIFFPREP_LIVE_FLOW")}
+    env |= {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+            "PREFECT_HOME": str(home)}
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "diffprep", *_args(data, tiny_model, out, "--devices", "cpu:2")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    servers = done.stderr.count("Starting temporary server")
+    assert servers == 1, f"{servers} Prefect servers started:\n{done.stderr}"
+    workers = set(re.findall(r"unit \d{6} done \(\d/4\) by (\S+):", done.stderr))
+    assert len(workers) == 2, done.stderr  # both workers encoded units
+    assert _hashes(out) == reference
+
+    # The workers' task runs and log lines are the run's, on its server's database.
+    with sqlite3.connect(home / "prefect.db") as db:
+        (run_id,) = db.execute("select id from flow_run").fetchone()
+        units = db.execute("select name, state_type from task_run where flow_run_id = ? and name like 'encode-unit-%' "
+                           "order by name", (run_id,)).fetchall()
+        logs = [m for (m,) in db.execute("select message from log where flow_run_id = ?", (run_id,))]
+    assert units == [(f"encode-unit-{u:06d}", "COMPLETED") for u in range(4)]
+    assert all(any(line.startswith(f"unit {u:06d}: 4 written") for line in logs) for u in range(4))
 
 
 def test_killed_worker_then_rerun_with_another_worker_count(prefect_server, data, tiny_model, reference, tmp_path):
