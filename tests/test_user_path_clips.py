@@ -93,11 +93,11 @@ def ltx2(term: Terminal, av_clips: Path, tiny_ltx2: Path) -> Ran:
 
 
 @pytest.fixture(scope="module")
-def ltx_layout(term: Terminal, av_clips: Path, tiny_ltx2: Path, ltx2: Ran) -> Ran:
-    """README, LTX-2: the trainer's own folders, `--layout ltx --output-dir` the dataset's folder."""
+def ltx_layout(term: Terminal, av_clips: Path, tiny_ltx2: Path) -> Ran:
+    """README, LTX-2: its command as written, the trainer's own folders in the dataset's folder, Gemma in int8."""
     return term.run(f"diffprep encode --source-type metadata --metadata-file ./dataset/dataset.json "
                     f"--model-path {tiny_ltx2} --resolution-buckets {LTX_BUCKET} --layout ltx --output-dir ./dataset "
-                    "--min-psnr 0")
+                    "--load-text-encoder-in-8bit --min-psnr 0")
 
 
 # --- what each command printed and wrote -------------------------------------------------------------------------
@@ -125,9 +125,13 @@ def test_ltx2_clips_with_audio(term, ltx2):
 def test_ltx_layout_writes_the_trainers_folders(term, ltx_layout):
     recorded(written(ltx_layout).ok()).says("samples written: 3   rejected: 0", "validation: passed",
                                             "    latents/: 3 files", "    audio_latents/: 3 files")
-    root = term.cwd / "dataset" / ".precomputed"
-    for folder in ("latents", "conditions", "audio_latents"):
-        assert sorted(p.name for p in (root / folder / "clips").glob("*.pt")) == ["0.pt", "1.pt", "2.pt"], folder
+    # What the trainer's PrecomputedDataset reads, each record as the trainer's mode table names it.
+    from test_ltx2_pipeline import assert_a1, trainer_samples
+
+    samples = trainer_samples(term.cwd / "dataset" / ".precomputed", ("latents", "conditions", "audio_latents"))
+    assert sorted(samples) == ["clips/0.pt", "clips/1.pt", "clips/2.pt"]
+    for sample in samples.values():
+        assert_a1(sample, frames=9, size=64, fps=24.0, seconds=9 / 24)
 
 
 # --- every command over a written dataset, where it applies ------------------------------------------------------

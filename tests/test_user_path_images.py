@@ -193,6 +193,20 @@ def test_t2i_imagenet_then_verify(term, inputs):
     term.run("diffprep verify-t2i gae/Blip3o_style --splits imagenet").ok()
 
 
+def test_a_mistyped_setting_is_refused_by_name_before_anything_starts(term, inputs):
+    """A key the config file does not know, a value out of range, a folder that is not there: one line each that
+    names the setting and the fix, before any model or server starts."""
+    (term.cwd / "mine.yaml").write_text("source:\n  type: directory\n  input_dir: ./demo/demo-data\n"
+                                        "model:\n  batchsize: 4\n", encoding="utf-8")
+    term.run("diffprep encode --config mine.yaml --output-dir ./never").refused(
+        "unknown key 'batchsize' in section 'model'", "batch_size")
+    term.run("diffprep raw --input-dir ./demo/demo-data --output-dir ./never --image-format gif").refused(
+        "raw.image_format", "'jpg', 'png' or 'webp'")
+    term.run("diffprep encode --input-dir ./demo/demo-dta --output-dir ./never").refused(
+        "source.input_dir './demo/demo-dta' does not exist", "--input-dir")
+    assert not (term.cwd / "never").exists()
+
+
 # --- every command over a written dataset, where it applies ------------------------------------------------------
 
 # dataset fixture -> its output folder as the user names it

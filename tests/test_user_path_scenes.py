@@ -91,7 +91,10 @@ def long_videos(term: Terminal) -> Ran:
     (films / "videos" / "slides.mp4").write_bytes(_slides(30, 60))
     for name, caption in (("talk", "a talk in three shots"), ("game", "a game capture"), ("slides", "two slides")):
         (films / "captions" / f"{name}.txt").write_text(caption + "\n", encoding="utf-8")
-    return term.run("diffprep raw --source-type directory --input-dir ./films --output-dir ./film-clips "
+    # The output on another disk, linked into the working folder (a link above the output, not inside it).
+    (term.cwd.parent / "disk").mkdir()
+    (term.cwd / "disk").symlink_to(term.cwd.parent / "disk", target_is_directory=True)
+    return term.run("diffprep raw --source-type directory --input-dir ./films --output-dir ./disk/film-clips "
                     '--resolution-buckets "32x24x20;32x24x8" --target-fps 10 '
                     "--split-scenes content --min-scene-seconds 0.5 --clip-mode chain --train-split 1")
 
@@ -123,14 +126,14 @@ def test_long_videos_are_split_at_their_cuts(term, long_videos):
     `--split-scenes content` is the README's choice "for hard cuts": the slides' blue-to-green cut is one."""
     recorded(written(long_videos).ok()).says(
         "samples written: 8   rejected: 0", "long videos: 3 sources, 7 shots", "validation: passed")
-    scenes = json.loads((term.cwd / "film-clips" / ".diffprep" / "plan.json").read_text())["scenes"]
+    scenes = json.loads((term.cwd / "disk" / "film-clips" / ".diffprep" / "plan.json").read_text())["scenes"]
     assert scenes["slides.mp4"]["shots"] == [[0, 29], [30, 59]]
 
 
 # --- every command over a written dataset, where it applies ------------------------------------------------------
 
 OUTPUTS = {"re10k_gae": "./gae/re10k_packed", "scannetpp_fastgen": "./scannetpp-fastgen",
-           "wan_scenes": "./wan-scenes", "long_videos": "./film-clips"}
+           "wan_scenes": "./wan-scenes", "long_videos": "./disk/film-clips"}
 SHARDS = ["scannetpp_fastgen", "wan_scenes", "long_videos"]
 
 
