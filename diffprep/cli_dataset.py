@@ -122,11 +122,13 @@ def cmd_latent_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_ignore_list(args: argparse.Namespace) -> int:
+    from diffprep.encodings.ltx_layout import dataset_root
     from diffprep.output import OutputRef
     from diffprep.ownership import refuse_links
     from diffprep.validation.ignore_list import scan_output, write_ignore_list
 
-    output = OutputRef(location=str(args.out), endpoint_url=args.s3_endpoint_url, profile=args.s3_profile).open()
+    output = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
+                       profile=args.s3_profile).open()
     if not args.check:
         refuse_links(output)  # its report goes into the state folder, the list beside the shards
     scan = scan_output(output)

@@ -80,6 +80,16 @@ def _posterior_mean(value: Any, key: str, field: str) -> torch.Tensor:
     return torch.from_numpy(array[: array.shape[0] // 2].copy())  # a copy: np.load of bytes is read-only
 
 
+def _ingested_mean(value: Any, key: str, field: str) -> torch.Tensor:
+    """An ingested dataset's posterior mean (MLPerf Flux's bfloat16 words as ``.npy``, ``[C, ...]``), as the
+    trainer that resamples from it reads it (``diffprep.cooker.load_bf16_npy``)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    from diffprep.cooker import load_bf16_npy  # here: Energon, which the cookers import, only for this field
+
+    return load_bf16_npy(value, key=key, field=field)
+
+
 @dataclass(frozen=True)
 class LatentField:
     """How a sample field holds latents: ``read(value, key, field)`` gives the tensor ``[C, ...]`` the statistics
@@ -98,6 +108,7 @@ LATENT_READERS = {
     contract.LATENTS: LatentField(_tensor, top=True),
     contract.AUDIO_LATENTS: LatentField(_tensor),
     contract.SD_VAE_POSTERIOR: LatentField(_posterior_mean, top=True, of="mean"),
+    contract.MEAN_BYTES: LatentField(_ingested_mean, top=True, of="mean"),  # an ingested VAE posterior's mean
 }
 LATENT_FIELDS = tuple(LATENT_READERS)
 RECORD_FOLDERS = {contract.LATENTS: contract.LATENTS_DIR, contract.AUDIO_LATENTS: contract.AUDIO_LATENTS_DIR}

@@ -96,7 +96,7 @@ def long_videos(term: Terminal) -> Ran:
     (term.cwd / "disk").symlink_to(term.cwd.parent / "disk", target_is_directory=True)
     return term.run("diffprep raw --source-type directory --input-dir ./films --output-dir ./disk/film-clips "
                     '--resolution-buckets "32x24x20;32x24x8" --target-fps 10 '
-                    "--split-scenes content --min-scene-seconds 0.5 --clip-mode chain --train-split 1")
+                    "--split-scenes adaptive --min-scene-seconds 0.5 --clip-mode chain --train-split 1")
 
 
 # --- what each command printed and wrote -------------------------------------------------------------------------
@@ -122,10 +122,12 @@ def test_wan_scenes(term, wan_scenes):
 
 def test_long_videos_are_split_at_their_cuts(term, long_videos):
     """Shots 0-29, 30-74, 75-99 (talk), 0-11, 12-39 (game), 0-29, 30-59 (slides) at 10 fps: chained windows of 20
-    frames, an 8-frame one where a shot is shorter (tests/test_long_videos.py plans the talk and the game).
-    `--split-scenes content` is the README's choice "for hard cuts": the slides' blue-to-green cut is one."""
+    frames, each shot's tail filled with the 8-frame bucket where it fits (talk 2 + 2 + 1 clips, game 1 + 2,
+    slides 2 + 2; tails of 2, 5, 5, 4, 0, 2, 2 frames left). The README's detector (`adaptive`) finds the slides'
+    blue-to-green cut, which `content` misses."""
     recorded(written(long_videos).ok()).says(
-        "samples written: 8   rejected: 0", "long videos: 3 sources, 7 shots", "validation: passed")
+        "samples written: 12   rejected: 0", "long videos: 3 sources, 7 shots, 200 frames",
+        "clips per bucket: 32x24x20 7, 32x24x8 5; frames in no clip: 20 chain_tail", "validation: passed")
     scenes = json.loads((term.cwd / "disk" / "film-clips" / ".diffprep" / "plan.json").read_text())["scenes"]
     assert scenes["slides.mp4"]["shots"] == [[0, 29], [30, 59]]
 
