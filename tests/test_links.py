@@ -101,23 +101,29 @@ def test_a_link_is_foreign_and_blocks_where_the_run_writes(make_plan, write_unit
     assert owned.blocking(plan) == sorted(in_the_way)
 
 
-def test_the_users_command_leaves_a_linked_folder_of_empty_encodings_alone(tmp_path, images, tiny_model) -> None:
-    """The report's case, as typed: ``empty_encodings`` a link to another dataset's, ``--on-existing overwrite``."""
-    from diffprep.cli import main
+@pytest.mark.user_path
+def test_the_users_command_leaves_a_linked_folder_of_empty_encodings_alone(tmp_path, images) -> None:
+    """The report's case, typed in a fresh terminal: ``empty_encodings`` a link to another dataset's, every answer."""
+    from user_shell import Terminal
 
-    shared, out = tmp_path / "shared", tmp_path / "out"
+    term = Terminal(tmp_path / "work", tmp_path / "prefect-home")
+    term.run("diffprep tiny-model ./tiny-flux").ok()
+    shared, out = term.cwd / "shared", term.cwd / "out"
     shared.mkdir()
     out.mkdir()
     (shared / contract.T5_EMPTY).write_bytes(b"another dataset's empty encodings")
     os.symlink(shared, out / contract.EMPTY_ENCODINGS_DIR)
-    args = ["encode", "--source-type", "directory", "--input-dir", str(images), "--output-dir", str(out),
-            "--model-path", str(tiny_model), "--image-size", "32", "--t5-max-length", "16", "--device", "cpu",
-            "--precision", "fp32", "--min-psnr", "0"]
-    for answer in ("overwrite", "resume", "reuse", "abort"):
-        assert main([*args, "--on-existing", answer]) != 0
-        assert tree(shared) == {contract.T5_EMPTY: tree(shared)[contract.T5_EMPTY]}
+    command = (f"diffprep encode --source-type directory --input-dir {images} --output-dir out "
+               "--model-path ./tiny-flux --image-size 32 --t5-max-length 16 --device cpu --precision fp32 "
+               "--min-psnr 0 --on-existing ")
+    for answer in ("overwrite", "resume", "abort"):
+        term.run(command + answer).refused("`empty_encodings` -> " if answer != "abort" else "aborted")
+        assert [p.name for p in shared.iterdir()] == [contract.T5_EMPTY]
         assert (shared / contract.T5_EMPTY).read_bytes() == b"another dataset's empty encodings"
-    assert sorted(os.listdir(out)) == [contract.EMPTY_ENCODINGS_DIR]
+    term.run(command + "reuse").refused("cannot reuse", "holds no diffprep plan")
+    term.run(command + "new-dir").ok().says("validation: passed")
+    assert sorted(os.listdir(out)) == [contract.EMPTY_ENCODINGS_DIR] and (term.cwd / "out-v2").is_dir()
+    assert (shared / contract.T5_EMPTY).read_bytes() == b"another dataset's empty encodings"
 
 
 @pytest.mark.slow
