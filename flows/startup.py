@@ -10,6 +10,13 @@ it is a singleton, so the flow then uses it; ``embedded_server.py`` starts it
 in a session of its own, so that a Ctrl-C does not kill it). Measured in
 ``benchmarks/README.md`` (issue #17, start-up).
 
+The plan phase, meanwhile, imports the same libraries to describe the encoders
+(LTX-2: ltx-core's configurators, transformers' Gemma 3 classes). Every such
+import goes through ``diffprep.families.imports.family_imports``, one lock
+under which a family's modules are imported whole, once: whichever thread comes
+first imports them, the other waits for that and finds them imported (two
+threads importing transformers' lazy modules at once fail or hang: issue 35).
+
 Nothing is loaded ahead when the settings need the Prefect API to be known (a
 Hugging Face credentials block): the warming thread makes no API call. A
 failure while warming is not reported here; the run meets it again in its own
@@ -43,10 +50,25 @@ def warm_start(settings: Settings, kind: str) -> threading.Thread | None:
 
 
 def load_ahead(settings: Settings, kind: str) -> threading.Thread | None:
-    """Load ``settings``' encoders in a thread (None when that would need the Prefect API: a credentials block)."""
+    """Load ``settings``' encoders in a thread (None when that would need the Prefect API: a credentials block).
+
+    The thread imports the family's libraries (transformers, diffusers, ltx-core) while this one goes on to the
+    plan phase, which imports them too: both go through ``diffprep.families.imports.family_imports``, so that
+    one imports them and the other waits (two threads importing them at once fail: issue 35). diffprep's own
+    modules the thread needs are imported here, before it starts."""
     if settings.auth.hf_credentials_block:
         return None
-    thread = threading.Thread(target=_load_encoders, args=(settings, kind), name="diffprep-warm", daemon=True)
+    from diffprep.encodings import encoding_for, get_encoding
+    from diffprep.hub import resolve_token
+
+    def load() -> None:
+        try:
+            token = resolve_token(settings.auth.hf_token_file)
+            get_encoding(encoding_for(settings, kind, token)).load(settings, token)
+        except Exception as error:  # noqa: BLE001 - the run's own phases report it, with their messages
+            log.debug("encoders not loaded ahead (%s: %s); the run loads them itself", type(error).__name__, error)
+
+    thread = threading.Thread(target=load, name="diffprep-warm", daemon=True)
     thread.start()
     return thread
 
@@ -58,18 +80,6 @@ def start_embedded_server() -> None:
         from diffprep.flows.embedded_server import start_detached_server
 
         start_detached_server()
-
-
-def _load_encoders(settings: Settings, kind: str) -> None:
-    from diffprep.encodings import encoding_for, get_encoding
-    from diffprep.hub import resolve_token
-
-    try:
-        token = resolve_token(settings.auth.hf_token_file)
-        get_encoding(encoding_for(settings, kind, token)).load(settings, token)
-    except Exception as error:  # noqa: BLE001 - the run's own phases report it, with their messages
-        log.debug("encoders not loaded ahead (%s: %s); the run loads them itself", type(error).__name__, error)
-
 
 
 class _UserErrorsWithoutTraceback(logging.Formatter):

@@ -34,6 +34,7 @@ import torch
 from diffprep import contract
 from diffprep.config import Settings
 from diffprep.families.base import DTYPES, resolve_device
+from diffprep.families.imports import family_imports
 from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.encodings import clips
 from diffprep.encodings.base import with_caption_settings
@@ -419,7 +420,8 @@ def encode_batch(loaded: Any, batch: Batch, trigger: str | None, notes: Counter
 def _text_width(gemma, checkpoint) -> dict[str, int]:
     """Sequence length and feature widths of the conditions, from the Gemma config and the checkpoint's projection."""
     from diffprep.families.ltx2_gemma import TEXT_MAX_LENGTH
-    from safetensors import safe_open
+    with family_imports("ltx2"):
+        from safetensors import safe_open
 
     config = json.loads((gemma / "config.json").read_text(encoding="utf-8"))
     hidden = config.get("text_config", config).get("hidden_size")

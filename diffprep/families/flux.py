@@ -39,6 +39,7 @@ from diffprep.families.base import (DTYPES, LATENT_MODES, checked_captions, key_
 from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
 from diffprep.hub import Part, ResolvedPart, resolve_parts
 from diffprep.errors import ConfigError
+from diffprep.families.imports import family_imports
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
@@ -162,8 +163,9 @@ class FluxEncoders:
     @classmethod
     def load(cls, model: ModelConfig, *, token: str | None = None) -> FluxEncoders:
         """Resolve (downloading only what is missing) and load the encoders named by ``model``."""
-        from diffusers import AutoencoderKL
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+        with family_imports("flux"):
+            from diffusers import AutoencoderKL
+            from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
         parts = resolve_encoders(model, token=token)
         device = resolve_device(model.device)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from diffprep.families.imports import family_imports
+
 # Words that get a whole-word token in both tokenizers; anything else is spelled
 # out from smaller pieces (CLIP: bytes, T5: characters or <unk>).
 _WORDS = (
@@ -74,7 +76,8 @@ def write_tiny_model(path: str | Path, seed: int = 0) -> Path:
 
 
 def _vae():
-    from diffusers import AutoencoderKL
+    with family_imports("flux"):
+        from diffusers import AutoencoderKL
 
     # Four blocks like Flux's VAE: three downsamplings, so latents are H/8 x W/8.
     return AutoencoderKL(
@@ -95,8 +98,9 @@ def _vae():
 
 
 def _clip_tokenizer():
-    from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
+    with family_imports("flux"):
+        from tokenizers import pre_tokenizers
+        from transformers import CLIPTokenizer
 
     # Byte-level BPE like CLIP's: every byte is a token (alone and word-final), and
     # a chain of merges spells each built-in word as one token.
@@ -119,7 +123,8 @@ def _clip_tokenizer():
 
 
 def tiny_t5_tokenizer():
-    from transformers import T5TokenizerFast
+    with family_imports("flux"):
+        from transformers import T5TokenizerFast
 
     # Unigram pieces like T5's SentencePiece model: <pad>=0, </s>=1, <unk>=2, then
     # "▁word" pieces that outscore spelling the word out character by character.
@@ -131,7 +136,8 @@ def tiny_t5_tokenizer():
 
 
 def _clip_text_model(tokenizer):
-    from transformers import CLIPTextConfig, CLIPTextModel
+    with family_imports("flux"):
+        from transformers import CLIPTextConfig, CLIPTextModel
 
     config = CLIPTextConfig(
         vocab_size=len(tokenizer),
@@ -150,7 +156,8 @@ def _clip_text_model(tokenizer):
 
 
 def _t5_encoder(tokenizer):
-    from transformers import T5Config, T5EncoderModel
+    with family_imports("flux"):
+        from transformers import T5Config, T5EncoderModel
 
     # T5 v1.1 (the XXL in FLUX.1-dev): gated GELU feed-forward, untied embeddings.
     config = T5Config(
@@ -173,7 +180,8 @@ def _t5_encoder(tokenizer):
 
 
 def _scheduler():
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    with family_imports("flux"):
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
     # FLUX.1-dev's scheduler settings; diffprep does not use the scheduler, the
     # folder only completes the layout so diffusers' FluxPipeline can load it.
@@ -189,7 +197,8 @@ def _scheduler():
 
 
 def _write_model_index(root: Path) -> None:
-    import diffusers
+    with family_imports("flux"):
+        import diffusers
 
     index = {
         "_class_name": "FluxPipeline",

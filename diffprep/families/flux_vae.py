@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from diffprep.families.flux import FluxEncoders, _vae_normalization, resolve_device
+from diffprep.families.imports import family_imports
 from diffprep.hub import resolve_component
 from diffprep.errors import ConfigError
 from diffprep.images import to_uint8
@@ -36,7 +37,8 @@ class VaeDecoder:
 
     @classmethod
     def load(cls, folder: str | os.PathLike, *, dtype: torch.dtype, device: str = "auto") -> "VaeDecoder":
-        from diffusers import AutoencoderKL
+        with family_imports("flux"):
+            from diffusers import AutoencoderKL
 
         target = resolve_device(device)
         vae = AutoencoderKL.from_pretrained(folder, dtype=dtype)
@@ -76,7 +78,7 @@ class VaeDecoder:
 
 def _cached_component(repo_id: str, subfolder: str | None, revision: str | None) -> Path:
     """A hub component's folder in the local Hugging Face cache; ConfigError when it is not there."""
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # imported whole by diffprep.hub, at its top
 
     config = try_to_load_from_cache(repo_id, f"{subfolder}/config.json" if subfolder else "config.json",
                                     revision=revision)

@@ -50,7 +50,7 @@ from diffprep.families.ltx2_files import (  # the checkpoint side, re-exported: 
     resolve_ltx2,
     video_scale_factors,
 )
-from diffprep.families.ltx2_torchaudio import require_torchaudio
+from diffprep.families.imports import family_imports
 from diffprep.media.audio import ClipAudio
 
 if TYPE_CHECKING:
@@ -158,23 +158,23 @@ class Ltx2Encoders:
         decode``: the video VAE decoder, and with ``audio`` the audio VAE decoder
         and the vocoder (mel -> waveform), in ``audio_dtype``.
         """
-        require_torchaudio()  # before ltx-core, transformers or diffusers imports it
-        from ltx_core.loader import SingleGPUModelBuilder
-        from ltx_core.model.audio_vae import (
-            AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
-            AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER,
-            VOCODER_COMFY_KEYS_FILTER,
-            AudioDecoderConfigurator,
-            AudioEncoderConfigurator,
-            AudioProcessor,
-            VocoderConfigurator,
-        )
-        from ltx_core.model.video_vae import (
-            VAE_DECODER_COMFY_KEYS_FILTER,
-            VAE_ENCODER_COMFY_KEYS_FILTER,
-            VideoDecoderConfigurator,
-            VideoEncoderConfigurator,
-        )
+        with family_imports(FAMILY):  # torchaudio checked first (ltx2_torchaudio), then ltx-core and transformers
+            from ltx_core.loader import SingleGPUModelBuilder
+            from ltx_core.model.audio_vae import (
+                AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
+                AUDIO_VAE_ENCODER_COMFY_KEYS_FILTER,
+                VOCODER_COMFY_KEYS_FILTER,
+                AudioDecoderConfigurator,
+                AudioEncoderConfigurator,
+                AudioProcessor,
+                VocoderConfigurator,
+            )
+            from ltx_core.model.video_vae import (
+                VAE_DECODER_COMFY_KEYS_FILTER,
+                VAE_ENCODER_COMFY_KEYS_FILTER,
+                VideoDecoderConfigurator,
+                VideoEncoderConfigurator,
+            )
 
         checkpoint = Path(checkpoint)
         config = read_checkpoint_config(checkpoint)
@@ -303,7 +303,8 @@ class Ltx2Encoders:
     @torch.no_grad()
     def decode_video(self, latents: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
         """Normalized latents ``[C, F', H', W']`` -> uint8 frames ``[F, H, W, 3]`` with ltx-core's ``decode_video``."""
-        from ltx_core.model.video_vae import decode_video
+        with family_imports(FAMILY):
+            from ltx_core.model.video_vae import decode_video
 
         decoder = self._require(self.video_decoder, "video decoding (load with decoders=True)")
         if latents.ndim != 4 or latents.shape[0] != self.latent_channels:
@@ -335,7 +336,8 @@ class Ltx2Encoders:
         ``AudioEncoder`` (posterior mean, per-channel normalized) encodes it.
         ``duration`` is the waveform's length at its source rate.
         """
-        from ltx_core.types import Audio
+        with family_imports(FAMILY):
+            from ltx_core.types import Audio
 
         encoder = self._require(self.audio_encoder, "audio")
         if audio.waveform.ndim != 2 or audio.waveform.shape[0] != 2:
@@ -352,7 +354,8 @@ class Ltx2Encoders:
         ltx-core's ``decode_audio``: the audio VAE decoder gives the log-mel
         spectrogram ``[1, 2, frames, mel_bins]``, the vocoder the waveform (24 kHz for LTX-2).
         """
-        from ltx_core.model.audio_vae import decode_audio
+        with family_imports(FAMILY):
+            from ltx_core.model.audio_vae import decode_audio
 
         decoder = self._require(self.audio_decoder, "audio decoding (load with audio=True, decoders=True)")
         if latents.ndim != 3:
@@ -365,7 +368,8 @@ class Ltx2Encoders:
     def log_mel(self, audio: ClipAudio) -> torch.Tensor:
         """A waveform's log-mel spectrogram ``[2, frames, mel_bins]`` as the audio encoder sees it (ltx-core's
         ``AudioProcessor``: resampled to the checkpoint's rate, natural log clamped at 1e-5)."""
-        from ltx_core.types import Audio
+        with family_imports(FAMILY):
+            from ltx_core.types import Audio
 
         self._require(self.audio_processor, "audio")
         waveform = audio.waveform[None].to(self.device, torch.float32)

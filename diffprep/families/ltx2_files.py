@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from diffprep.errors import ConfigError
+from diffprep.families.imports import family_imports
 from diffprep.families.ltx2_gemma import TEXT_MAX_LENGTH, create_feature_extractor_kind
-from diffprep.families.ltx2_torchaudio import require_torchaudio
 
 FAMILY = "ltx2"
 
@@ -25,7 +25,8 @@ FAMILY = "ltx2"
 
 def read_checkpoint_config(checkpoint: str | Path) -> dict[str, Any]:
     """The JSON config stored in an LTX-2 checkpoint's safetensors metadata (ltx-core's own reader)."""
-    from ltx_core.loader import SafetensorsModelStateDictLoader
+    with family_imports(FAMILY):
+        from ltx_core.loader import SafetensorsModelStateDictLoader
 
     path = Path(checkpoint)
     if not path.is_file():
@@ -139,8 +140,8 @@ def describe_ltx2(
     """
     from importlib.metadata import version
 
-    require_torchaudio()  # ltx-core's audio side imports it, and so do transformers and diffusers
-    from ltx_core.model.audio_vae import AudioEncoderConfigurator
+    with family_imports(FAMILY):  # torchaudio checked first: ltx-core's audio side imports it
+        from ltx_core.model.audio_vae import AudioEncoderConfigurator
 
     checkpoint = Path(checkpoint)
     config = read_checkpoint_config(checkpoint)

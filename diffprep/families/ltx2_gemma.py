@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from diffprep.errors import ConfigError
+from diffprep.families.imports import family_imports
 
 if TYPE_CHECKING:
     from ltx_core.text_encoders.gemma import GemmaTextEncoder
@@ -52,9 +53,10 @@ def load_gemma(
     ``load_in_8bit`` quantizes every Linear but ``lm_head`` to bitsandbytes
     int8 (threshold 6.0), as the trainer's ``--load-text-encoder-in-8bit``.
     """
-    from ltx_core.text_encoders.gemma import GemmaTextEncoder
-    from ltx_core.text_encoders.gemma.tokenizer import LTXVGemmaTokenizer
-    from transformers import Gemma3ForConditionalGeneration
+    with family_imports("ltx2"):
+        from ltx_core.text_encoders.gemma import GemmaTextEncoder
+        from ltx_core.text_encoders.gemma.tokenizer import LTXVGemmaTokenizer
+        from transformers import Gemma3ForConditionalGeneration
 
     root = Path(folder)
     if not root.is_dir():
@@ -63,11 +65,14 @@ def load_gemma(
     tokenizer_dir = _find_parent(root, "tokenizer.json", "Gemma tokenizer (tokenizer.json)")
     kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
     if load_in_8bit:
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise ConfigError("8-bit text encoder loading needs bitsandbytes: pip install bitsandbytes") from None
-        from transformers import BitsAndBytesConfig
+        with family_imports("ltx2"):
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                raise ConfigError("8-bit text encoder loading needs bitsandbytes: pip install bitsandbytes") from None
+            from transformers import BitsAndBytesConfig
+            # from_pretrained imports it for the quantized layers, outside this lock otherwise.
+            import transformers.integrations.bitsandbytes  # noqa: F401
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0)
         kwargs["device_map"] = {"": str(device)}
@@ -82,7 +87,8 @@ def load_gemma(
 
 def create_feature_extractor_kind(transformer_config: Mapping[str, Any]) -> torch.nn.Module:
     """ltx-core's own choice of feature extractor (V1 or V2, or its error on config drift), built on the meta device."""
-    from ltx_core.text_encoders.gemma.encoders.encoder_configurator import _create_feature_extractor
+    with family_imports("ltx2"):
+        from ltx_core.text_encoders.gemma.encoders.encoder_configurator import _create_feature_extractor
 
     with torch.device("meta"):
         return _create_feature_extractor(dict(transformer_config))
@@ -96,7 +102,8 @@ def build_feature_extractor(
     ltx-core sizes it from Gemma 3 12B (3840 x 48); this takes the loaded Gemma's
     sizes, so a smaller Gemma (the tiny set) gets the same classes at its width.
     """
-    from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV1, FeatureExtractorV2
+    with family_imports("ltx2"):
+        from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV1, FeatureExtractorV2
 
     kind = create_feature_extractor_kind(transformer_config)
     flat = hidden_size * (num_layers + 1)  # every layer's output plus the embeddings
@@ -123,7 +130,8 @@ def feature_extractor_configurator(hidden_size: int, num_layers: int) -> type:
 
 def feature_extractor_key_ops():
     """SDOps that pick the feature extractor's tensors out of an LTX-2 checkpoint."""
-    from ltx_core.loader import SDOps
+    with family_imports("ltx2"):
+        from ltx_core.loader import SDOps
 
     # The checkpoint's text_embedding_projection.{aggregate_embed,video_aggregate_embed,audio_aggregate_embed}.*
     # are the extractor's own parameters (ltx-core's EMBEDDINGS_PROCESSOR_KEY_OPS maps them the same way).

@@ -36,6 +36,8 @@ from typing import Any, Literal
 
 import torch
 
+from diffprep.families.imports import family_imports
+
 TINY_CHECKPOINT_NAME = "ltx-2-tiny.safetensors"
 TINY_GEMMA_FOLDER = "gemma-3-tiny"
 
@@ -176,8 +178,9 @@ def write_tiny_ltx2(path: str | Path, seed: int = 0, *, text_projection: Literal
 
 
 def _ltx_checkpoint_tensors(gemma_text_config, text_projection: str) -> tuple[dict[str, torch.Tensor], dict]:
-    from ltx_core.model.audio_vae import AudioDecoderConfigurator, AudioEncoderConfigurator, VocoderConfigurator
-    from ltx_core.model.video_vae import VideoDecoderConfigurator, VideoEncoderConfigurator
+    with family_imports("ltx2"):
+        from ltx_core.model.audio_vae import AudioDecoderConfigurator, AudioEncoderConfigurator, VocoderConfigurator
+        from ltx_core.model.video_vae import VideoDecoderConfigurator, VideoEncoderConfigurator
 
     transformer_config = dict(_V2_TRANSFORMER_CONFIG) if text_projection == "v2" else {}
     config = {"vae": _VAE_CONFIG, "audio_vae": _AUDIO_VAE_CONFIG, "vocoder": _VOCODER_CONFIG,
@@ -225,14 +228,16 @@ def _ltx_checkpoint_tensors(gemma_text_config, text_projection: str) -> tuple[di
 
 
 def _save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    from safetensors.torch import save_file
+    with family_imports("ltx2"):
+        from safetensors.torch import save_file
 
     # The real checkpoint is bf16; the tiny one keeps float32 so CPU tests are exact.
     save_file(dict(sorted(tensors.items())), str(path), metadata={"config": json.dumps(config, sort_keys=True)})
 
 
 def _gemma_tokenizer():
-    from transformers import GemmaTokenizer
+    with family_imports("ltx2"):
+        from transformers import GemmaTokenizer
 
     # Gemma's special tokens at Gemma's ids (<pad>=0, <eos>=1, <bos>=2, <unk>=3), then
     # characters and BPE merges that spell each built-in word ("▁cat") as one token.
@@ -254,7 +259,8 @@ def _gemma_tokenizer():
 
 
 def _gemma_model(tokenizer):
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    with family_imports("ltx2"):
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     vocab_size = len(tokenizer) + 4  # + boi, eoi, image tokens at the end, as in the real vocabulary
     config = Gemma3Config(
@@ -305,7 +311,8 @@ _GEMMA_ORIGINAL_PREFIXES = (
 
 
 def _save_gemma_folder(model, tokenizer, folder: Path) -> None:
-    from safetensors.torch import save_file
+    with family_imports("ltx2"):
+        from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from diffprep.errors import ConfigError
+from diffprep.families.imports import family_imports
 from diffprep.images import to_model_input
 
 CONFIG = "config.json"
@@ -72,7 +73,8 @@ def load_sd_vae(model_path: str, *, device: str | torch.device = "cpu", revision
     """The VAE of ``model_path`` (a local folder or a hub repo of the sd-vae layout), in float32, refused when it
     is not an ``AutoencoderKL`` with 4 latent channels. A hub repo's root files are downloaded (or read from the
     cache) through :mod:`diffprep.hub`, whose errors name the three ways out of a refusal or of being offline."""
-    from diffusers import AutoencoderKL
+    with family_imports("sd-vae"):
+        from diffusers import AutoencoderKL
 
     from diffprep.hub import resolve_component
 

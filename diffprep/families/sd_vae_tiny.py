@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
+from diffprep.families.imports import family_imports
+
 SD_SCALING_FACTOR = 0.18215  # the value in sd-vae-ft-mse's config.json
 
 
 def tiny_sd_vae(seed: int = 0):
-    from diffusers import AutoencoderKL
+    with family_imports("sd-vae"):
+        from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
     return AutoencoderKL(

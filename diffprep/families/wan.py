@@ -54,6 +54,7 @@ from diffprep.contract import LATENTS, PROMPT_EMBEDS
 from diffprep.errors import ConfigError
 from diffprep.families.base import (DTYPES, LATENT_MODES, checked_captions, key_noise, removed_excerpt, resolve_device,
                                     truncation)
+from diffprep.families.imports import family_imports
 from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
 from diffprep.hub import ResolvedPart, resolve_component
 from diffprep.media.buckets import Bucket
@@ -281,8 +282,9 @@ class WanEncoders:
         ``dtype``/``vae_dtype``: ``bf16``, ``fp16``, ``fp32`` or a torch dtype. diffusers' Wan examples
         keep the VAE in fp32 while the text encoder runs in bf16.
         """
-        from diffusers import AutoencoderKLWan
-        from transformers import AutoTokenizer, UMT5EncoderModel
+        with family_imports("wan"):
+            from diffusers import AutoencoderKLWan
+            from transformers import AutoTokenizer, UMT5EncoderModel
 
         parts = resolve_wan(str(model_path), revision=revision, token=token)
         torch_device = resolve_device(device)
@@ -445,7 +447,8 @@ def decode_normalized(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Ten
 
 def load_wan_vae(folder: str | Path, *, device: str = "auto", dtype: torch.dtype = torch.float32) -> AutoencoderKLWan:
     """A Wan VAE alone (decode-and-verify: no text encoder), in eval mode on ``device``."""
-    from diffusers import AutoencoderKLWan
+    with family_imports("wan"):
+        from diffusers import AutoencoderKLWan
 
     vae = AutoencoderKLWan.from_pretrained(folder, dtype=dtype)
     vae.eval()

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from diffprep.errors import ConfigError
+from diffprep.families.imports import family_imports
 from diffprep.families.wan import PIPELINE_CLASS
 
 # Wan 2.1's VAE normalization (diffusers' AutoencoderKLWan defaults, as in Wan2.1-T2V-1.3B-Diffusers/vae).
@@ -62,7 +63,8 @@ def write_tiny_wan(path: str | Path, seed: int = 0, *, vae_variant: str = "2.1")
 
 
 def _tiny_vae(variant: str):
-    from diffusers import AutoencoderKLWan
+    with family_imports("wan"):
+        from diffusers import AutoencoderKLWan
 
     common = {
         "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1, "attn_scales": [], "temperal_downsample": [False, True, True]
@@ -83,7 +85,8 @@ def _tiny_vae(variant: str):
 
 
 def _tiny_umt5(tokenizer):
-    from transformers import UMT5Config, UMT5EncoderModel
+    with family_imports("wan"):
+        from transformers import UMT5Config, UMT5EncoderModel
 
     # umT5-XXL's shape in miniature: gated GELU feed-forward, untied embeddings, relative attention per layer.
     config = UMT5Config(
@@ -96,7 +99,8 @@ def _tiny_umt5(tokenizer):
 
 
 def _tiny_scheduler():
-    from diffusers import UniPCMultistepScheduler
+    with family_imports("wan"):
+        from diffusers import UniPCMultistepScheduler
 
     # diffprep never uses it: it completes the layout so that WanPipeline.from_pretrained loads the folder.
     return UniPCMultistepScheduler(
@@ -105,7 +109,8 @@ def _tiny_scheduler():
 
 
 def _write_model_index(root: Path) -> None:
-    import diffusers
+    with family_imports("wan"):
+        import diffusers
 
     index = {
         "_class_name": PIPELINE_CLASS,
