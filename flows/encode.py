@@ -49,7 +49,7 @@ def resolve_settings(parameters: EncodeParameters) -> Settings:
         overrides["model"] = spec | overrides.get("model", {})
     settings = load_settings(parameters.config, overrides)
     check_runnable(settings)
-    preflight(settings)  # before anything is written
+    preflight(settings, contract.ENCODING_PREENCODED)  # before anything is written, the encoding's own checks too
     return settings
 
 

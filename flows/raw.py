@@ -31,5 +31,5 @@ def encode_raw(parameters: RawParameters | None = None) -> dict:
     parameters = parameters or RawParameters()
     settings = load_settings(parameters.config, parameters.overrides())
     check_runnable(settings)
-    preflight(settings)  # before anything is written
+    preflight(settings, contract.ENCODING_RAW)  # before anything is written, the encoding's own checks too
     return run_flow(settings, contract.ENCODING_RAW)
