@@ -126,7 +126,9 @@ def test_existing_output_needs_a_choice(prefect_server, demo_inputs, tmp_path, c
     assert "aborted" in capsys.readouterr().err
     assert _tree(out) == before
 
-    assert main(_encode_args(data, model, out, "--on-existing", "reuse")) == 0
+    # No dataset of diffprep's is there to keep as it is: reuse is refused, naming why.
+    assert main(_encode_args(data, model, out, "--on-existing", "reuse")) == 2
+    assert "cannot reuse" in capsys.readouterr().err
     assert _tree(out) == before
 
     assert main(_encode_args(data, model, out, "--on-existing", "new-dir", "--no-finalize")) == 0

@@ -72,7 +72,8 @@ def test_foreign_output_pauses_refuses_invalid_input_then_overwrites(prefect_ser
     assert "`notes.txt`" in question and "holds no diffprep plan" in question
     assert "2 file(s) diffprep did not write, which stay whatever is chosen" in question
     assert "`images-000.tar`" in question
-    assert all(f"`{choice}`" in question for choice in ("new-dir", "overwrite", "reuse", "abort"))
+    assert all(f"`{choice}`" in question for choice in ("new-dir", "overwrite", "abort"))
+    assert "`reuse`" not in question  # no dataset of diffprep's is there to keep
 
     # An answer that is not a choice is rejected by the server; the run stays paused, nothing changes.
     with pytest.raises(RuntimeError, match=r"Cannot resume this run: .*delete-everything"):
