@@ -33,13 +33,13 @@ from PIL import Image
 from diffprep import contract
 from diffprep.config import Settings, load_settings
 from diffprep.encodings.preencoded import preencoded_fields
-from diffprep.reader import Batch, iter_batches, prefetch
-from diffprep.units import encode_unit
+from diffprep.run.reader import Batch, iter_batches, prefetch
+from diffprep.run.units import encode_unit
 from diffprep.families.flux import FluxEncoders
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec, prepare_image
-from diffprep.plan import Plan
-from diffprep.shards import ShardWriter, UnitManifest, write_manifest
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec, prepare_image
+from diffprep.writer.plan import Plan
+from diffprep.writer.shards import ShardWriter, UnitManifest, write_manifest
 from diffprep.sources import Source
 from diffprep.families.flux_tiny import write_tiny_model
 
@@ -307,7 +307,7 @@ class Setup:
 
 
 def prepare(config: Config, cache: Path, scratch: Path, *, source_count: int | None = None) -> Setup:
-    """Inputs, model and a real plan (``diffprep.fetch.fetch`` on a directory source) for ``config``."""
+    """Inputs, model and a real plan (``diffprep.phases.fetch.fetch`` on a directory source) for ``config``."""
     model = medium_model(cache) if config.model == "medium" else tiny_model(cache)
     source_dir = jpeg_source(cache, source_count or config.samples, config.source_px)
     out_dir = scratch / f"out-{config.name}"
@@ -428,7 +428,7 @@ def encode_naively(setup: Setup, out_dir: Path) -> int:
 
 
 def shard_hashes(out_dir: Path) -> dict[str, str]:
-    from diffprep.shards import file_sha256
+    from diffprep.writer.shards import file_sha256
 
     return {path.name: file_sha256(path)[1] for path in sorted(out_dir.glob(f"*{contract.SHARD_SUFFIX}"))}
 
@@ -442,11 +442,11 @@ def warm_up(setup: Setup, batches: list[Batch]) -> None:
 
 
 def use_background_writer(enabled: bool = True) -> None:
-    """Make ``diffprep.units.encode_unit`` write with the background writer (its default) or the plain one."""
-    import diffprep.units
-    from diffprep.shards import BackgroundShardWriter, ShardWriter
+    """Make ``diffprep.run.units.encode_unit`` write with the background writer (its default) or the plain one."""
+    import diffprep.run.units
+    from diffprep.writer.shards import BackgroundShardWriter, ShardWriter
 
-    diffprep.units.UnitWriter = BackgroundShardWriter if enabled else ShardWriter
+    diffprep.run.units.UnitWriter = BackgroundShardWriter if enabled else ShardWriter
 
 
 # --- timing ------------------------------------------------------------------------------------------

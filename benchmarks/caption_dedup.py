@@ -2,7 +2,7 @@
 
 A class-label dataset (issue #15): 1,000 images of 10 classes, an HF ``ClassLabel`` dataset written locally
 (``save_to_disk``), captioned by ``--caption-template "a photo of a {label}"``. End to end is
-``diffprep.units.encode_unit`` over every unit of a real plan (``diffprep.fetch.fetch`` on the HF source),
+``diffprep.run.units.encode_unit`` over every unit of a real plan (``diffprep.phases.fetch.fetch`` on the HF source),
 writing real shards and manifests, with the tiny encoder set. The two sides share the loaded encoders; each
 round starts with an empty cache (``model.text_cache_mib`` as set, or 0). A second configuration, the same
 number of JPEGs with distinct captions (a directory source), shows what the cache costs when nothing repeats.
@@ -31,8 +31,8 @@ import numpy as np
 from diffprep.config import load_settings
 from diffprep.families.flux import FluxEncoders
 from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
 
 # Ten class names both tiny tokenizers know as whole words.
 CLASSES = ["cat", "dog", "bird", "horse", "tree", "flower", "car", "house", "mountain", "river"]

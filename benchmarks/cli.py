@@ -21,7 +21,7 @@ batch 8, shard size 64, t5_max_length 512, ``--no-finalize``:
 - ``server-untuned``: ``server`` with ``DIFFPREP_MALLOC_TUNING=0`` (glibc's defaults);
 - ``serial``: ``benchmarks/serial_reference.py`` (decode all, encode batch by
   batch, torch.save, tar) with glibc's defaults, as a hand-written script runs;
-- ``serial-tuned``: the same with ``diffprep.allocator.tune_malloc()`` first;
+- ``serial-tuned``: the same with ``diffprep.run.allocator.tune_malloc()`` first;
 - ``primus``: AMD Primus's own ``primus data diffusion-encoded``, unmodified, from ``--primus-checkout DIR``
   or ``--primus-git MIRROR`` (``benchmarks/primus_side.py``); skipped, with a line saying so, without either.
   Before the rounds, 8 images through both with the posterior mean (diffprep ``--latent-mode mode``, Primus
@@ -225,7 +225,7 @@ def run_command(command: list[str], env: dict[str, str], out_dir: Path) -> dict:
 
 def diffprep_command(source: Path, model: Path, out: Path, samples: int) -> list[str]:
     s = SETTINGS
-    return [sys.executable, "-m", "diffprep.cli", "encode", "--source-type", "directory", "--input-dir", str(source),
+    return [sys.executable, "-m", "diffprep", "encode", "--source-type", "directory", "--input-dir", str(source),
             "--model-path", str(model), "--output-dir", str(out), "--max-samples", str(samples),
             "--shard-size", str(s["shard_size"]), "--batch-size", str(s["batch_size"]), "--precision", s["precision"],
             "--image-size", str(s["image_size"]), "--t5-max-length", str(s["t5_max_length"]), "--min-psnr", "0",

@@ -1,7 +1,7 @@
 """Pipeline efficiency: end-to-end samples/s of the library's encode path / samples/s of the encoders alone.
 
-End to end is ``diffprep.units.encode_unit`` over every unit of a real plan
-(``diffprep.fetch.fetch`` on a directory source of 1024 px JPEGs), writing real
+End to end is ``diffprep.run.units.encode_unit`` over every unit of a real plan
+(``diffprep.phases.fetch.fetch`` on a directory source of 1024 px JPEGs), writing real
 shards and manifests. The compute limit is the same encoders on the same
 batches, already decoded and stacked in memory (``encode_images`` +
 ``encode_text``, no I/O). A third side, the library's reader alone (read,
@@ -18,7 +18,7 @@ the input limit, not by the overlap.
 The limit is meant to be a limit: both sides run in this process, interleaved,
 with the settings ``diffprep encode`` gives itself (``OMP_WAIT_POLICY=PASSIVE``
 unless set, glibc's thresholds: ``--malloc``), at the plan's thread count
-(``diffprep.threads.planned_threads``, what ``encode_one_unit`` uses), each
+(``diffprep.run.threads.planned_threads``, what ``encode_one_unit`` uses), each
 run from an empty caption cache. End to end does all the limit's work and
 more, so a figure above 1.0 (1.456 was reported on a busy machine) is a
 measurement error and is reported as one, not as a result. Measured
@@ -52,9 +52,9 @@ import torch
 
 from diffprep import contract
 from diffprep.families.text_cache import TextCache
-from diffprep.images import prepare_image
-from diffprep.shards import ShardWriter
-from diffprep.threads import CpuRecord, planned_threads
+from diffprep.media.images import prepare_image
+from diffprep.writer.shards import ShardWriter
+from diffprep.run.threads import CpuRecord, planned_threads
 
 TARGET_COMPUTE = 0.90
 

@@ -1,4 +1,4 @@
-"""Time to finalize 100 and 1000 shards with ``diffprep.energon.finalize``: it must grow at most linearly.
+"""Time to finalize 100 and 1000 shards with ``diffprep.run.energon.finalize``: it must grow at most linearly.
 
 The shards are tiny synthetic ones, written as the tests write them: the real
 ``ShardWriter`` (a few samples of small random tensors each) and a committed
@@ -31,8 +31,8 @@ import _common as c
 import torch
 
 from diffprep import contract
-from diffprep.energon import finalize
-from diffprep.shards import ShardWriter, UnitManifest, write_manifest
+from diffprep.run.energon import finalize
+from diffprep.writer.shards import ShardWriter, UnitManifest, write_manifest
 
 TARGET_RATIO = 10.0
 

@@ -5,7 +5,7 @@ configs below are the public ones of ``vae/``, ``text_encoder/`` and
 ``text_encoder_2/``; nothing is downloaded): the 16-channel Flux VAE, the
 CLIP-L text model and the T5-XXL encoder. They are built in memory on the
 device, in the chosen precision, and wrapped in ``FluxEncoders``; the plan is
-made by ``diffprep.fetch.fetch`` over a model folder that holds the configs
+made by ``diffprep.phases.fetch.fetch`` over a model folder that holds the configs
 and tokenizers only (fetch reads configs, never weights). The tokenizers are
 diffprep's tiny ones: T5 pads to ``t5_max_length`` and CLIP to 77 tokens
 whatever the words, so the encoders' work is the real one.
@@ -42,8 +42,8 @@ import torch
 from diffprep.families.base import DTYPES, resolve_device
 from diffprep.families.flux import FluxEncoders
 from diffprep.families.flux import resolve_encoders
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
 from diffprep.families.flux_tiny import write_tiny_model
 
 # FLUX.1-dev vae/config.json (AutoencoderKL).

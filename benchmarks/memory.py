@@ -9,7 +9,7 @@ unit (imports, encoders and one warm-up batch loaded: the floor every run pays).
 Target: peak RSS for 4N grows by < 10% over N.
 
 ``--allocator`` (default ``both``): every size is measured twice per round,
-children started with ``MALLOC_*`` unset, once with ``diffprep.allocator.tune_malloc()``
+children started with ``MALLOC_*`` unset, once with ``diffprep.run.allocator.tune_malloc()``
 called first (how ``diffprep`` runs) and once with glibc's defaults: what the
 allocator setting costs in peak RSS, same run. ``env``: one measurement per
 size, children inheriting this process's environment (``--malloc``).
@@ -44,7 +44,7 @@ def child(args: argparse.Namespace) -> int:
     cache = c.cache_dir(args.cache_dir)
     scratch, cleanup = c.work_dir(args.work_dir)
     if args.tune_malloc:
-        from diffprep.allocator import tune_malloc
+        from diffprep.run.allocator import tune_malloc
 
         if not tune_malloc().applied:
             raise RuntimeError(f"tune_malloc did not apply: {tune_malloc().reason}")

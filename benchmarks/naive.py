@@ -1,9 +1,9 @@
 """The library's encode path against a naive reference loop, on the same inputs and encoders.
 
 The naive loop (``_common.encode_naively``) reads a batch, decodes it with
-``diffprep.images.prepare_image`` on one thread, encodes it, writes it with
+``diffprep.media.images.prepare_image`` on one thread, encodes it, writes it with
 ``ShardWriter`` and only then reads the next: nothing overlaps. The library
-path is ``diffprep.units.encode_unit`` (decode threads and a prefetch queue
+path is ``diffprep.run.units.encode_unit`` (decode threads and a prefetch queue
 running ahead of the encoders). Both write the same shards; the script checks
 that they are byte-identical, so both did the same work.
 

@@ -45,11 +45,11 @@ from scaling import SimulatedDevice
 
 import diffprep.output.upload
 from diffprep.encodings.preencoded import preencoded_fields
-from diffprep.units import encode_unit
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
+from diffprep.run.units import encode_unit
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
 from diffprep.output import open_output
-from diffprep.plan import write_plan
+from diffprep.writer.plan import write_plan
 from diffprep.sources import open_source
 
 TARGET_SPEEDUP = 1.3

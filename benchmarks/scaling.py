@@ -11,7 +11,7 @@ would keep two real devices from doubling the throughput.
 The workers are what the multi-worker runner uses: spawned processes, units
 handed out one at a time as workers free up (``ProcessPoolExecutor``, as
 Prefect's ``ProcessPoolTaskRunner``), each worker calling ``encode_unit`` on
-disjoint units of one plan. When ``diffprep.workers.claim_device`` exists it
+disjoint units of one plan. When ``diffprep.run.workers.claim_device`` exists it
 is the pool initializer, as in the real runner (device claim and the CPU
 thread split); otherwise a plain one stands in. Prefect's own per-task cost
 (API calls, state changes) is not included.
@@ -41,11 +41,11 @@ import _common as c
 import torch
 
 from diffprep.encodings.preencoded import preencoded_fields
-from diffprep.units import encode_unit
+from diffprep.run.units import encode_unit
 from diffprep.families.flux import TextEmbeddings
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
-from diffprep.plan import Plan
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
+from diffprep.writer.plan import Plan
 from diffprep.sources import open_source
 
 TARGET_SPEEDUP = 1.8
@@ -92,7 +92,7 @@ def _init_worker(devices: list[str], claim_dir: str, device_args: dict, source_s
                  background_writer: bool) -> None:
     c.use_background_writer(background_writer)
     if use_claim:
-        from diffprep.workers import claim_device
+        from diffprep.run.workers import claim_device
 
         claim_device(devices, claim_dir)
     _worker["encoders"] = SimulatedDevice(**device_args)
@@ -112,7 +112,7 @@ def _encode(out_dir: str, plan: Plan, unit: int, spec: ImageSpec, batch_size: in
 
 def _uses_claim_device() -> bool:
     try:
-        from diffprep import workers
+        from diffprep.run import workers
     except ImportError:
         return False
     return hasattr(workers, "claim_device")
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== {args.units} units x {args.shard_size} samples of {args.source_px} px JPEG -> {args.image_size} px, "
           f"batch {args.batch_size}, simulated device {args.image_ms:g} + {args.text_ms:g} ms per batch "
           f"({device_s:.1f} s of device time for one worker), T5 output [{args.t5_max_length}, {args.t5_hidden}] "
-          f"bf16; worker initializer: {'diffprep.workers.claim_device' if use_claim else 'stand-in'}; "
+          f"bf16; worker initializer: {'diffprep.run.workers.claim_device' if use_claim else 'stand-in'}; "
           f"writer: {'background thread (proposed fix)' if args.background_writer else 'diffprep as is'}")
     cache = c.cache_dir(args.cache_dir)
     scratch, cleanup = c.work_dir(args.work_dir)

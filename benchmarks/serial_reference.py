@@ -9,7 +9,7 @@ pixels and tensors are the same work; what differs is the pipeline around them.
 
     python benchmarks/serial_reference.py INPUT_DIR MODEL_DIR OUT_DIR --samples 1024
 
-``--malloc-tuning`` applies ``diffprep.allocator.tune_malloc()`` first (the
+``--malloc-tuning`` applies ``diffprep.run.allocator.tune_malloc()`` first (the
 default is glibc's defaults, as a hand-written script runs). Prints one JSON
 line: samples, seconds from start to the last shard, peak RSS.
 """
@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", type=int, default=64)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--t5-max-length", type=int, default=512)
-    parser.add_argument("--malloc-tuning", action="store_true", help="diffprep.allocator.tune_malloc() first")
+    parser.add_argument("--malloc-tuning", action="store_true", help="diffprep.run.allocator.tune_malloc() first")
     args = parser.parse_args(argv)
     if args.malloc_tuning:
-        from diffprep.allocator import tune_malloc
+        from diffprep.run.allocator import tune_malloc
 
         tune_malloc()
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from diffprep.config import ImageConfig, load_settings
     from diffprep.families.flux import FluxEncoders
-    from diffprep.images import ImageSpec, prepare_image
+    from diffprep.media.images import ImageSpec, prepare_image
 
     settings = load_settings(overrides={"model": {
         "model_path": args.model, "precision": args.precision, "device": "cpu", "batch_size": args.batch_size,

@@ -11,7 +11,7 @@ Three measurements with the tiny Flux VAE's encoder (benchmarks/_common.py's mod
 3. Two processes at once (two ranks on the machine), each at 1 thread and each at 2 threads: the cost of
    giving every rank the plan's count on shared cores (wall time of both, interleaved, best of rounds).
 
-What diffprep does with it: diffprep/threads.py (the plan fixes the count).
+What diffprep does with it: diffprep/run/threads.py (the plan fixes the count).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Video (Wan) efficiency: end-to-end clips/s of the library's encode path / clips/s of the encoders alone, and
 what PyAV decoding costs per clip.
 
-End to end is ``diffprep.units.encode_unit`` over every unit of a real Wan plan
-(``diffprep.fetch.fetch`` on a directory of H.264 clips: the plan probes each
+End to end is ``diffprep.run.units.encode_unit`` over every unit of a real Wan plan
+(``diffprep.phases.fetch.fetch`` on a directory of H.264 clips: the plan probes each
 clip into its bucket, one bucket per unit), writing real shards and manifests,
 with the tiny Wan set (``diffprep tiny-model --family wan``). The compute limit
 is the same encoders on the same batches, already decoded and stacked in memory
@@ -41,11 +41,11 @@ from diffprep.config import load_settings
 from diffprep.encodings import get_encoding
 from diffprep.families.wan import WanEncoders
 from diffprep.families.wan_tiny import write_tiny_wan
-from diffprep.fetch import fetch
+from diffprep.phases.fetch import fetch
 from diffprep.media.buckets import Bucket, parse_bucket
 from diffprep.media.mp4 import mp4_bytes
-from diffprep.reader import iter_batches, prefetch
-from diffprep.units import encode_unit
+from diffprep.run.reader import iter_batches, prefetch
+from diffprep.run.units import encode_unit
 
 TARGET = 0.90  # as the image pipeline's compute-bound figure (efficiency.py)
 

@@ -14,7 +14,7 @@ last unit's line: with a pool, its workers' start is in them), and how many Pref
 35's fix each pool worker started one more). Rounds interleaved, the order reversed each round, each side the
 fastest of its rounds. Every side's shards must be byte-identical to the first side's.
 
-The workers' encoders run at the plan's thread count (``diffprep/threads.py``: the machine's physical cores by
+The workers' encoders run at the plan's thread count (``diffprep/run/threads.py``: the machine's physical cores by
 default), so two CPU workers share the cores at that count each; ``--encoder-threads 1`` plans one thread per
 worker instead (both sides then run the same plan, with its own bytes).
 
@@ -49,7 +49,7 @@ UNIT_DONE = re.compile(r"unit \d{6} done \(\d+/\d+\)|unit \d{6}: \d+ written")
 
 def command(source: Path, model: Path, out: Path, args: argparse.Namespace, side: str) -> list[str]:
     threads = ["--encoder-threads", str(args.encoder_threads)] if args.encoder_threads else []
-    return [sys.executable, "-m", "diffprep.cli", "encode", "--source-type", "directory", "--input-dir", str(source),
+    return [sys.executable, "-m", "diffprep", "encode", "--source-type", "directory", "--input-dir", str(source),
             "--model-path", str(model), "--output-dir", str(out), "--max-samples", str(args.samples),
             "--shard-size", str(args.shard_size), "--batch-size", "8", "--precision", "fp32",
             "--image-size", str(args.image_size), "--t5-max-length", str(args.t5_max_length), "--min-psnr", "0",

@@ -279,7 +279,7 @@ def is_lock_file(name: str) -> bool:
     return name == LOCK_FILE or re.fullmatch(r"lock-shard-\d+\.json", name) is not None
 
 
-# --- GAE's text-to-image co-training roots (diffprep/t2i.py, t2i_verify.py, t2i_mirror.py) -----------------------
+# --- GAE's text-to-image co-training roots (diffprep/tools/t2i.py, t2i_verify.py, t2i_mirror.py) -----------------------
 # A T2I root holds one sub-folder per split; GAE's loader (src/data/blip3o_wds.py) globs each one's ``*.tar``
 # (not recursively) and searches its roots in order, the first with shards winning. An ImageNet shard counts only
 # when ``<shard>.done`` exists beside it. Samples: ``<key>.jpg|png|jpeg|webp`` + ``<key>.txt`` (or ``<key>.json``).

@@ -1,6 +1,6 @@
 """The encode-dataset flow: fetch -> verify existing -> sanity -> encode units -> audit -> finalize -> validate.
 
-The phases and their order are ``diffprep.pipeline.run``'s; this flow runs
+The phases and their order are ``diffprep.phases.pipeline.run``'s; this flow runs
 them as Prefect tasks (``TaskSteps``), asks its questions in the UI
 (``diffprep.tasks.approvals.ask``) and publishes what a run reports as artifacts
 (``ArtifactEvents``). encode-raw (flows/raw.py) is the same with the raw
@@ -17,16 +17,16 @@ from prefect.artifacts import Artifact, LinkArtifact, MarkdownArtifact, TableArt
 from prefect.runtime import flow_run
 
 from diffprep import contract
-from diffprep.allocator import tune_malloc
-from diffprep.audit import AuditReport
+from diffprep.run.allocator import tune_malloc
+from diffprep.phases.audit import AuditReport
 from diffprep.config import EncodeParameters, Settings, check_runnable, load_settings
-from diffprep.long_videos import scenes_markdown
-from diffprep.pictures import markdown_image
+from diffprep.run.long_videos import scenes_markdown
+from diffprep.report.pictures import markdown_image
 from diffprep.output import Output, ref_of
-from diffprep.preflight import preflight
-from diffprep.pipeline import Events, Steps, run, settings_output
-from diffprep.plan import Plan
-from diffprep.sanity import sanity_markdown
+from diffprep.phases.preflight import preflight
+from diffprep.phases.pipeline import Events, Steps, run, settings_output
+from diffprep.writer.plan import Plan
+from diffprep.run.sanity import sanity_markdown
 from diffprep.flows.runners import ArtifactProgress, run_units
 from diffprep.tasks.approvals import ask
 from diffprep.tasks.audit import audit_task

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diffprep.allocator import tune_malloc
+from diffprep.run.allocator import tune_malloc
 from diffprep.config import Settings
 from diffprep.output import OutputRef
-from diffprep.pipeline import text_scratch
+from diffprep.phases.pipeline import text_scratch
 from diffprep.flows.runners import ArtifactProgress, run_units
 from diffprep.tasks.common import output_of
 
@@ -18,7 +18,7 @@ def encode_units(output: OutputRef, settings: dict, units: list[int]) -> dict:
 
     Units already committed are skipped, so a re-sent chunk only finishes what is left.
     """
-    tune_malloc()  # a work-pool worker's flow process: before the encoders load (diffprep/allocator.py)
+    tune_malloc()  # a work-pool worker's flow process: before the encoders load (diffprep/run/allocator.py)
     s = Settings(**settings)
     if s.workers.deployment:
         raise ValueError("encode-units runs its units here: workers.deployment must be unset")

@@ -13,7 +13,7 @@ from prefect import flow
 
 from diffprep import contract
 from diffprep.config import RawParameters, check_runnable, load_settings
-from diffprep.preflight import preflight
+from diffprep.phases.preflight import preflight
 from diffprep.flows.encode import run_flow
 
 

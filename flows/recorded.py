@@ -5,7 +5,7 @@ embedded one the command starts itself, which nobody else can open while it
 runs (its questions are asked on the terminal either way). Running the flow on
 it cost a first run its whole start-up: the server's start (5-8 s on 2 cores,
 far more in a fresh ``PREFECT_HOME``), then the flow engine's own (measured in
-``benchmarks/README.md``, issue #29). So such a run is ``diffprep.pipeline.run``
+``benchmarks/README.md``, issue #29). So such a run is ``diffprep.phases.pipeline.run``
 with the phases in this process (``Steps.here``), the questions on the terminal
 (``ask_here``), and the embedded server started beside it at a low CPU priority.
 Once the pipeline has ended, the run is written to that server as the flow run
@@ -42,7 +42,7 @@ from typing import Any
 
 from diffprep.config import Settings
 
-# diffprep.pipeline and the tasks (torch, the encoders' libraries: seconds) are imported once the server's process
+# diffprep.phases.pipeline and the tasks (torch, the encoders' libraries: seconds) are imported once the server's process
 # has started, so that its start overlaps those imports.
 
 log = logging.getLogger("diffprep.recorded")
@@ -59,7 +59,7 @@ def wanted(settings: Settings) -> bool:
     units with the other ranks; run here, rank 0 encoded every unit and the others none)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    from diffprep import launch
+    from diffprep.run import launch
 
     if PREFECT_API_URL.value() or os.environ.get(LIVE_FLOW_ENV, "").lower() in ("1", "true", "yes"):
         return False
@@ -123,7 +123,7 @@ class Recorder(logging.Handler):
 
     def steps(self, settings: Settings, token: str | None) -> Any:
         """``Steps.here``, each phase timed as its task, fetch and the units retried on transient errors."""
-        from diffprep.pipeline import Steps, encode_one_unit
+        from diffprep.phases.pipeline import Steps, encode_one_unit
         from diffprep.tasks.common import FETCH_RETRY_DELAYS, UNIT_RETRY_DELAYS
 
         here = Steps.here(token)
@@ -162,7 +162,7 @@ def retried(call: Callable[[], Any], what: str, delays: tuple[int, ...]) -> Any:
 def recording_events(recorder: Recorder) -> Any:
     """The flow's ``ArtifactEvents``, its artifacts kept for the recording; progress on the console."""
     from diffprep.flows.encode import ArtifactEvents
-    from diffprep.pipeline import Progress
+    from diffprep.phases.pipeline import Progress
     from diffprep.tasks.common import slug
 
     class RecordedProgress(Progress):
@@ -200,7 +200,7 @@ def run_recorded(settings: Settings, encoding: str, load_flow: Callable[[], Any]
     server = ServerStart()  # first: its process starts while this one imports the pipeline
     then()
     from diffprep.flows.startup import load_ahead
-    from diffprep.pipeline import ask_here, run, settings_output
+    from diffprep.phases.pipeline import ask_here, run, settings_output
     from diffprep.tasks.common import run_token
 
     warming = load_ahead(settings, encoding)

@@ -8,14 +8,14 @@
 - ``fan-out``: chunks of units sent with ``run_deployment`` to the
   ``encode-units`` deployment (``workers.deployment``), i.e. to the workers of a
   work pool on other machines; the output must be on shared storage.
-- ``ranks``: the ranks of a torchrun / SLURM launch (``diffprep.launch``): the
+- ``ranks``: the ranks of a torchrun / SLURM launch (``diffprep.run.launch``): the
   decision is broadcast, each rank encodes ``u % N == rank``, this flow (rank 0)
   reports the others' units as they finish; a failed rank stops them all.
 
 Progress (units done, samples/s per worker and overall, ETA) is reported from
 the flow, as units finish: a progress artifact and one log line per unit. Inside
 a unit, its worker logs a line every few seconds (samples/s, the unit's ETA); the
-in-process runner's units also move the artifact then (``diffprep.unit_progress``).
+in-process runner's units also move the artifact then (``diffprep.run.unit_progress``).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.settings import temporary_settings
 
-from diffprep import launch
+from diffprep.run import launch
 from diffprep.config import Settings
 from diffprep.errors import DiffprepError
 from diffprep.output import Output, ref_of
-from diffprep.pipeline import Progress
-from diffprep.plan import Plan
-from diffprep.unit_progress import UnitStatus, listening
-from diffprep.workers import claim_device, claim_dir, parse_devices, split_chunks
+from diffprep.phases.pipeline import Progress
+from diffprep.writer.plan import Plan
+from diffprep.run.unit_progress import UnitStatus, listening
+from diffprep.run.workers import claim_device, claim_dir, parse_devices, split_chunks
 from diffprep.tasks.encode import encode_unit_task
 
 FAN_OUT_POLL_SECONDS = 5
@@ -59,7 +59,7 @@ class ArtifactProgress(Progress):
         return 100.0 * min(self.total, self.done + part) / max(1, self.total)
 
     def within_unit(self, status: UnitStatus) -> None:
-        """The unit under way, every few seconds (``diffprep.unit_progress``): the artifact moves between units,
+        """The unit under way, every few seconds (``diffprep.run.unit_progress``): the artifact moves between units,
         with the unit's rate and ETA in its description."""
         update_progress_artifact(
             artifact_id=self.artifact, progress=self.percent(status),

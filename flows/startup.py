@@ -59,7 +59,7 @@ def load_ahead(settings: Settings, kind: str) -> threading.Thread | None:
     if settings.auth.hf_credentials_block:
         return None
     from diffprep.encodings import encoding_for, get_encoding
-    from diffprep.hub import resolve_token
+    from diffprep.families.hub import resolve_token
 
     def load() -> None:
         try:

@@ -30,7 +30,7 @@ from typing import Literal
 
 from pydantic import Field, create_model
 
-from diffprep.approvals import ABORT, ApprovalRefused, Question, ask_terminal
+from diffprep.run.approvals import ABORT, ApprovalRefused, Question, ask_terminal
 
 log = logging.getLogger("diffprep.approvals")
 

@@ -1,13 +1,13 @@
-"""Task: reconcile plan, manifests and tars (diffprep.audit)."""
+"""Task: reconcile plan, manifests and tars (diffprep.phases.audit)."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from diffprep.audit import AuditReport, audit
+from diffprep.phases.audit import AuditReport, audit
 from diffprep.output import OutputRef
-from diffprep.plan import Plan
+from diffprep.writer.plan import Plan
 from diffprep.tasks.common import output_of
 
 

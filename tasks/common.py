@@ -17,7 +17,7 @@ def settings_from(params: dict[str, Any] | Settings) -> Settings:
 
 def run_token(settings: Settings) -> str | None:
     """The Hugging Face token: a credentials block by name, else the token file / HF_TOKEN / cached login."""
-    from diffprep.hub import resolve_token
+    from diffprep.families.hub import resolve_token
 
     if settings.auth.hf_credentials_block:
         from diffprep.blocks.hf_credentials import HuggingFaceCredentials

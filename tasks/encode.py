@@ -1,4 +1,4 @@
-"""Task: encode one work unit into its shard and commit it (diffprep.pipeline.encode_one_unit).
+"""Task: encode one work unit into its shard and commit it (diffprep.phases.pipeline.encode_one_unit).
 
 The encoders are loaded once per process and kept for the next units. A unit
 that runs out of device memory is encoded again with half the batch size, down
@@ -16,8 +16,8 @@ from prefect.cache_policies import NO_CACHE
 
 from diffprep.config import Settings
 from diffprep.output import OutputRef
-from diffprep.pipeline import encode_one_unit
-from diffprep.workers import claimed_device
+from diffprep.phases.pipeline import encode_one_unit
+from diffprep.run.workers import claimed_device
 from diffprep.tasks.common import UNIT_RETRY_DELAYS, output_of, retry_transient, run_token, settings_from
 
 

@@ -1,4 +1,4 @@
-"""Task: resolve source and encoders, plan the units (diffprep.pipeline.plan_output)."""
+"""Task: resolve source and encoders, plan the units (diffprep.phases.pipeline.plan_output)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from prefect.cache_policies import NO_CACHE
 
 from diffprep.config import Settings
 from diffprep.output import OutputRef
-from diffprep.pipeline import plan_output
-from diffprep.plan import Plan
+from diffprep.phases.pipeline import plan_output
+from diffprep.writer.plan import Plan
 from diffprep.tasks.common import FETCH_RETRY_DELAYS, output_of, retry_transient, run_token
 
 

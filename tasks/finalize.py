@@ -1,4 +1,4 @@
-"""Task: Energon metadata and split assignment over the committed shards (diffprep.energon.finalize)."""
+"""Task: Energon metadata and split assignment over the committed shards (diffprep.run.energon.finalize)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from diffprep.config import FinalizeConfig
-from diffprep.energon import FinalizeResult
+from diffprep.run.energon import FinalizeResult
 from diffprep.output import OutputRef
-from diffprep.pipeline import finalize_split
+from diffprep.phases.pipeline import finalize_split
 from diffprep.tasks.common import output_of
 
 

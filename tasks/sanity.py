@@ -1,4 +1,4 @@
-"""Task: encode one batch into the state folder and project the run (diffprep.pipeline.sanity_phase)."""
+"""Task: encode one batch into the state folder and project the run (diffprep.phases.pipeline.sanity_phase)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from prefect.cache_policies import NO_CACHE
 
 from diffprep.config import Settings
 from diffprep.output import OutputRef
-from diffprep.pipeline import sanity_phase
-from diffprep.plan import Plan
-from diffprep.sanity import SanityReport
+from diffprep.phases.pipeline import sanity_phase
+from diffprep.writer.plan import Plan
+from diffprep.run.sanity import SanityReport
 from diffprep.tasks.common import output_of, run_token
 
 

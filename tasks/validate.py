@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from diffprep.output import OutputRef
-from diffprep.pipeline import validate_output
+from diffprep.phases.pipeline import validate_output
 from diffprep.validation import ValidationReport
 from diffprep.tasks.common import output_of, slug
 

@@ -6,10 +6,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from diffprep.config import WorkersConfig
-from diffprep.existing import Decision, Inspection
+from diffprep.phases.existing import Decision, Inspection
 from diffprep.output import OutputRef
-from diffprep.pipeline import prepare_output, verify_output
-from diffprep.plan import Plan
+from diffprep.phases.pipeline import prepare_output, verify_output
+from diffprep.writer.plan import Plan
 from diffprep.tasks.common import output_of
 
 

@@ -26,9 +26,9 @@ import torch
 
 from diffprep import contract
 from diffprep.config import Settings, load_settings
-from diffprep.demo import write_demo_dataset
-from diffprep.plan import Plan, UnitPlan, fingerprint
-from diffprep.shards import Reject, ShardWriter, UnitManifest, write_manifest
+from diffprep.tools.demo import write_demo_dataset
+from diffprep.writer.plan import Plan, UnitPlan, fingerprint
+from diffprep.writer.shards import Reject, ShardWriter, UnitManifest, write_manifest
 from diffprep.families.flux_tiny import write_tiny_model
 
 # Small values that keep an encode of the tiny model well under a second per unit.

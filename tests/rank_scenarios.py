@@ -1,4 +1,4 @@
-"""One rank of small runs through diffprep.launch's steps, for tests/test_ranks.py: no model, no Prefect.
+"""One rank of small runs through diffprep.run.launch's steps, for tests/test_ranks.py: no model, no Prefect.
 
 ``python tests/rank_scenarios.py PORT,PORT,...`` with ``RANK``, ``WORLD_SIZE=2``
 and ``MASTER_ADDR`` set. The process runs the scenarios below one after the
@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 
-from diffprep import launch
+from diffprep.run import launch
 from diffprep.errors import DiffprepError
 
 SCENARIOS = ("raise", "after", "stop", "kill", "alone")

@@ -16,7 +16,7 @@ frame in the format's order, the marker points). ``marker_error(c2w, K, frames, 
 colour-weighted centroid in each decoded frame ([N, 3, H, W] or [N, H, W, 3] uint8) and returns the worst distance
 (pixels) to its projection; ``inf`` when a marker projected inside a frame is not there, when one projected outside
 (or behind) is there, or when a frame has fewer than two markers to check. Pixel coordinates are
-``diffprep.media.cameras``'s: pixel (i, j) covers [i, i+1) x [j, j+1).
+``diffprep.sources.scenes.cameras``'s: pixel (i, j) covers [i, i+1) x [j, j+1).
 
 Conventions written (what each reader must undo): re10k transforms.json (OpenCV c2w, K stated for a 2x larger
 ``w, h``, stems ``1, 2, ... 10`` listed shuffled), re10k txt (world-to-camera 3x4, intrinsics normalized by W, H,
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from diffprep.media import cameras
+from diffprep.sources.scenes import cameras
 
 COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255), (255, 0, 255), (255, 255, 0), (0, 255, 255))
 # Five markers the middle square sees, two in the side strips (x = +-2.3 at depth 4: cropped away).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from diffprep.approvals import Question
+from diffprep.run.approvals import Question
 from diffprep.tasks.approvals import ask
 
 QUESTION = Question(

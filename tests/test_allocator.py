@@ -1,4 +1,4 @@
-"""diffprep.allocator: glibc's thresholds set in a fresh process, or left alone as documented.
+"""diffprep.run.allocator: glibc's thresholds set in a fresh process, or left alone as documented.
 
 Each case runs in a subprocess (malloc settings are per process) and observes
 what the setting is for: a 64 MiB block, which glibc's defaults always
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from diffprep import allocator
+from diffprep.run import allocator
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 PROBE = r"""
 import ctypes, json
-from diffprep.allocator import tune_malloc
+from diffprep.run.allocator import tune_malloc
 
 result = tune_malloc()
 libc = ctypes.CDLL("libc.so.6")

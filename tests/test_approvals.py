@@ -13,7 +13,7 @@ import sys
 import prefect.context  # noqa: F401
 import pytest
 
-from diffprep.approvals import ABORT, ApprovalRefused, Question
+from diffprep.run.approvals import ABORT, ApprovalRefused, Question
 from diffprep.tasks.approvals import ask
 
 
@@ -118,7 +118,7 @@ def test_a_question_must_offer_abort() -> None:
 
 
 def test_the_existing_output_question_names_every_file_and_what_overwrite_cannot_keep(tmp_path, make_plan) -> None:
-    from diffprep.existing import inspect_output
+    from diffprep.phases.existing import inspect_output
 
     out = tmp_path / "out"
     out.mkdir()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffprep.demo import write_av_clip
+from diffprep.tools.demo import write_av_clip
 from diffprep.errors import RejectError
 from diffprep.media import audio as clip_audio
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from diffprep import contract
-from diffprep.audit import audit
-from diffprep.plan import write_plan
-from diffprep.shards import ShardWriter, UnitManifest, manifest_path, read_manifest, write_manifest
+from diffprep.phases.audit import audit
+from diffprep.writer.plan import write_plan
+from diffprep.writer.shards import ShardWriter, UnitManifest, manifest_path, read_manifest, write_manifest
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def test_output_without_state_folder_reports_every_unit(out: Path, make_plan) ->
 
 
 def test_a_retried_reject_is_counted_once_with_its_latest_outcome(out: Path, make_plan, write_unit) -> None:
-    from diffprep.plan import UnitPlan
+    from diffprep.writer.plan import UnitPlan
 
     plan = make_plan((4, 4))
     write_unit(out, plan, 0, rejects={"img0001.png": "missing_caption", "img0002.png": "image_truncated"})
@@ -199,7 +199,7 @@ def test_a_retried_reject_is_counted_once_with_its_latest_outcome(out: Path, mak
 
 
 def test_an_answer_holds_for_the_same_rejects_only(out: Path, make_plan, write_unit) -> None:
-    from diffprep.audit import answered_before, record_answer
+    from diffprep.phases.audit import answered_before, record_answer
     from diffprep.output import as_output
 
     plan = make_plan((4,))
@@ -218,7 +218,7 @@ def test_rejects_named_retried_once_fixed_and_an_answer_kept(tmp_path: Path, dem
                                                              settings_for) -> None:
     from PIL import Image
 
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     caption = next(iter(sorted((demo_data / "captions").iterdir())))
     text = caption.read_bytes()
@@ -254,7 +254,7 @@ def test_a_metadata_row_fixed_in_the_file_or_on_disk_is_retried(tmp_path: Path, 
                                                                 settings_for) -> None:
     """The metadata source stamps a rejected row (its values and its files): a caption added to the metadata file
     and an image that appeared are retried on the next run, in new units; an unchanged reject is not."""
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     images = sorted((demo_data / "images").iterdir())
     rows = [{"image": f"images/{p.name}", "caption": f"picture {i}"} for i, p in enumerate(images[:4])]

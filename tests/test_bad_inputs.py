@@ -30,15 +30,15 @@ from webdataset.tariterators import base_plus_ext
 
 from conftest import SMALL_SETTINGS
 from diffprep import contract
-from diffprep.audit import AuditReport, audit
+from diffprep.phases.audit import AuditReport, audit
 from diffprep.config import ModelConfig, Settings, load_settings
 from diffprep.encodings.preencoded import preencoded_fields
-from diffprep.units import encode_unit
+from diffprep.run.units import encode_unit
 from diffprep.families.flux import FluxEncoders
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
-from diffprep.plan import Plan, write_plan
-from diffprep.shards import read_manifests
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
+from diffprep.writer.plan import Plan, write_plan
+from diffprep.writer.shards import read_manifests
 from diffprep.sources.directory import CAPTION_ONLY_PREFIX
 from diffprep.sources.webdataset import split_member_name
 

@@ -1,4 +1,4 @@
-"""diffprep.media.cameras alone: each conversion against a hand-made camera, the checks' rejects, the crop + resize
+"""diffprep.sources.scenes.cameras alone: each conversion against a hand-made camera, the checks' rejects, the crop + resize
 rule against Pillow's real resize (markers re-project within a fraction of a pixel; the pixel-centre-at-integer
 rule is measurably worse), and the frame sampling and chunk rules of media/scene_sampling.py by hand."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffprep.media import cameras
-from diffprep.media.scene_sampling import chunk_ranges, kept_indices, progressive_indices, uniform_indices
+from diffprep.sources.scenes import cameras
+from diffprep.sources.scenes.sampling import chunk_ranges, kept_indices, progressive_indices, uniform_indices
 from scene_render import default_K, draw, marker_error, path_c2w
 
 

@@ -19,8 +19,8 @@ import diffprep.flows.encode  # noqa: F401
 
 from diffprep import contract
 from diffprep.cli import build_parser, main, overrides_from
-from diffprep.demo import write_demo_dataset
-from diffprep.shards import read_manifests
+from diffprep.tools.demo import write_demo_dataset
+from diffprep.writer.shards import read_manifests
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -88,7 +88,7 @@ def test_encode_validate_finalize_end_to_end(prefect_server, demo_inputs, tmp_pa
     split = (out / contract.NV_META / contract.SPLIT_YAML).read_text()
     assert "val" in split and "test" in split
 
-    module = subprocess.run([sys.executable, "-m", "diffprep.validate", str(out), "--encoding", "preencoded"],
+    module = subprocess.run([sys.executable, "-m", "diffprep.validation", str(out), "--encoding", "preencoded"],
                             capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
     assert module.returncode == 0, module.stdout + module.stderr
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from diffprep.config import check_runnable, load_settings, read_yaml
-from diffprep.config_files import expand_variables
+from diffprep.config.files import expand_variables
 from diffprep.errors import ConfigError
 
 
@@ -201,7 +201,7 @@ def test_a_primus_config_with_center_crop_off_says_in_the_plan_log_and_the_summa
     import tarfile
 
     from diffprep.cli import print_summary
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     # Primus's keys and nesting (tests/primus_configs/example_directory.yaml), small; its center_crop: false.
     text = (f"source:\n  type: directory\n  input_dir: {demo_data}\noutput:\n  output_dir: {tmp_path / 'out'}\n"
@@ -211,7 +211,7 @@ def test_a_primus_config_with_center_crop_off_says_in_the_plan_log_and_the_summa
     with caplog.at_level("INFO", logger="diffprep"):
         result = run(settings, "raw", ask=lambda question: pytest.fail("asked"))
     said = "images are stretched to 64x64, not cropped (image.center_crop is off)"
-    assert any(said in record.getMessage() for record in caplog.records if record.name == "diffprep.fetch")
+    assert any(said in record.getMessage() for record in caplog.records if record.name == "diffprep.phases.fetch")
     print_summary(result.to_json(), settings)
     assert said in capsys.readouterr().out
     # And so they are: a 160x112 source image's whole frame is in its stored 64x64 image.

@@ -19,15 +19,15 @@ import pytest
 import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
 from diffprep import contract
 from diffprep.cli import main
-from diffprep.demo import write_demo_dataset
+from diffprep.tools.demo import write_demo_dataset
 from diffprep.encodings.preencoded import preencoded_fields
-from diffprep.units import DiskSpaceError, encode_unit
+from diffprep.run.units import DiskSpaceError, encode_unit
 from diffprep.families.flux import FluxEncoders
-from diffprep.failpoints import ENV as FAILPOINT_ENV
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
-from diffprep.plan import write_plan
-from diffprep.shards import ShardWriter, read_manifests
+from diffprep.run.failpoints import ENV as FAILPOINT_ENV
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
+from diffprep.writer.plan import write_plan
+from diffprep.writer.shards import ShardWriter, read_manifests
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def reference(prefect_server, data, tiny_model, tmp_path_factory) -> dict[str, s
 def test_killed_at_a_point_then_rerun_gives_the_same_dataset(point, prefect_server, data, tiny_model, reference,
                                                             tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "diffprep.cli", *_args(data, tiny_model, out)],
+    run = subprocess.run([sys.executable, "-m", "diffprep", *_args(data, tiny_model, out)],
                          env=_env() | {FAILPOINT_ENV: point}, capture_output=True, text=True, timeout=300)
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     assert main(_args(data, tiny_model, out)) == 0
@@ -85,7 +85,7 @@ def test_killed_at_random_moments(prefect_server, data, tiny_model, reference, t
     rng = random.Random(7)
     out = tmp_path / "out"
     for _ in range(2):
-        run = subprocess.Popen([sys.executable, "-m", "diffprep.cli", *_args(data, tiny_model, out)], env=_env(),
+        run = subprocess.Popen([sys.executable, "-m", "diffprep", *_args(data, tiny_model, out)], env=_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             run.wait(timeout=rng.uniform(4.0, 12.0))
@@ -175,7 +175,7 @@ def test_prefect_server_going_away_mid_run_leaves_no_half_written_files(prefect_
                 assert time.monotonic() < deadline, "prefect server did not start"
                 time.sleep(0.5)
         # One retry of a failed API call, not Prefect's default five with backoff: the server stays gone.
-        run = subprocess.Popen([sys.executable, "-m", "diffprep.cli", *_args(data, tiny_model, out)],
+        run = subprocess.Popen([sys.executable, "-m", "diffprep", *_args(data, tiny_model, out)],
                                env=env | {"PREFECT_API_URL": url, "PREFECT_CLIENT_MAX_RETRIES": "1"},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while not read_manifests(out) and run.poll() is None:

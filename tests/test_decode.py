@@ -26,24 +26,24 @@ import diffprep.flows.encode  # noqa: F401
 
 from conftest import SMALL_SETTINGS
 from diffprep import contract
-from diffprep.audit import audit
+from diffprep.phases.audit import audit
 from diffprep.cli import main
 from diffprep.config import Settings, SourceConfig, load_settings
-from diffprep.decode import decode_dataset, read_samples, source_config
+from diffprep.validation.decode import decode_dataset, read_samples, source_config
 from diffprep.families.flux_vae import VaeDecoder
-from diffprep.pictures import CONTACT_SHEET
-from diffprep.demo import write_demo_dataset
+from diffprep.report.pictures import CONTACT_SHEET
+from diffprep.tools.demo import write_demo_dataset
 from diffprep.encodings.preencoded import preencoded_fields, sanity_check
-from diffprep.units import encode_unit
+from diffprep.run.units import encode_unit
 from diffprep.families.flux import FluxEncoders
-from diffprep.energon import finalize
+from diffprep.run.energon import finalize
 from diffprep.errors import ConfigError, DiffprepError, SourceError
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec, prepare_image, to_uint8
-from diffprep.plan import Plan, read_plan, write_plan
-from diffprep.shards import load_tensor, read_manifests
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec, prepare_image, to_uint8
+from diffprep.writer.plan import Plan, read_plan, write_plan
+from diffprep.writer.shards import load_tensor, read_manifests
 from diffprep.sources import Source, open_source
-from diffprep.validate import validate_dataset
+from diffprep.validation import validate_dataset
 from diffprep.tasks.common import slug
 from latent_direct import ATOL, RTOL
 
@@ -217,7 +217,7 @@ def test_the_sanity_round_trip_is_said_in_words_and_only_where_there_was_one(dat
     (None per image, never "[None, None]"), nothing for a run that decodes nothing (an ingest, prompts)."""
     from dataclasses import replace
 
-    from diffprep.sanity import round_trip_text, sanity_markdown
+    from diffprep.run.sanity import round_trip_text, sanity_markdown
 
     spec = ImageSpec.from_config(dataset.settings.image)
     report = sanity_check(tmp_path / "out", dataset.plan, dataset.encoders, dataset.source, spec, batch_size=4,
@@ -316,7 +316,7 @@ def test_validate_without_a_reachable_vae_skips_previews_with_a_note(dataset: Da
 
 
 def test_contact_sheet_png_is_embedded_small(dataset: Dataset, tmp_path: Path) -> None:
-    from diffprep.pictures import MAX_EMBED_BYTES, markdown_image
+    from diffprep.report.pictures import MAX_EMBED_BYTES, markdown_image
 
     report = decode_dataset(dataset.out, 4, sheet=tmp_path / "sheet.png", device="cpu")
     markdown = markdown_image(report.contact_sheet)
@@ -372,8 +372,8 @@ def test_a_plans_source_description_reopens_the_same_source(make, tmp_path: Path
 def test_a_scenes_cameras_picture_is_a_grid_of_bounded_size(count: int, size: tuple[int, int]) -> None:
     """`<key>.cameras.png`: the camera views above the frames in rows (24 frames of 352x288: 5 x 5 at full size;
     256: 15 x 18, shrunk to fit 2048 px), never one strip that grows with every frame (24 frames: 8,704 px wide)."""
-    from diffprep.camera_pictures import PANEL
-    from diffprep.decode import camera_picture
+    from diffprep.report.camera_pictures import PANEL
+    from diffprep.validation.decode import camera_picture
 
     frames = torch.arange(count, dtype=torch.uint8).view(count, 1, 1, 1).expand(count, 3, 288, 352).contiguous()
     c2w = np.tile(np.eye(4), (count, 1, 1))

@@ -25,8 +25,8 @@ from diffprep import contract
 import diffprep.flows.validate  # noqa: F401
 
 from diffprep.config import EncodeParameters
-from diffprep.demo import write_demo_dataset
-from diffprep.validate import validate_dataset
+from diffprep.tools.demo import write_demo_dataset
+from diffprep.validation import validate_dataset
 from prefect_cli import Process, run, wait_for_state
 
 REPO = Path(__file__).resolve().parents[1]

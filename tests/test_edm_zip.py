@@ -19,7 +19,7 @@ from PIL import Image
 
 from diffprep import contract
 from diffprep.config import load_settings
-from diffprep.crops import adm_center_crop, edm_center_crop
+from diffprep.media.crops import adm_center_crop, edm_center_crop
 from diffprep.errors import ConfigError, SourceError
 from diffprep.sources.cifar10 import Cifar10Source, load_batch
 
@@ -159,7 +159,7 @@ def test_a_pickle_naming_anything_else_is_refused_not_run() -> None:
 
 
 def test_edm_zip_settings_are_checked(tmp_path: Path) -> None:
-    from diffprep.fetch import fetch
+    from diffprep.phases.fetch import fetch
 
     root = write_classes(tmp_path / "train", {"a": [(40, 40)]})
     source = {"type": "imagefolder", "input_dir": str(root)}
@@ -181,7 +181,7 @@ def test_edm_zip_settings_are_checked(tmp_path: Path) -> None:
 
 
 def test_num_classes_contradicting_the_source_and_cifar_at_another_size_are_refused(tmp_path: Path) -> None:
-    from diffprep.fetch import fetch
+    from diffprep.phases.fetch import fetch
     from diffprep.sources.labels import check_num_classes
 
     root = write_classes(tmp_path / "train", {"a": [(40, 40)], "b": [(40, 40)], "c": [(40, 40)]})
@@ -210,14 +210,14 @@ def test_num_classes_contradicting_the_source_and_cifar_at_another_size_are_refu
 def command_settings(*flags: str) -> object:
     """The settings a `diffprep raw` command line gives (only the flags typed override)."""
     from diffprep.cli import build_parser
-    from diffprep.cli_flags import overrides_from
+    from diffprep.cli.flags import overrides_from
 
     return load_settings(overrides=overrides_from(build_parser().parse_args(["raw", *flags])))
 
 
 def test_a_value_the_layout_or_source_allows_alone_is_the_default_and_typed_it_is_the_users(tmp_path: Path) -> None:
     from diffprep.encodings.edm_zip import check_settings
-    from diffprep.fetch import fetch
+    from diffprep.phases.fetch import fetch
 
     tarball = tmp_path / "cifar-10-python.tar.gz"
     write_cifar(tarball, count=1)
@@ -241,7 +241,7 @@ def test_a_value_the_layout_or_source_allows_alone_is_the_default_and_typed_it_i
 
 @pytest.mark.slow
 def test_class_folders_become_edm_archive_fastgen_reads_and_a_resume_rebuilds_it_byte_for_byte(tmp_path) -> None:
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     root = write_classes(tmp_path / "train", {"n02": [(64, 48), (40, 70)], "n01": [(32, 32), (90, 60), (33, 40)]})
     out = tmp_path / "out"
@@ -281,7 +281,7 @@ def test_class_folders_become_edm_archive_fastgen_reads_and_a_resume_rebuilds_it
     assert archive.read_bytes() == data
 
     from diffprep.output import Output
-    from diffprep.ownership import ownership
+    from diffprep.validation.ownership import ownership
 
     assert contract.EDM_ZIP in ownership(Output(out)).ours
 
@@ -290,8 +290,8 @@ def test_class_folders_become_edm_archive_fastgen_reads_and_a_resume_rebuilds_it
 def test_imagenet_layout_at_64_px_reads_as_fastgen_does_with_either_crop(tmp_path, crop) -> None:
     """ImageNet-64 as FastGen's recipes read it: synset folders -> labels by sorted folder, each image the crop's
     64 px square (the sources large enough that --crop adm box-halves first)."""
-    from diffprep.crops import crop_image
-    from diffprep.pipeline import run
+    from diffprep.media.crops import crop_image
+    from diffprep.phases.pipeline import run
 
     sizes = {"n01443537": [(300, 200)], "n01440764": [(150, 260), (129, 129)], "n01484850": [(200, 140)]}
     root = write_classes(tmp_path / "train", sizes)
@@ -312,7 +312,7 @@ def test_imagenet_layout_at_64_px_reads_as_fastgen_does_with_either_crop(tmp_pat
 
 @pytest.mark.slow
 def test_cifar_tarball_becomes_the_archive_fastgen_reads(tmp_path) -> None:
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     tarball = tmp_path / "cifar-10-python.tar.gz"
     images, labels = write_cifar(tarball)

@@ -20,13 +20,13 @@ from diffprep import contract
 from diffprep.config import ModelConfig
 from diffprep.encodings.preencoded import preencoded_fields, sanity_check
 from diffprep.output import Output
-from diffprep.reader import iter_batches, prefetch
-from diffprep.units import DiskSpaceError, encode_unit
+from diffprep.run.reader import iter_batches, prefetch
+from diffprep.run.units import DiskSpaceError, encode_unit
 from diffprep.families.flux import FluxEncoders
 from diffprep.errors import DiffprepError
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec, target_size
-from diffprep.shards import file_sha256, read_manifest, tar_keys
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec, target_size
+from diffprep.writer.shards import file_sha256, read_manifest, tar_keys
 
 T5_LENGTH = 16  # the same as conftest's settings_for
 
@@ -358,7 +358,7 @@ def test_sanity_check_writes_its_report_and_one_sample(run, demo_data: Path, enc
 def test_sanity_check_stops_when_the_disk_is_too_small(run, demo_data: Path, encoders, monkeypatch) -> None:
     out, _, plan, source, spec = run(demo_data)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("diffprep.sanity.shutil.disk_usage", lambda path: usage(10_000, 9_000, 1_000))
+    monkeypatch.setattr("diffprep.run.sanity.shutil.disk_usage", lambda path: usage(10_000, 9_000, 1_000))
 
     with pytest.raises(DiskSpaceError) as info:
         sanity_check(out, plan, encoders, source, spec, batch_size=4)

@@ -18,8 +18,8 @@ from megatron.energon.errors import reraise_exception
 from PIL import Image
 
 from diffprep import contract
-from diffprep.cooker import FluxPreencodedSample, FluxPreencodedTaskEncoder, FluxRawTaskEncoder
-from diffprep.energon import (
+from diffprep.writer.cooker import FluxPreencodedSample, FluxPreencodedTaskEncoder, FluxRawTaskEncoder
+from diffprep.run.energon import (
     _exact_names_pattern,
     assign_splits,
     finalize,
@@ -29,7 +29,7 @@ from diffprep.energon import (
     read_split_yaml,
 )
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
-from diffprep.shards import ShardWriter, UnitManifest, file_sha256, write_manifest
+from diffprep.writer.shards import ShardWriter, UnitManifest, file_sha256, write_manifest
 
 
 def preencoded_sample(generator: torch.Generator, latents_shape: tuple[int, ...] = (16, 4, 4)) -> dict[str, Any]:
@@ -380,8 +380,8 @@ def test_planned_split_says_what_whole_shards_give() -> None:
 def test_a_split_is_checked_before_encoding_and_kept_for_a_later_finalize(tmp_path, tiny_model, settings_for,
                                                                           caplog) -> None:
     from diffprep.cli import main
-    from diffprep.demo import write_demo_dataset
-    from diffprep.pipeline import run
+    from diffprep.tools.demo import write_demo_dataset
+    from diffprep.phases.pipeline import run
 
     images = write_demo_dataset(tmp_path / "images", samples=6)
     out = tmp_path / "out"

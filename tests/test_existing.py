@@ -15,10 +15,10 @@ import pytest
 
 from diffprep import contract
 from diffprep.errors import ExistingOutputError, LockedError
-from diffprep.existing import CHOICES, decide, inspect_output, next_free_dir
+from diffprep.phases.existing import CHOICES, decide, inspect_output, next_free_dir
 from diffprep.output import Output, OutputLock
-from diffprep.ownership import ownership
-from diffprep.plan import write_plan
+from diffprep.validation.ownership import ownership
+from diffprep.writer.plan import write_plan
 
 
 @pytest.fixture

@@ -33,16 +33,16 @@ from prefect.client.schemas.objects import StateType
 from prefect.logging.handlers import APILogHandler
 
 from diffprep import contract
-from diffprep.approvals import ApprovalRefused
-from diffprep.demo import write_demo_dataset
+from diffprep.run.approvals import ApprovalRefused
+from diffprep.tools.demo import write_demo_dataset
 from diffprep.errors import ConfigError, DiffprepError
-from diffprep.fetch import fetch
+from diffprep.phases.fetch import fetch
 from diffprep.encodings import preencoded
 from diffprep.output import Output
-from diffprep.pipeline import encode_one_unit, sanity_phase
-from diffprep.plan import write_plan
-from diffprep.shards import read_manifest, read_manifests
-from diffprep.validate import validate_dataset
+from diffprep.phases.pipeline import encode_one_unit, sanity_phase
+from diffprep.writer.plan import write_plan
+from diffprep.writer.shards import read_manifest, read_manifests
+from diffprep.validation import validate_dataset
 from flow_runs import BackgroundRun, FinishedRun, answer, parameters, tree
 from diffprep.tasks.approvals import POLL_SECONDS
 from diffprep.tasks.common import is_transient, retry_transient
@@ -204,7 +204,7 @@ def test_library_log_lines_reach_the_run_log(finished: FinishedRun) -> None:
     messages = [(log.name, log.message) for log in logs]
     # One line per finished unit from the library's own logger, with its rate...
     for unit in range(3):
-        assert any(name == "diffprep.units" and message.startswith(f"unit {unit:06d}: 4 written, 0 rejected in ")
+        assert any(name == "diffprep.run.units" and message.startswith(f"unit {unit:06d}: 4 written, 0 rejected in ")
                    and "samples/s" in message for name, message in messages), messages
     # ...next to the flow's progress line.
     assert any("unit 000002 done (3/3)" in message and "samples/s overall" in message for _, message in messages)

@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from diffprep import contract
-from diffprep.demo import write_demo_dataset
+from diffprep.tools.demo import write_demo_dataset
 from flow_runs import parameters
 from diffprep.flows.encode import encode_dataset
 from latent_direct import close32, direct
@@ -109,7 +109,7 @@ def sqlite_dump(data: bytes) -> bytes:
 
 
 def machine(plan_json: bytes) -> dict[str, str]:
-    """plan.json's record of the machine (its CPU kernels and thread count, diffprep/threads.py) as placeholders:
+    """plan.json's record of the machine (its CPU kernels and thread count, diffprep/run/threads.py) as placeholders:
     the shards' bytes are what depends on them, and they are compared per kernel family."""
     cpu = json.loads(plan_json)["cpu"]
     return {f'"capability": "{cpu["capability"]}"': '"capability": "<cpu>"',
@@ -150,10 +150,10 @@ def check_derived(files: dict[str, bytes]) -> None:
     """Each unit's saved moments are those of its shard's latents, recomputed in key order (to the byte, with the
     run's fingerprint), and latent_stats.pt is their merge in unit order (to the byte), equal to the statistics
     computed at once from every stored latent (to float32 precision: the file is float32)."""
-    from diffprep.latent_stats import UnitStats, merge_units
-    from diffprep.layouts import Layout
-    from diffprep.plan import Plan
-    from diffprep.shards import UnitManifest, load_tensor, torch_bytes
+    from diffprep.report.latent_stats import UnitStats, merge_units
+    from diffprep.writer.layouts import Layout
+    from diffprep.writer.plan import Plan
+    from diffprep.writer.shards import UnitManifest, load_tensor, torch_bytes
 
     plan = Plan.from_json(json.loads(files[f"{contract.STATE_DIR}/{contract.PLAN_JSON}"]))
     layout = Layout.of_plan(plan.settings)

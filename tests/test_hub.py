@@ -22,7 +22,7 @@ from huggingface_hub.utils import filter_repo_objects, hf_raise_for_status
 
 from diffprep.config import ModelConfig
 from diffprep.families.flux import resolve_encoders
-from diffprep.hub import resolve_component, resolve_token
+from diffprep.families.hub import resolve_component, resolve_token
 from diffprep.errors import AuthError, ConfigError, OfflineError
 from diffprep.families.flux_tiny import write_tiny_model
 
@@ -310,7 +310,7 @@ def test_a_hub_vae_repo_without_model_index_is_told_by_its_config_and_loads(tiny
 
     # The README's ImageNet-256 command plans as sd-vae latents with the hub id as --model-path.
     from diffprep import contract
-    from diffprep.fetch import fetch
+    from diffprep.phases.fetch import fetch
     from test_sd_vae import sd_vae_settings, write_classes
 
     settings = sd_vae_settings(tmp_path / "out", write_classes(tmp_path / "train"), "stabilityai/sd-vae-ft-mse")

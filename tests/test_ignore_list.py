@@ -23,14 +23,14 @@ import webdataset.autodecode
 from fastgen_loader import fastgen_ignore_index, fastgen_samples, fastgen_shard_counts, fastgen_shards
 
 from diffprep import contract
-from diffprep.audit import audit
+from diffprep.phases.audit import audit
 from diffprep.cli import main
-from diffprep.energon import finalize
-from diffprep.layouts import Layout
+from diffprep.run.energon import finalize
+from diffprep.writer.layouts import Layout
 from diffprep.output import as_output
-from diffprep.pipeline import run
-from diffprep.plan import read_plan, write_plan
-from diffprep.shards import read_manifests, torch_bytes
+from diffprep.phases.pipeline import run
+from diffprep.writer.plan import read_plan, write_plan
+from diffprep.writer.shards import read_manifests, torch_bytes
 from diffprep.validation.ignore_list import scan_output
 
 

@@ -13,10 +13,10 @@ from PIL import Image
 
 from diffprep import contract
 from diffprep.errors import ConfigError
-from diffprep.images import ImageSpec, prepare_image
+from diffprep.media.images import ImageSpec, prepare_image
 from diffprep.media.buckets import auto_image_buckets, parse_image_buckets
-from diffprep.pipeline import run
-from diffprep.shards import load_tensor
+from diffprep.phases.pipeline import run
+from diffprep.writer.shards import load_tensor
 from flow_runs import shard_samples
 from latent_direct import close32, direct
 
@@ -97,7 +97,7 @@ def test_bucketed_run_one_bucket_per_shard_validated_and_loaded_by_size(settings
 
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
-    from diffprep.cooker import FluxBucketedTaskEncoder
+    from diffprep.writer.cooker import FluxBucketedTaskEncoder
 
     dataset = get_train_dataset(out, batch_size=2, shuffle_buffer_size=None, max_samples_per_sequence=None,
                                 task_encoder=FluxBucketedTaskEncoder(), repeat=False,

@@ -84,7 +84,7 @@ def test_the_source_type_is_explicit_and_open_source_builds_it(tmp_path) -> None
 
 @pytest.mark.slow
 def test_labels_and_captions_reach_the_flux_shards(tmp_path, tiny_model, settings_for) -> None:
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     root = write_class_folders(tmp_path / "train", {"n1": 2, "n0": 3})
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""diffprep.images on real encoded files built in memory with Pillow (small sizes, fast)."""
+"""diffprep.media.images on real encoded files built in memory with Pillow (small sizes, fast)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from PIL import Image
 
 from diffprep.config import ImageConfig
 from diffprep.errors import ConfigError, RejectError
-from diffprep.images import ImageSpec, PreparedImage, prepare_image, psnr, target_size, to_model_input, to_uint8
+from diffprep.media.images import ImageSpec, PreparedImage, prepare_image, psnr, target_size, to_model_input, to_uint8
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
 # Variable size with max_size above the test images: multiple-of-16 sources come out pixel for pixel.

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from diffprep.demo import write_av_clip, write_demo_dataset
+from diffprep.tools.demo import write_av_clip, write_demo_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ quiet_diffusers()
 from diffprep.config import load_settings
 from diffprep.encodings import encoding_for
 from diffprep.flows.startup import load_ahead
-from diffprep.pipeline import plan_output, settings_output
+from diffprep.phases.pipeline import plan_output, settings_output
 
 not_loaded = []
 handler = logging.Handler(logging.DEBUG)

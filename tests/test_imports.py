@@ -30,8 +30,26 @@ def project_modules() -> dict[str, Path]:
     return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
 
 
-def _executed_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: at module level or inside functions, not under ``if TYPE_CHECKING:``."""
+# The packages along the data's path, lowest first: each imports only those before it (and itself), not even for
+# an annotation. The root keeps errors and contract, which every module uses; the face (diffprep/__init__.py,
+# __main__.py) comes last.
+LAYERS = ("root", "config", "sources", "media", "writer", "output", "families", "report", "run", "encodings",
+          "validation", "phases", "tools", "blocks", "tasks", "flows", "cli", "face")
+
+
+def layer(module: str) -> str:
+    """``diffprep.<package>...`` -> its package; the root's modules and the face by name."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return "face"
+    if len(parts) == 2 and parts[1] in ("errors", "contract"):
+        return "root"
+    return parts[1]
+
+
+def _executed_imports(tree: ast.Module, typing: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at module level or inside functions, not under ``if TYPE_CHECKING:``
+    (``typing``: those too)."""
     typing_only: set[int] = set()
     for node in ast.walk(tree):
         test = getattr(node, "test", None) if isinstance(node, ast.If) else None
@@ -39,15 +57,16 @@ def _executed_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
                                  or getattr(test, "attr", None) == "TYPE_CHECKING"):
             typing_only.update(id(inner) for statement in node.body for inner in ast.walk(statement))
     return [node for node in ast.walk(tree)
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only]
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and (typing or id(node) not in typing_only)]
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (``typing``: annotation-only imports too)."""
     modules = project_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _executed_imports(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _executed_imports(ast.parse(path.read_text(encoding="utf-8")), typing):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -113,6 +132,22 @@ def test_no_import_cycle_in_the_project() -> None:
     assert cycles(graph) == []
 
 
+def test_no_import_cycle_even_through_annotations() -> None:
+    assert cycles(import_graph(typing=True)) == []
+
+
+def test_packages_import_one_way_down_the_data_path() -> None:
+    """No package imports one after it in ``LAYERS`` (annotation-only imports included), and every module of
+    the library sits in one of them: a module at the package root is errors, contract or the face."""
+    graph = import_graph(typing=True)
+    assert {layer(name) for name in graph} <= set(LAYERS), sorted({layer(name) for name in graph} - set(LAYERS))
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                    if rank[layer(target)] > rank[layer(name)])
+    assert upward == []
+    assert layer("diffprep.writer.shards") == "writer" and layer("diffprep.errors") == "root"
+
+
 def test_every_package_is_installed_under_diffprep() -> None:
     """pyproject.toml lists the packages by hand (the Prefect layer maps into diffprep.*): none may be missing."""
     import tomllib
@@ -159,7 +194,7 @@ def test_writing_a_dataset_does_not_load_energon_or_boto3() -> None:
     import subprocess
     import sys
 
-    probe = ("import sys; import diffprep.pipeline, diffprep.encodings as e; "
+    probe = ("import sys; import diffprep.phases.pipeline, diffprep.encodings as e; "
              "print(sorted(m for m in ('megatron.energon', 'multistorageclient', 'boto3') if m in sys.modules)); "
              "print(all(e.get_encoding(name).task_encoder().cookers for name in e.ENCODINGS if name != 'sd_vae'))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)

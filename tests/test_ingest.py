@@ -26,13 +26,13 @@ import yaml
 
 from diffprep import contract
 from diffprep.cli import main
-from diffprep.cooker import load_bf16_npy
+from diffprep.writer.cooker import load_bf16_npy
 from diffprep.encodings.ingested import npy_header, row_fields
-from diffprep.energon import read_split_yaml
+from diffprep.run.energon import read_split_yaml
 from diffprep.errors import SourceError
-from diffprep.failpoints import ENV as FAILPOINT_ENV
-from diffprep.ingest_settings import load_ingest
-from diffprep.shards import Reject
+from diffprep.run.failpoints import ENV as FAILPOINT_ENV
+from diffprep.tools.ingest_settings import load_ingest
+from diffprep.writer.shards import Reject
 from diffprep.sources.mlperf import Prefetcher, download, parse_md5_lines, read_manifest, safe_file_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,7 +250,7 @@ def test_an_ingest_killed_before_a_commit_resumes_to_the_same_dataset(mlperf, tm
 
     out = tmp_path / "out"
     env = os.environ | {FAILPOINT_ENV: "before-manifest@2", "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-m", "diffprep.cli", *_args(mlperf, out)], env=env,
+    killed = subprocess.run([sys.executable, "-m", "diffprep", *_args(mlperf, out)], env=env,
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sorted(p.name for p in (out / contract.STATE_DIR / contract.UNITS_DIR).iterdir()) == ["000000.json"]
@@ -288,7 +288,7 @@ def test_validate_as_a_fresh_process_passes_an_ingested_dataset_as_the_run_did(m
     assert sorted(server.requests) == names
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PYTHONPATH": str(REPO)}
-    checked = subprocess.run([sys.executable, "-m", "diffprep.cli", "validate", str(out)], env=env,
+    checked = subprocess.run([sys.executable, "-m", "diffprep", "validate", str(out)], env=env,
                              capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     report = checked.stdout
@@ -362,7 +362,7 @@ def test_datasets_resume_grow_and_keep_their_splits(mlperf, tmp_path, capsys):
 
     out = tmp_path / "out"
     env = os.environ | {FAILPOINT_ENV: "before-manifest@2", "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-m", "diffprep.cli", *_config_args(config, out)], env=env,
+    killed = subprocess.run([sys.executable, "-m", "diffprep", *_config_args(config, out)], env=env,
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert main(_config_args(config, out)) == 0

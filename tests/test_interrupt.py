@@ -22,7 +22,7 @@ import pytest
 
 from diffprep import contract
 from diffprep.cli import INTERRUPTED, main
-from diffprep.demo import write_demo_dataset
+from diffprep.tools.demo import write_demo_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Latent statistics (diffprep/latent_stats.py): merged moments equal the direct computation, the whitening is
+"""Latent statistics (diffprep/report/latent_stats.py): merged moments equal the direct computation, the whitening is
 cov^-1/2, and `diffprep latent-stats` reproduces, from the stored shards, what validation saved."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check
-from diffprep.latent_stats import EIGEN_FLOOR, LatentStats
-from diffprep.shards import load_tensor
+from diffprep.report.checks import Check
+from diffprep.report.latent_stats import EIGEN_FLOOR, LatentStats
+from diffprep.writer.shards import load_tensor
 from diffprep.validation import validate_dataset
-from diffprep.validation.report import ValidationReport
+from diffprep.report.validation import ValidationReport
 from flow_runs import shard_samples
 from latent_direct import close32, direct
 
@@ -75,7 +75,7 @@ def test_without_full_cov_the_result_is_per_channel_only_and_channels_must_agree
 def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, demo_data, tiny_model,
                                                                     settings_for, capsys) -> None:
     from diffprep.cli import main
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     out = tmp_path / "out"
     settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 3}, finalize={"train_split": 1.0})
@@ -130,10 +130,10 @@ def test_full_cov_units_merge_at_finalize_to_what_the_command_computes(tmp_path,
     them (no second pass) into the stats file, with the covariance; a resumed unit saves them again, and a unit
     that has none, or none with co-moments, is read from its shard. Equal to `diffprep latent-stats --full-cov`."""
     from diffprep.cli import main
-    from diffprep.latent_stats import unit_stats_path
+    from diffprep.report.latent_stats import unit_stats_path
     from diffprep.output import Output
-    from diffprep.ownership import ownership
-    from diffprep.pipeline import run
+    from diffprep.validation.ownership import ownership
+    from diffprep.phases.pipeline import run
 
     out = tmp_path / "out"
     settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 3},
@@ -193,8 +193,8 @@ def test_an_sd_vae_posterior_counts_by_its_mean_half_and_a_bad_one_is_named() ->
 
     import numpy as np
 
-    from diffprep.latent_stats import UnitStats, latent_of
-    from diffprep.shards import SampleLoadError, npy_bytes
+    from diffprep.report.latent_stats import UnitStats, latent_of
+    from diffprep.writer.shards import SampleLoadError, npy_bytes
 
     generator = torch.Generator().manual_seed(1)
     posteriors = [torch.cat([torch.randn(4, 2, 2, generator=generator), torch.rand(4, 2, 2, generator=generator)])

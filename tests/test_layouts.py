@@ -25,19 +25,19 @@ from torch.utils.data import default_collate
 from conftest import TINY_EXPECTED
 from fastgen_loader import fastgen_samples
 from diffprep import contract
-from diffprep.audit import audit
+from diffprep.phases.audit import audit
 from diffprep.config import load_settings
-from diffprep.decode import decode_dataset
+from diffprep.validation.decode import decode_dataset
 from diffprep.families.flux import FluxEncoders
 from diffprep.encodings import get_encoding
-from diffprep.energon import read_subflavors
+from diffprep.run.energon import read_subflavors
 from diffprep.errors import ConfigError
-from diffprep.existing import inspect_output
-from diffprep.images import ImageSpec, prepare_image
-from diffprep.layouts import Layout, layout_for
-from diffprep.pipeline import run
-from diffprep.plan import fingerprint, read_plan
-from diffprep.shards import read_manifests
+from diffprep.phases.existing import inspect_output
+from diffprep.media.images import ImageSpec, prepare_image
+from diffprep.writer.layouts import Layout, layout_for
+from diffprep.phases.pipeline import run
+from diffprep.writer.plan import fingerprint, read_plan
+from diffprep.writer.shards import read_manifests
 from diffprep.validation import validate_dataset
 from test_posterior import _drop_member
 

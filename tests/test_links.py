@@ -1,4 +1,4 @@
-"""Nothing is written, renamed or removed through a symbolic link inside an output (``diffprep.ownership``).
+"""Nothing is written, renamed or removed through a symbolic link inside an output (``diffprep.validation.ownership``).
 
 Every layout's dataset is written once; then, one case at a time, a folder of it, or one file in each of its
 folders, is replaced by a link to a copy outside the output, and the run is made again with every answer. The
@@ -24,8 +24,8 @@ from test_ownership import image_settings, images, never_ask  # noqa: F401 - ima
 from diffprep import contract
 from diffprep.config import load_settings
 from diffprep.errors import ExistingOutputError, LinkInOutputError
-from diffprep.ownership import classify
-from diffprep.pipeline import run
+from diffprep.validation.ownership import classify
+from diffprep.phases.pipeline import run
 
 # A run of a layout: (the output folder, on_existing, whether with other settings than the first run) -> result.
 Again = Callable[[Path, "str | None", bool], object]
@@ -239,7 +239,7 @@ def test_a_t2i_pack_refuses_a_link_where_it_writes(tmp_path) -> None:
     """``diffprep t2i imagenet``: its folder, state folder and shards, each a link in turn, with a pack again."""
     from class_folders import write_class_folders
 
-    from diffprep.t2i import pack_imagenet
+    from diffprep.tools.t2i import pack_imagenet
 
     source = write_class_folders(tmp_path / "train", {"a": 3, "b": 3})
     split = contract.T2I_SPLIT_FOLDERS["imagenet"]
@@ -263,7 +263,7 @@ def test_a_t2i_pack_refuses_a_link_where_it_writes(tmp_path) -> None:
 
 
 def test_the_blip3o_mirror_refuses_a_linked_split_folder(tmp_path, hub, monkeypatch) -> None:
-    from diffprep.t2i_mirror import mirror_blip3o, parse_repo_overrides
+    from diffprep.tools.t2i_mirror import mirror_blip3o, parse_repo_overrides
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)

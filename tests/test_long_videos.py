@@ -128,7 +128,7 @@ def test_scene_threshold_is_checked_and_fingerprinted_only_when_it_changes_the_c
     from scenedetect import AdaptiveDetector, ContentDetector, HistogramDetector, ThresholdDetector
 
     from diffprep.errors import ConfigError
-    from diffprep.media.windows import DEFAULT_THRESHOLDS
+    from diffprep.config.sections import DEFAULT_THRESHOLDS
 
     # An unset threshold is PySceneDetect's own default, so plans made before the flag keep their fingerprints.
     for name, kind, key in [("content", ContentDetector, "threshold"), ("adaptive", AdaptiveDetector,
@@ -291,7 +291,7 @@ def test_a_lying_container_is_planned_from_its_frames(long_data):
     with av.open(__import__("io").BytesIO(data)) as container:
         assert container.duration / 1e6 * 10 == 120  # duration x fps says 120 frames
     from diffprep.encodings.clips import clip_spec
-    from diffprep.long_videos import scene_record
+    from diffprep.run.long_videos import scene_record
 
     spec = clip_spec(_long_settings(long_data, long_data).video, LONG_BUCKETS, 2, 1)
     record = scene_record(data, spec)
@@ -311,7 +311,7 @@ def test_a_lying_container_is_planned_from_its_frames(long_data):
 ])
 def test_each_clip_mode_plans_the_windows_it_promises(long_data, mode, extra, windows):
     from diffprep.encodings.clips import clip_spec
-    from diffprep.long_videos import scene_record
+    from diffprep.run.long_videos import scene_record
 
     spec = clip_spec(_long_settings(long_data, long_data, clip_mode=mode, **extra).video, LONG_BUCKETS, 2, 1)
     record = scene_record((long_data / "videos" / "talk.mp4").read_bytes(), spec)
@@ -326,8 +326,8 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     import hashlib
     import json
 
-    from diffprep.pipeline import run
-    from diffprep.plan import read_plan
+    from diffprep.phases.pipeline import run
+    from diffprep.writer.plan import read_plan
     from flow_runs import shard_samples
 
     out = tmp_path / "out"
@@ -349,7 +349,7 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
 
     audit = json.loads((out / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
     assert audit["discarded_frames"] == {"chain_tail": 12 + 4} and audit["inputs"] == len(planned)
-    from diffprep.long_videos import scenes_table
+    from diffprep.run.long_videos import scenes_table
 
     assert scenes_table(plan.scenes) == [
         {"source": "game.mkv", "frames": 40, "shots": 2, "clips": {"32x24x8": 2, "32x24x20": 1},
@@ -369,13 +369,13 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
         assert fields["txt"].decode() == (long_data / "captions" / (source.rsplit(".", 1)[0] + ".txt")).read_text().strip()
 
     # decode: each stored clip beside its window re-read from the source.
-    from diffprep.decode import decode_dataset
+    from diffprep.validation.decode import decode_dataset
 
     report = decode_dataset(out, 3, to_dir=tmp_path / "previews")
     assert report.previews and all(p.psnr_db is not None and p.psnr_db > 25 for p in report.previews), report
 
     # A re-run reads the shots from plan.json (no detection) and writes nothing new; a fresh output: same bytes.
-    import diffprep.long_videos as long_videos
+    import diffprep.run.long_videos as long_videos
 
     def no_detection(*args, **kwargs):
         raise AssertionError("shots detected again")
@@ -394,7 +394,7 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
 
     fresh = tmp_path / "fresh"
     cli = subprocess.run(
-        [sys.executable, "-m", "diffprep.cli", "raw", "--source-type", "directory", "--input-dir", str(long_data),
+        [sys.executable, "-m", "diffprep", "raw", "--source-type", "directory", "--input-dir", str(long_data),
          "--output-dir", str(fresh), "--shard-size", "3", "--resolution-buckets", LONG_BUCKETS, "--target-fps", "10",
          "--split-scenes", "content", "--min-scene-seconds", "0.5", "--clip-mode", "chain",
          "--decode-workers", "2", "--train-split", "1.0"],
@@ -406,13 +406,13 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
 
     # SIGKILLed at its fifth sample write (inside the second unit), then resumed: the same shards.
     from diffprep.cli import main
-    from diffprep.failpoints import ENV as FAILPOINT_ENV
+    from diffprep.run.failpoints import ENV as FAILPOINT_ENV
 
     killed = tmp_path / "killed"
     args = ["raw", "--source-type", "directory", "--input-dir", str(long_data), "--output-dir", str(killed),
             "--shard-size", "3", "--resolution-buckets", LONG_BUCKETS, "--target-fps", "10",
             "--split-scenes", "content", "--train-split", "1.0"]
-    dead = subprocess.run([sys.executable, "-m", "diffprep.cli", *args],
+    dead = subprocess.run([sys.executable, "-m", "diffprep", *args],
                           env=os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), FAILPOINT_ENV: "shard-write@5",
                                             "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
                           capture_output=True, text=True, timeout=300)
@@ -452,7 +452,7 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
 
 
 def test_a_changed_source_is_reported_not_split_again():
-    from diffprep.long_videos import changed_sources
+    from diffprep.run.long_videos import changed_sources
 
     records = {"a.mp4": {"stamp": "10 100"}, "b.mp4": {"stamp": "20 200"}, "c.mp4": {}}
     assert changed_sources(records, {"a.mp4": "10 100", "b.mp4": "21 200", "c.mp4": "1"}) == ["b.mp4"]
@@ -501,8 +501,8 @@ def test_a_window_is_decoded_from_the_key_frame_before_it_not_from_the_start():
 def test_long_videos_through_the_tiny_wan_encoders(long_data, tiny_wan, tmp_path):
     """The same windows pre-encoded by Wan's VAE: every clip a sample of its bucket's latent shape."""
     from diffprep.config import load_settings
-    from diffprep.pipeline import run
-    from diffprep.plan import read_plan
+    from diffprep.phases.pipeline import run
+    from diffprep.writer.plan import read_plan
 
     out = tmp_path / "wan"
     settings = load_settings(overrides={
@@ -527,10 +527,10 @@ def test_the_plan_names_its_short_shots_and_asks_before_encoding(tmp_path):
     encoding, offering the bucket that keeps it; an accept holds for the same shots, --accept-rejects above the
     fraction asks nothing."""
     from diffprep import contract
-    from diffprep.approvals import ApprovalRefused
-    from diffprep.long_videos import scenes_markdown, scenes_summary
-    from diffprep.pipeline import run
-    from diffprep.plan import read_plan
+    from diffprep.run.approvals import ApprovalRefused
+    from diffprep.run.long_videos import scenes_markdown, scenes_summary
+    from diffprep.phases.pipeline import run
+    from diffprep.writer.plan import read_plan
 
     data = tmp_path / "data"
     (data / "videos").mkdir(parents=True)
@@ -568,7 +568,7 @@ def test_the_plan_names_its_short_shots_and_asks_before_encoding(tmp_path):
     settings.output.on_existing = "resume"
     run(settings, "raw", ask=lambda q, *a, **k: pytest.fail(f"asked {q.key}"))  # the same shots: not asked again
     settings.output.accept_rejects = 0.1  # 6 / 60 frames: accepted ahead of time
-    from diffprep.long_videos import confirm_discarded
+    from diffprep.run.long_videos import confirm_discarded
     from diffprep.output import Output
 
     (out / contract.STATE_DIR / contract.DISCARD_ANSWER_JSON).unlink()
@@ -637,7 +637,7 @@ def test_long_videos_with_audio_in_the_ltx_layout(tiny_ltx2, tmp_path):
 
     from diffprep import contract
     from diffprep.config import load_settings
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     data = tmp_path / "data"
     (data / "clips").mkdir(parents=True)
@@ -670,7 +670,7 @@ def test_scene_captions_caption_a_shot_or_one_window(long_data, tmp_path, caplog
 
     from diffprep.encodings.clips import clip_spec
     from diffprep.errors import ConfigError
-    from diffprep.long_videos import plan_clips, read_clips
+    from diffprep.run.long_videos import plan_clips, read_clips
     from diffprep.media.windows import read_scene_captions
     from diffprep.sources import open_source
 
@@ -701,8 +701,8 @@ def test_scene_captions_caption_a_shot_or_one_window(long_data, tmp_path, caplog
 def test_a_fixed_source_is_split_again_and_its_old_reject_gives_way(tmp_path):
     """A source every clip of which was rejected (here: the file did not decode) and whose file changed since is
     split again in the next run, in new units; its old reject is superseded, the audit counts the new clips."""
-    from diffprep.pipeline import run
-    from diffprep.plan import read_plan
+    from diffprep.phases.pipeline import run
+    from diffprep.writer.plan import read_plan
 
     data = tmp_path / "data"
     (data / "videos").mkdir(parents=True)

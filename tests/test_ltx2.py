@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diffprep.demo import write_av_clip
+from diffprep.tools.demo import write_av_clip
 from diffprep.errors import ConfigError
 from diffprep.families import ltx2, ltx2_gemma
 from diffprep.families import ltx2_precomputed as precomputed

@@ -16,7 +16,7 @@ from PIL import Image
 import diffprep.flows.encode  # noqa: F401  (Prefect's log handler bound at collection, as in test_ltx2_pipeline)
 
 from diffprep import contract
-from diffprep.demo import write_av_clip
+from diffprep.tools.demo import write_av_clip
 from diffprep.encodings.ltx2_masks import audio_mask_latent, video_mask_latent
 from diffprep.errors import RejectError
 from diffprep.media.audio import write_test_tone
@@ -24,7 +24,7 @@ from diffprep.media.buckets import Bucket
 from diffprep.media.clip_inputs import audio_mask_envelope, prepare_with_inputs
 from diffprep.media.mp4 import mp4_bytes
 from diffprep.media.video import ClipSpec
-from diffprep.pipeline import run
+from diffprep.phases.pipeline import run
 from diffprep.sources.metadata import MetadataSource
 from test_ltx2_pipeline import FPS, never_ask, settings_for, trainer_samples
 
@@ -237,7 +237,7 @@ def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_
                                        [0.0] * ((steps + 1) // 2) + [1.0] * (steps // 2))
     assert result.validation["ok"] and result.validation["summary"]["folders"] == {f: 2 for f in folders}
 
-    from diffprep.decode import decode_dataset
+    from diffprep.validation.decode import decode_dataset
 
     decoded = tmp_path / "decoded"
     report = decode_dataset(root, 2, to_dir=decoded, device="cpu")
@@ -255,8 +255,8 @@ def test_sound_files_reference_audio_and_masks_in_the_ltx_layout(tiny_ltx2, tmp_
 
     # A mask file changed after its clip was written: the unit is damaged (its manifest's stamps), encoded again
     # with the new mask, and complete after that.
-    from diffprep.existing import inspect_output
-    from diffprep.fetch import fetch
+    from diffprep.phases.existing import inspect_output
+    from diffprep.phases.fetch import fetch
     from diffprep.output import Output
 
     (data / "b_mask.png").write_bytes(png(96, 64, (16, 48)))  # b's mask now covers a's columns
@@ -279,7 +279,7 @@ def test_reference_audio_and_masks_in_energon_shards(tiny_ltx2, tmp_path):
     listing.write_text(json.dumps(rows))
     result = run(settings_for(tmp_path / "out", listing, tiny_ltx2), "preencoded", ask=never_ask)
     assert result.samples == 2 and result.validation["ok"]
-    from diffprep.shards import load_tensor
+    from diffprep.writer.shards import load_tensor
 
     samples = shard_samples(tmp_path / "out")
     assert len(samples) == 2

@@ -16,14 +16,14 @@ import torch
 import diffprep.flows.encode  # noqa: F401
 
 from diffprep import contract
-from diffprep.approvals import ApprovalRefused
+from diffprep.run.approvals import ApprovalRefused
 from diffprep.config import load_settings
-from diffprep.demo import write_av_clip
+from diffprep.tools.demo import write_av_clip
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import ConfigError
 from diffprep.families import family_of_model
-from diffprep.pipeline import run
-from diffprep.shards import load_tensor, read_manifests
+from diffprep.phases.pipeline import run
+from diffprep.writer.shards import load_tensor, read_manifests
 from flow_runs import shard_samples
 from latent_direct import close32
 
@@ -148,7 +148,7 @@ def test_t2v_with_audio_end_to_end_in_energon_shards(tiny_ltx2, tmp_path):
     assert len(sanity["audio_mel_l1"]) == 2 and all(v > 0 for v in sanity["audio_mel_l1"])
     import av
 
-    from diffprep.decode import decode_dataset
+    from diffprep.validation.decode import decode_dataset
 
     report = decode_dataset(out, 3, to_dir=tmp_path / "decoded", device="cpu")
     assert all(p.audio_mel_l1 is not None and 0 < p.audio_mel_l1 < 20 and p.psnr_db is not None
@@ -314,8 +314,8 @@ def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
         assert sorted(p.name for p in (root / kind).glob("**/*.pt")) == ["a.pt", "b.pt"]
 
     # The audit checks every folder holds one file per written sample: a stray file fails it.
-    from diffprep.audit import audit
-    from diffprep.plan import read_plan
+    from diffprep.phases.audit import audit
+    from diffprep.writer.plan import read_plan
 
     stray = root / "audio_latents" / "stray.pt"
     torch.save({"latents": torch.zeros(1)}, stray)
@@ -341,9 +341,9 @@ def test_ltx_layout_safety_audio_gate_and_existing_output(tiny_ltx2, tmp_path):
     # A record changed behind diffprep's back: its unit is damaged (re-encoded on resume), and verify-existing's
     # look at one sample of every folder names what differs from the plan.
     from diffprep.encodings.ltx_layout import check_shapes
-    from diffprep.existing import inspect_output
+    from diffprep.phases.existing import inspect_output
     from diffprep.output import Output
-    from diffprep.shards import read_manifests
+    from diffprep.writer.shards import read_manifests
 
     path = root / "latents" / "a.pt"
     record = torch.load(path, weights_only=True)
@@ -377,7 +377,7 @@ def test_ic_lora_references_skip_audio_and_decode_in_the_ltx_layout(tiny_ltx2, t
         assert set(reference) == {"latents", "num_frames", "height", "width", "fps"}
         assert reference["latents"].shape == (128, 2, 1, 1) and reference["latents"].dtype == torch.bfloat16
 
-    from diffprep.decode import decode_dataset
+    from diffprep.validation.decode import decode_dataset
 
     report = decode_dataset(root, 2, to_dir=tmp_path / "decoded", device="cpu")
     assert [p.source_id for p in report.previews] == ["a.mp4", "b.mp4"]
@@ -482,7 +482,7 @@ def test_t2a_end_to_end_in_energon_shards_rejects_and_decode(tiny_ltx2, tmp_path
 
     import av
 
-    from diffprep.decode import decode_dataset
+    from diffprep.validation.decode import decode_dataset
 
     report = decode_dataset(out, 4, to_dir=tmp_path / "decoded", device="cpu")
     assert sorted(p.source_id for p in report.previews) == ["c.mp3", "d.m4a", "sounds/a.wav", "sounds/b.flac"]
@@ -519,7 +519,7 @@ def test_t2a_ltx_layout_from_the_cli_is_what_the_trainer_reads(prefect_server, t
         assert "latents" not in sample
         assert_a1(sample, frames=0, size=0, fps=0.0, seconds=2.0)
 
-    from diffprep.decode import decode_dataset
+    from diffprep.validation.decode import decode_dataset
 
     report = decode_dataset(root, 2, to_dir=tmp_path / "decoded", device="cpu")
     assert all(p.audio_mel_l1 is not None for p in report.previews)

@@ -1,4 +1,4 @@
-"""Which files diffprep wrote (``diffprep.ownership``), and every answer to the existing-output question keeping the
+"""Which files diffprep wrote (``diffprep.validation.ownership``), and every answer to the existing-output question keeping the
 files it did not write byte for byte, in every layout: energon, fastgen, raw, edm-zip, the LTX trainer's .precomputed/
 and GAE's scene folders."""
 
@@ -15,11 +15,11 @@ from test_ltx2_pipeline import settings_for as ltx_settings
 from test_ltx2_pipeline import write_dataset
 
 from diffprep import contract
-from diffprep.demo import write_demo_dataset
+from diffprep.tools.demo import write_demo_dataset
 from diffprep.errors import ExistingOutputError
-from diffprep.ownership import classify
+from diffprep.validation.ownership import classify
 from diffprep.config import load_settings
-from diffprep.pipeline import run
+from diffprep.phases.pipeline import run
 
 PLANTED = "planted-by-user.txt"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diffprep import contract
-from diffprep.plan import MISSING_PREVIEW, Plan, UnitPlan, fingerprint, plan_path, plan_units, read_plan, write_plan
+from diffprep.writer.plan import MISSING_PREVIEW, Plan, UnitPlan, fingerprint, plan_path, plan_units, read_plan, write_plan
 
 
 def ids(n: int, prefix: str = "s") -> list[str]:
@@ -205,7 +205,7 @@ def test_unit_lookup_error_names_the_unit() -> None:
 def test_fetch_extends_the_plan_of_a_grown_source(
     tmp_path: Path, demo_data: Path, tiny_model: Path, settings_for
 ) -> None:
-    from diffprep.fetch import fetch
+    from diffprep.phases.fetch import fetch
 
     out = tmp_path / "out"
     settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 5})
@@ -252,7 +252,7 @@ def test_fetch_extends_the_plan_of_a_grown_source(
 def test_fingerprint_covers_the_byte_affecting_settings(
     tmp_path: Path, demo_data: Path, tiny_model: Path, settings_for, section: str, values: dict, changes: bool
 ) -> None:
-    from diffprep.fetch import fetch
+    from diffprep.phases.fetch import fetch
 
     base, _ = fetch(settings_for(tmp_path / "out", demo_data, tiny_model))
     changed, _ = fetch(settings_for(tmp_path / "out", demo_data, tiny_model, **{section: values}))
@@ -264,7 +264,7 @@ def test_fingerprint_counts_the_class_names_not_their_file(tmp_path: Path, demo_
     import datasets
     from PIL import Image
 
-    from diffprep.fetch import fetch
+    from diffprep.phases.fetch import fetch
 
     data = tmp_path / "labels"
     rows = {"image": [Image.new("RGB", (8, 8), (i, 0, 0)) for i in range(3)], "label": [0, 1, 0]}

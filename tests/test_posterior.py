@@ -14,15 +14,15 @@ import tarfile
 import torch
 
 from diffprep import contract
-from diffprep.audit import audit
-from diffprep.cooker import cook_preencoded
+from diffprep.phases.audit import audit
+from diffprep.writer.cooker import cook_preencoded
 from diffprep.families.flux import FluxEncoders
 from diffprep.encodings.preencoded import preencoded_fields
-from diffprep.energon import finalize
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec, prepare_image
-from diffprep.plan import write_plan
-from diffprep.units import encode_unit
+from diffprep.run.energon import finalize
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec, prepare_image
+from diffprep.writer.plan import write_plan
+from diffprep.run.units import encode_unit
 from diffprep.validation import validate_dataset
 
 

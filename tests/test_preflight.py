@@ -13,7 +13,7 @@ import torch
 
 from diffprep.cli import main
 from diffprep.errors import ConfigError, SourceError
-from diffprep.preflight import preflight
+from diffprep.phases.preflight import preflight
 
 
 @pytest.fixture

@@ -37,9 +37,9 @@ from PIL import Image
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.config import check_runnable, load_settings
-from diffprep.energon import read_split_yaml
+from diffprep.run.energon import read_split_yaml
 from diffprep.errors import ConfigError
-from diffprep.pipeline import run
+from diffprep.phases.pipeline import run
 from test_ingest import write_arrow, write_manifest
 
 FIXTURES = Path(__file__).resolve().parent / "primus_configs"

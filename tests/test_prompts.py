@@ -12,7 +12,7 @@ from PIL import Image
 from diffprep.config import load_settings
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.errors import ConfigError
-from diffprep.pipeline import run
+from diffprep.phases.pipeline import run
 from flow_runs import shard_samples
 
 

@@ -8,7 +8,7 @@ sleep: a rank that raises, a rank killed, rank 0 failing before or after the
 units, a rank alone. Torch's CPU kernels sum in an order
 that depends on the thread count, and torchrun gives each rank one thread
 (``OMP_NUM_THREADS=1``) where a single process has one per core: the plan fixes
-the count every rank encodes with (diffprep/threads.py), so the reference is a
+the count every rank encodes with (diffprep/run/threads.py), so the reference is a
 plain single process at its default count, and the ranks write its bytes.
 """
 
@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from diffprep import contract
-from diffprep.demo import write_demo_dataset
+from diffprep.tools.demo import write_demo_dataset
 from diffprep.errors import ConfigError
-from diffprep.launch import Ranks, array_shard, detect_ranks, my_units, rank_device
-from diffprep.plan import read_plan
-from diffprep.shards import load_tensor, read_manifests
-from diffprep.threads import default_threads
+from diffprep.run.launch import Ranks, array_shard, detect_ranks, my_units, rank_device
+from diffprep.writer.plan import read_plan
+from diffprep.writer.shards import load_tensor, read_manifests
+from diffprep.run.threads import default_threads
 from flow_runs import shard_samples
 from latent_direct import close32, direct
 
@@ -161,7 +161,7 @@ def _args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
 
 def _hashes(out: Path) -> dict[str, str]:
     """The shards' hashes, and each unit's saved latent moments (as bytes, without the run's fingerprint)."""
-    from diffprep.shards import torch_bytes
+    from diffprep.writer.shards import torch_bytes
 
     moments = {p.name: hashlib.sha256(torch_bytes(torch.load(p, weights_only=True)["fields"])).hexdigest()
                for p in sorted((out / contract.STATE_DIR / contract.UNIT_STATS_DIR).glob("*.pt"))}
@@ -170,9 +170,9 @@ def _hashes(out: Path) -> dict[str, str]:
 
 def _merged_stats(out: Path) -> bytes:
     """The latent statistics merged from ``out``'s units: what a finalized run saves, to the byte."""
-    from diffprep.latent_stats import merged_unit_stats
+    from diffprep.report.latent_stats import merged_unit_stats
     from diffprep.output import Output
-    from diffprep.shards import torch_bytes
+    from diffprep.writer.shards import torch_bytes
 
     output = Output(out)
     return torch_bytes(merged_unit_stats(output, output.state.plan()))

@@ -21,17 +21,17 @@ import diffprep.flows.encode  # noqa: F401
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.config import load_settings
-from diffprep.decode import decode_dataset
-from diffprep.pictures import CONTACT_SHEET, file_pixels
-from diffprep.demo import write_demo_dataset
-from diffprep.units import encode_unit
-from diffprep.energon import read_dataset_encoding
+from diffprep.validation.decode import decode_dataset
+from diffprep.report.pictures import CONTACT_SHEET, file_pixels
+from diffprep.tools.demo import write_demo_dataset
+from diffprep.run.units import encode_unit
+from diffprep.run.energon import read_dataset_encoding
 from diffprep.errors import ConfigError
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec, prepare_image
-from diffprep.plan import write_plan
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec, prepare_image
+from diffprep.writer.plan import write_plan
 from diffprep.encodings.raw import BATCH_SIZE, RawImageWriter, image_bytes, raw_fields
-from diffprep.shards import read_manifests
+from diffprep.writer.shards import read_manifests
 from diffprep.tasks.common import slug
 
 

@@ -22,17 +22,17 @@ from PIL import Image
 import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
 from diffprep import contract
 from diffprep.config import load_settings
-from diffprep.decode import decode_dataset
-from diffprep.demo import write_demo_clips
+from diffprep.validation.decode import decode_dataset
+from diffprep.tools.demo import write_demo_clips
 from diffprep.encodings import encoding_for, get_encoding
 from diffprep.encodings.raw_video import RawVideoInspector
 from diffprep.errors import ConfigError
 from diffprep.media.buckets import Bucket
 from diffprep.media.mp4 import mp4_bytes, mp4_frames
 from diffprep.media.video import ClipSpec
-from diffprep.images import psnr
-from diffprep.pipeline import run
-from diffprep.plan import read_plan
+from diffprep.media.images import psnr
+from diffprep.phases.pipeline import run
+from diffprep.writer.plan import read_plan
 from flow_runs import shard_samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_raw_video_end_to_end_as_the_wan_pipeline_prepares_clips(prefect_server,
     from prefect.settings import PREFECT_API_URL
 
     cli = subprocess.run(
-        [sys.executable, "-m", "diffprep.cli", "raw", "--source-type", "directory", "--input-dir", str(data),
+        [sys.executable, "-m", "diffprep", "raw", "--source-type", "directory", "--input-dir", str(data),
          "--output-dir", str(again), "--shard-size", "2", "--resolution-buckets", BUCKETS, "--target-fps", "8",
          "--decode-workers", "2", "--train-split", "1.0"],
         env=os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)},
@@ -163,7 +163,7 @@ def test_raw_video_end_to_end_as_the_wan_pipeline_prepares_clips(prefect_server,
     # Training: Energon batches one bucket at a time, the frames decoded from the mp4.
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
-    from diffprep.cooker import RawVideoFramesTaskEncoder
+    from diffprep.writer.cooker import RawVideoFramesTaskEncoder
 
     dataset = get_train_dataset(out, batch_size=2, shuffle_buffer_size=None, max_samples_per_sequence=None,
                                 task_encoder=RawVideoFramesTaskEncoder(), repeat=False,
@@ -215,7 +215,7 @@ def test_raw_video_keeps_each_clips_audio_and_scores_for_fastgens_loaders(tmp_pa
     a number (absent, NaN) leaves the field out, a word is the reject invalid_score."""
     import numpy as np
 
-    from diffprep.demo import write_av_clip
+    from diffprep.tools.demo import write_av_clip
     from diffprep.media.audio import load_clip_audio
 
     data = tmp_path / "data"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from diffprep import contract
-from diffprep.demo import write_demo_dataset
+from diffprep.tools.demo import write_demo_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 

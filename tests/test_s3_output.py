@@ -26,11 +26,11 @@ import yaml
 from prefect.client.schemas.objects import StateType
 
 from diffprep.errors import LockedError, SourceError
-from diffprep.existing import inspect_output
+from diffprep.phases.existing import inspect_output
 from diffprep.output import S3Lock, S3Output, open_output
-from diffprep.shards import UnitManifest
-from diffprep.storage import S3Url
-from diffprep.validate import validate_dataset
+from diffprep.writer.shards import UnitManifest
+from diffprep.sources.storage import S3Url
+from diffprep.validation import validate_dataset
 from flow_runs import BackgroundRun, answer, parameters
 from latent_direct import close32
 from diffprep.flows.encode import encode_dataset
@@ -116,7 +116,7 @@ def test_flow_to_bucket_equals_local_and_loads_from_the_bucket(prefect_server, t
     code = (
         "import sys\n"
         "from megatron.energon import WorkerConfig, get_loader, get_val_dataset\n"
-        "from diffprep.cooker import FluxPreencodedTaskEncoder\n"
+        "from diffprep.writer.cooker import FluxPreencodedTaskEncoder\n"
         "n = 0\n"
         "for split in ('train', 'val', 'test'):\n"
         "    ds = get_val_dataset(sys.argv[1], split_part=split, batch_size=None, worker_config=WorkerConfig("
@@ -134,7 +134,7 @@ def test_flow_to_bucket_equals_local_and_loads_from_the_bucket(prefect_server, t
     # `diffprep validate s3://...` on a machine that never saw the run: everything read back from the bucket.
     monkeypatch.setenv("DIFFPREP_STAGING_DIR", str(tmp_path / "other-machine"))
     proxy.log.clear()
-    cli = subprocess.run([sys.executable, "-m", "diffprep.cli", "validate", url, "--s3-endpoint-url", proxy.url],
+    cli = subprocess.run([sys.executable, "-m", "diffprep", "validate", url, "--s3-endpoint-url", proxy.url],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert cli.returncode == 0, cli.stdout[-3000:] + cli.stderr[-3000:]
     assert f"Validation passed: `{url}`" in cli.stdout
@@ -173,7 +173,7 @@ def test_interrupted_upload_is_redone_not_trusted(prefect_server, tiny_model, ad
     """A webdataset source in the bucket, the output in the bucket; uploads cut off at two points, then resumed."""
     import tarfile
 
-    from diffprep.demo import write_demo_dataset
+    from diffprep.tools.demo import write_demo_dataset
 
     demo = write_demo_dataset(tmp_path / "demo", samples=12)
     shards = tmp_path / "wds"
@@ -211,7 +211,7 @@ def test_interrupted_upload_is_redone_not_trusted(prefect_server, tiny_model, ad
         assert resumed[name] == expected[name], name
 
     # `diffprep finalize` on the bucket again: same splits, validated in place.
-    cli = subprocess.run([sys.executable, "-m", "diffprep.cli", "finalize", url, "--s3-endpoint-url", proxy.url],
+    cli = subprocess.run([sys.executable, "-m", "diffprep", "finalize", url, "--s3-endpoint-url", proxy.url],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert cli.returncode == 0, cli.stdout[-3000:] + cli.stderr[-3000:]
     assert objects(admin, url)[".nv-meta/split.yaml"] == expected[".nv-meta/split.yaml"]
@@ -284,7 +284,7 @@ def test_credentials_block_by_name_and_never_shown(prefect_server, tiny_model, d
 @pytest.mark.slow
 def test_raw_pipeline_to_bucket(prefect_server, admin, proxy, tmp_path, capsys) -> None:
     from diffprep.cli import main
-    from diffprep.demo import write_demo_dataset
+    from diffprep.tools.demo import write_demo_dataset
 
     data = write_demo_dataset(tmp_path / "data", samples=6)
     url = prefix_url()
@@ -370,7 +370,7 @@ def test_a_unit_whose_every_sample_was_rejected_commits_its_manifest_alone(admin
 
 def test_shard_goes_up_while_it_is_written(admin, proxy, make_plan, monkeypatch) -> None:
     import diffprep.output.upload
-    from diffprep.shards import ShardWriter
+    from diffprep.writer.shards import ShardWriter
 
     monkeypatch.setattr(diffprep.output.upload, "MULTIPART_CHUNK", 5 << 20)
     url = prefix_url()
@@ -511,7 +511,7 @@ def test_a_link_in_the_staging_folder_is_never_written_through(prefect_server, a
                                                                capsys) -> None:
     """A bucket output is worked through a local staging folder: a link there is refused as in an output folder."""
     from diffprep.cli import main
-    from diffprep.demo import write_demo_dataset
+    from diffprep.tools.demo import write_demo_dataset
 
     data = write_demo_dataset(tmp_path / "data", samples=4)
     url = prefix_url()

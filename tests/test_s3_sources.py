@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from diffprep.audit import audit
+from diffprep.phases.audit import audit
 from diffprep.config import ModelConfig, SourceConfig
 from diffprep.encodings.preencoded import preencoded_fields
-from diffprep.units import encode_unit
+from diffprep.run.units import encode_unit
 from diffprep.families.flux import FluxEncoders
 from diffprep.errors import SourceError
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
-from diffprep.plan import write_plan
-from diffprep.shards import read_manifests
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
+from diffprep.writer.plan import write_plan
+from diffprep.writer.shards import read_manifests
 from diffprep.sources import Source, SourceSample, open_source
 from s3_store import ACCESS_KEY, SECRET_KEY, FaultProxy
-from diffprep.storage import (
+from diffprep.sources.storage import (
     S3Url,
     StorageUnavailableError,
     glob_match,

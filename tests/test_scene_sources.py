@@ -14,9 +14,9 @@ from PIL import Image
 from diffprep.config import SourceConfig
 from diffprep.errors import SourceError
 from diffprep.media.scene_frames import SceneSpec
-from diffprep.plan import UnitPlan
-from diffprep.reader import iter_batches
-from diffprep.shards import Reject
+from diffprep.writer.plan import UnitPlan
+from diffprep.run.reader import iter_batches
+from diffprep.writer.shards import Reject
 from diffprep.sources import open_source
 from scene_render import FORMATS, marker_error, render
 

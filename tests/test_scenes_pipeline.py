@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from diffprep import contract
-from diffprep.camera_pictures import camera_views, frustum_points
+from diffprep.report.camera_pictures import camera_views, frustum_points
 from diffprep.encodings import gae_layout
 from diffprep.encodings.scene_checks import camera_problems, check_scene, intrinsics_rows, load_npy
 from diffprep.encodings.scenes import SceneWriter, scene_meta
@@ -24,7 +24,7 @@ from diffprep.encodings.scenes_wan import check_scene_shape, latent_frames
 from diffprep.errors import ConfigError
 from diffprep.media.mp4 import mp4_frames
 from diffprep.media.scene_frames import PreparedScene
-from diffprep.shards import Reject
+from diffprep.writer.shards import Reject
 
 
 def _rotation_y(angle: float) -> np.ndarray:
@@ -164,8 +164,8 @@ from pathlib import Path  # noqa: E402
 
 import diffprep.flows.encode  # noqa: E402,F401  (Prefect's log handler must bind to pytest's session stream)
 from diffprep.config import load_settings  # noqa: E402
-from diffprep.decode import decode_dataset  # noqa: E402
-from diffprep.pipeline import run  # noqa: E402
+from diffprep.validation.decode import decode_dataset  # noqa: E402
+from diffprep.phases.pipeline import run  # noqa: E402
 from scene_render import marker_error, render  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,7 +253,7 @@ def test_gae_layout_end_to_end_chunks_and_reprojection(prefect_server, re10k_sce
     assert report.previews[0].psnr_db is not None and report.previews[0].psnr_db > 25
     assert (tmp_path / "decoded" / f"{report.previews[0].key}.cameras.png").is_file()
     # Validation reads every camera: a mirrored rotation in one frame fails it, naming the scene and the frame.
-    from diffprep.validate import validate_dataset
+    from diffprep.validation import validate_dataset
 
     meta["frames"][2]["c2w"] = (c2w[2] @ np.diag([-1.0, 1, 1, 1])).tolist()
     (out / "train/s0/chunk_000" / contract.GAE_META).write_text(json.dumps(meta))
@@ -313,9 +313,9 @@ def test_wan_scenes_end_to_end_cameras_match_the_encoded_frames(prefect_server, 
     that re-projects every marker onto the frames the VAE encoded (the tiny VAE cannot reconstruct them)."""
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
-    from diffprep.decode import read_samples, source_media
-    from diffprep.plan import read_plan
-    from diffprep.scene_cooker import WanSceneTaskEncoder
+    from diffprep.validation.decode import read_samples, source_media
+    from diffprep.writer.plan import read_plan
+    from diffprep.writer.scene_cooker import WanSceneTaskEncoder
 
     inp = tmp_path / "mvssynth"
     scenes = {r.source_id: r for r in (render(inp, "mvssynth", scene=f"s{i}", frames=6) for i in range(2))}
@@ -368,14 +368,14 @@ def test_gae_scenes_killed_then_rerun_give_the_same_folders_and_an_append_adds_o
     import signal
 
     from diffprep.cli import main
-    from diffprep.failpoints import ENV as FAILPOINT_ENV
+    from diffprep.run.failpoints import ENV as FAILPOINT_ENV
 
     inp = tmp_path / "scannetpp"
     scenes = [render(inp, "scannetpp", scene=f"scan{i}", frames=6) for i in range(3)]
     reference = tmp_path / "reference"
     assert main(_raw_args(inp, reference)) == 0
     out = tmp_path / "out"
-    killed = subprocess.run([sys.executable, "-m", "diffprep.cli", *_raw_args(inp, out)], capture_output=True,
+    killed = subprocess.run([sys.executable, "-m", "diffprep", *_raw_args(inp, out)], capture_output=True,
                             text=True, timeout=300, env=_prefect_env() | {FAILPOINT_ENV: "before-manifest@2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert main(_raw_args(inp, out)) == 0

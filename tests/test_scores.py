@@ -14,7 +14,7 @@ from diffprep import contract
 from diffprep.cli import build_parser, overrides_from
 from diffprep.config import OutputConfig, Settings, SourceConfig
 from diffprep.errors import RejectError, SourceError
-from diffprep.layouts import LayoutPreset, layout_for
+from diffprep.writer.layouts import LayoutPreset, layout_for
 from diffprep.sources import open_source
 from diffprep.sources.scores import score_value
 

@@ -79,7 +79,7 @@ def test_imagenet_256_latents_archive_holds_each_images_posterior(tmp_path) -> N
     import numpy as np
 
     from diffprep import contract
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     folder = write_tiny_sd_vae(tmp_path / "vae")
     root = write_classes(tmp_path / "train")
@@ -87,7 +87,7 @@ def test_imagenet_256_latents_archive_holds_each_images_posterior(tmp_path) -> N
     settings = sd_vae_settings(out, root, folder)
     assert run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked")).samples == 4
     vae = load_sd_vae(str(folder))
-    from diffprep.images import ImageSpec, prepare_image
+    from diffprep.media.images import ImageSpec, prepare_image
 
     spec = ImageSpec(image_size=32, crop="adm")
     with zipfile.ZipFile(out / contract.EDM_ZIP) as zf:
@@ -126,14 +126,14 @@ def test_sd_vae_edm_zip_through_the_cli_and_the_prefect_flow_matches_the_library
     from prefect.settings import PREFECT_API_URL
 
     from diffprep import contract
-    from diffprep.pipeline import run
+    from diffprep.phases.pipeline import run
 
     repo = Path(__file__).resolve().parents[1]
     folder = write_tiny_sd_vae(tmp_path / "vae")
     root = write_classes(tmp_path / "train")
     cli_out, lib_out = tmp_path / "cli", tmp_path / "lib"
     cli = subprocess.run(
-        [sys.executable, "-m", "diffprep.cli", "encode", "--source-type", "imagefolder", "--input-dir", str(root),
+        [sys.executable, "-m", "diffprep", "encode", "--source-type", "imagefolder", "--input-dir", str(root),
          "--output-dir", str(cli_out), "--shard-size", "4", "--layout", "edm-zip", "--image-size", "32", "--crop",
          "adm", "--decode-workers", "1", "--train-split", "1.0", "--model-path", str(folder), "--device", "cpu"],
         env=os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(repo)},
@@ -174,8 +174,8 @@ def test_the_archives_latent_stats_are_of_its_posterior_means(tmp_path, capsys) 
 
     from diffprep import contract
     from diffprep.cli import main
-    from diffprep.latent_stats import unit_stats_path
-    from diffprep.pipeline import run
+    from diffprep.report.latent_stats import unit_stats_path
+    from diffprep.phases.pipeline import run
     from diffprep.validation import validate_dataset
     from latent_direct import close32
 

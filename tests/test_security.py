@@ -24,20 +24,20 @@ import pytest
 import torch
 
 from diffprep import contract
-from diffprep.audit import audit
-from diffprep.cooker import SampleLoadError, load_tensor
+from diffprep.phases.audit import audit
+from diffprep.writer.cooker import SampleLoadError, load_tensor
 from diffprep.encodings.preencoded import preencoded_fields, sanity_check, write_empty_prompt
-from diffprep.units import encode_unit
+from diffprep.run.units import encode_unit
 from diffprep.families.flux import FluxEncoders
-from diffprep.hub import resolve_token
-from diffprep.energon import finalize
+from diffprep.families.hub import resolve_token
+from diffprep.run.energon import finalize
 from diffprep.errors import AuthError, ConfigError, DatasetValidationError, ExistingOutputError
-from diffprep.existing import decide, inspect_output
-from diffprep.fetch import fetch
-from diffprep.images import ImageSpec
-from diffprep.plan import write_plan
-from diffprep.shards import ShardWriter, UnitManifest, write_manifest
-from diffprep.validate import validate_dataset
+from diffprep.phases.existing import decide, inspect_output
+from diffprep.phases.fetch import fetch
+from diffprep.media.images import ImageSpec
+from diffprep.writer.plan import write_plan
+from diffprep.writer.shards import ShardWriter, UnitManifest, write_manifest
+from diffprep.validation import validate_dataset
 from test_hub import REPO, FakeHub, _hub_error, _raising
 from test_validate import pickle_bomb_pth
 

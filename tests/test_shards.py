@@ -14,7 +14,7 @@ import torch
 import webdataset as wds
 
 from diffprep import contract
-from diffprep.shards import (
+from diffprep.writer.shards import (
     MEMBER_MODE,
     Reject,
     ShardWriter,

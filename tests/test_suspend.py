@@ -178,8 +178,8 @@ def test_encode_dataset_suspends_on_rejects_and_finishes_without_encoding_again(
     from prefect.deployments import run_deployment
     from prefect.flow_runs import resume_flow_run
 
-    from diffprep.demo import write_demo_dataset
-    from diffprep.validate import validate_dataset
+    from diffprep.tools.demo import write_demo_dataset
+    from diffprep.validation import validate_dataset
 
     data = write_demo_dataset(tmp_path / "demo", samples=8)
     (data / "images" / "broken.jpg").write_bytes(b"this is not a jpeg")

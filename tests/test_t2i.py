@@ -13,10 +13,10 @@ from PIL import Image
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.errors import ConfigError
-from diffprep.ownership import classify
-from diffprep.shards import read_manifests
-from diffprep.t2i import pack_imagenet
-from diffprep.t2i_verify import verify_roots
+from diffprep.validation.ownership import classify
+from diffprep.writer.shards import read_manifests
+from diffprep.tools.t2i import pack_imagenet
+from diffprep.tools.t2i_verify import verify_roots
 
 SPLIT = contract.T2I_SPLIT_FOLDERS["imagenet"]
 

@@ -12,7 +12,7 @@ import pytest
 
 from diffprep import contract
 from diffprep.errors import ConfigError
-from diffprep.t2i_mirror import mirror_blip3o, parse_repo_overrides
+from diffprep.tools.t2i_mirror import mirror_blip3o, parse_repo_overrides
 
 FILES = {"Org/Long": {"00000.tar": b"a" * 700, "sub/00001.tar": b"b" * 300, "README.md": b"hi"}}
 COMMIT = "0" * 40

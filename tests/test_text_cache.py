@@ -17,7 +17,7 @@ from diffprep import contract
 from diffprep.families.text_cache import TEXT_BATCH
 from diffprep.encodings import preencoded
 from diffprep.encodings.preencoded import load_encoders
-from diffprep.pipeline import run
+from diffprep.phases.pipeline import run
 
 NAMES = ["tench", "goldfish", "great white shark", "tiger shark"]
 # 3 units of 4 samples, one batch each (shard_size 4, batch_size 4): captions repeat inside a batch, across

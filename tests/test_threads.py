@@ -1,4 +1,4 @@
-"""diffprep.threads: the plan's CPU record, the thread count set around the encoders, another CPU said first.
+"""diffprep.run.threads: the plan's CPU record, the thread count set around the encoders, another CPU said first.
 
 The end-to-end check is tests/test_ranks.py: two torchrun ranks (one thread each from torchrun) write the shards of
 a single process at its default thread count, byte for byte.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from diffprep import threads
-from diffprep.plan import Plan, UnitPlan
-from diffprep.threads import CpuRecord, default_threads, planned_threads, record
+from diffprep.run import threads
+from diffprep.writer.plan import Plan, UnitPlan
+from diffprep.run.threads import CpuRecord, default_threads, planned_threads, record
 
 
 def _topology(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
@@ -34,7 +34,7 @@ def test_the_default_is_the_physical_cores_whatever_a_launcher_set(tmp_path: Pat
     assert default_threads(siblings) == 1
     assert default_threads(tmp_path / "none") == len(cpus)
     # torchrun's OMP_NUM_THREADS=1 changes torch's count, not the plan's default.
-    code = "import torch; from diffprep.threads import default_threads; print(torch.get_num_threads(), default_threads())"
+    code = "import torch; from diffprep.run.threads import default_threads; print(torch.get_num_threads(), default_threads())"
     one = subprocess.run([sys.executable, "-c", code], env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert one == ["1", str(default_threads())]

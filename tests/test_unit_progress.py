@@ -6,16 +6,16 @@ import logging
 
 import pytest
 
-from diffprep import unit_progress
-from diffprep.fetch import fetch
+from diffprep.run import unit_progress
+from diffprep.phases.fetch import fetch
 from diffprep.output import Output
-from diffprep.pipeline import encode_one_unit
-from diffprep.plan import write_plan
-from diffprep.unit_progress import UnitProgress, UnitStatus
+from diffprep.phases.pipeline import encode_one_unit
+from diffprep.writer.plan import write_plan
+from diffprep.run.unit_progress import UnitProgress, UnitStatus
 
 
 class Lines(logging.Handler):
-    """The messages of ``diffprep.units`` (a handler of its own: Prefect's logging config may stop propagation)."""
+    """The messages of ``diffprep.run.units`` (a handler of its own: Prefect's logging config may stop propagation)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)

@@ -37,7 +37,7 @@ def term(tmp_path_factory) -> Terminal:
 @pytest.fixture(scope="module")
 def clips(term: Terminal) -> Path:
     """A folder of four moving-shape clips with captions (videos/ + captions/), 48-64 px, 9-13 frames."""
-    from diffprep.demo import write_demo_clips
+    from diffprep.tools.demo import write_demo_clips
 
     return write_demo_clips(term.cwd / "clips", samples=4)
 
@@ -45,7 +45,7 @@ def clips(term: Terminal) -> Path:
 @pytest.fixture(scope="module")
 def av_clips(term: Terminal) -> Path:
     """The LTX trainer's dataset file beside three 64 px clips with AAC sound (stereo, mono, 5.1)."""
-    from diffprep.demo import write_av_clip
+    from diffprep.tools.demo import write_av_clip
 
     root = term.cwd / "dataset"
     rows = []

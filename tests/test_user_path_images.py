@@ -19,7 +19,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from class_folders import write_class_folders
 from user_shell import (REPO, Ran, Terminal, decode, finalize, ignore_list, latent_stats, recorded, validate,
@@ -43,7 +42,7 @@ def term(tmp_path_factory) -> Terminal:
 @pytest.fixture(scope="module")
 def inputs(term: Terminal) -> Path:
     """What the user has: demo images with captions, ImageNet-style class folders, the example config."""
-    from diffprep.demo import write_demo_dataset
+    from diffprep.tools.demo import write_demo_dataset
 
     work = term.cwd
     write_demo_dataset(work / "demo" / "demo-data", samples=24)  # as `diffprep demo` writes it
@@ -142,7 +141,7 @@ def test_quickstart_commands_after_the_encode(term, quickstart):
     written(quickstart)
     term.run("diffprep validate ./out").ok().says("Validation passed")
     term.run("diffprep finalize ./out --train-split 0.8 --replace-split").ok().says("Validation passed")
-    term.run("python -m diffprep.validate ./out --encoding preencoded").ok().says("Validation passed")
+    term.run("python -m diffprep.validation ./out --encoding preencoded").ok().says("Validation passed")
 
 
 def test_flux_fastgen_writes_fastgens_members_and_files(term, flux_fastgen):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from diffprep import contract
-from diffprep.energon import finalize
+from diffprep.run.energon import finalize
 from diffprep.errors import ConfigError, DatasetValidationError
-from diffprep.validate import ValidationReport, validate_dataset
+from diffprep.validation import ValidationReport, validate_dataset
 from latent_direct import close32
 from test_energon import png_bytes, write_raw_unit, write_unit, write_units
 
@@ -224,7 +224,7 @@ def test_raw_dataset(tmp_path: Path) -> None:
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "diffprep.validate", *args],
+        [sys.executable, "-m", "diffprep.validation", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
 

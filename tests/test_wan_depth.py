@@ -19,10 +19,10 @@ from diffprep.media.buckets import Bucket
 from diffprep.media.clip_inputs import prepare_with_inputs
 from diffprep.media.mp4 import mp4_bytes
 from diffprep.media.video import ClipSpec
-from diffprep.pipeline import run
-from diffprep.plan import read_plan
-from diffprep.shards import load_tensor
-from diffprep.threads import CpuRecord, planned_threads
+from diffprep.phases.pipeline import run
+from diffprep.writer.plan import read_plan
+from diffprep.writer.shards import load_tensor
+from diffprep.run.threads import CpuRecord, planned_threads
 from diffprep.sources.metadata import MetadataSource
 
 FPS = 16.0

@@ -17,15 +17,15 @@ from diffusers import WanPipeline
 
 from diffprep import contract
 from diffprep.config import load_settings
-from diffprep.demo import write_demo_clips
+from diffprep.tools.demo import write_demo_clips
 from diffprep.encodings import encoding_for, get_encoding
-from diffprep.approvals import ApprovalRefused
+from diffprep.run.approvals import ApprovalRefused
 from diffprep.errors import ConfigError
 from diffprep.media.buckets import Bucket
 from diffprep.media.video import prepare_clip
-from diffprep.pipeline import run
-from diffprep.plan import Plan, UnitPlan, plan_units, read_plan
-from diffprep.shards import load_tensor
+from diffprep.phases.pipeline import run
+from diffprep.writer.plan import Plan, UnitPlan, plan_units, read_plan
+from diffprep.writer.shards import load_tensor
 from flow_runs import shard_samples
 
 BUCKETS = "32x24x5;24x32x5;24x24x5"
@@ -129,7 +129,7 @@ def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan
     # Energon: batches never mix buckets.
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
-    from diffprep.cooker import VideoPreencodedTaskEncoder
+    from diffprep.writer.cooker import VideoPreencodedTaskEncoder
 
     dataset = get_train_dataset(out, batch_size=2, shuffle_buffer_size=None, max_samples_per_sequence=None,
                                 task_encoder=VideoPreencodedTaskEncoder(), repeat=False,
@@ -142,7 +142,7 @@ def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan
     assert seen == 5
 
     # Decode-and-verify: the stored latents back to frames of their bucket.
-    from diffprep.decode import read_samples
+    from diffprep.validation.decode import read_samples
 
     stored = read_samples(out, 2)
     frames, _ = get_encoding("wan").decode_stored(stored, read_plan(out), device="cpu")
@@ -205,7 +205,7 @@ def test_a_metadata_file_with_paths_relative_to_it(tiny_wan, clips, tmp_path):
 def test_fastgen_layout_writes_latent_and_the_umt5_sequence_as_txt_emb(tiny_wan, clips, tmp_path):
     """Wan under --layout fastgen (consumer-formats.md B): ``latent.pth`` and ``txt_emb.pth`` [L, D] (one tensor,
     not a tuple), the empty caption as the default negative prompt, shard_counts.json; validate and decode read it."""
-    from diffprep.decode import decode_dataset
+    from diffprep.validation.decode import decode_dataset
     from fastgen_loader import fastgen_samples
 
     out = tmp_path / "out"

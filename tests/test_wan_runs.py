@@ -25,12 +25,12 @@ import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to 
 from diffprep import contract
 from diffprep.cli import main
 from diffprep.config import load_settings
-from diffprep.demo import write_demo_clips
-from diffprep.failpoints import ENV as FAILPOINT_ENV
+from diffprep.tools.demo import write_demo_clips
+from diffprep.run.failpoints import ENV as FAILPOINT_ENV
 from diffprep.media.buckets import parse_bucket
-from diffprep.pipeline import run
-from diffprep.plan import read_plan
-from diffprep.shards import read_manifests
+from diffprep.phases.pipeline import run
+from diffprep.writer.plan import read_plan
+from diffprep.writer.shards import read_manifests
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "diffprep-wan"  # created by the admin fixture (conftest.py)
@@ -169,7 +169,7 @@ def test_killed_mid_unit_with_two_workers_then_rerun_equals_one_worker(prefect_s
     out = tmp_path / "out"
     env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO),
                         FAILPOINT_ENV: "shard-write@3"}
-    killed = subprocess.run([sys.executable, "-m", "diffprep.cli",
+    killed = subprocess.run([sys.executable, "-m", "diffprep",
                              *_args(data, tiny_wan, str(out), "--devices", "cpu:2")],
                             env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode != 0, killed.stdout[-2000:]

@@ -18,11 +18,11 @@ import pytest
 import diffprep.flows.encode  # noqa: F401  (Prefect's log handler must bind to pytest's session stream)
 from diffprep import contract
 from diffprep.cli import main
-from diffprep.demo import write_demo_dataset
+from diffprep.tools.demo import write_demo_dataset
 from diffprep.errors import ConfigError, LockedError
 from diffprep.output import OutputLock
-from diffprep.shards import read_manifests, temp_pid
-from diffprep.workers import parse_devices, split_chunks, units_for_shard
+from diffprep.writer.shards import read_manifests, temp_pid
+from diffprep.run.workers import parse_devices, split_chunks, units_for_shard
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_killed_worker_then_rerun_with_another_worker_count(prefect_server, data
     # Slow every unit down enough to catch a worker in the middle of one: big images, 2 per batch.
     slow = write_demo_dataset(tmp_path / "slow", samples=16)
     slow_args = _args(slow, tiny_model, out, "--devices", "cpu:2", "--image-size", "256", "--batch-size", "1")
-    run = subprocess.Popen([sys.executable, "-m", "diffprep.cli", *slow_args], env=env,
+    run = subprocess.Popen([sys.executable, "-m", "diffprep", *slow_args], env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     killed = None
     try:

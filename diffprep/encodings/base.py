@@ -16,25 +16,22 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from diffprep import contract
 from diffprep.config import Settings
-from diffprep.images import ImageSpec, bucket_name, image_buckets, image_size_of
-from diffprep.layouts import LayoutPreset, layout_for
+from diffprep.media.images import ImageSpec, bucket_name, image_buckets, image_size_of
+from diffprep.writer.layouts import LayoutPreset, layout_for
 from diffprep.media.buckets import Bucket, choose_bucket
 from diffprep.output import Output
-from diffprep.plan import Plan, UnitPlan
-from diffprep.reader import Batch
-from diffprep.sanity import SanityReport
-from diffprep.shards import Reject, UnitManifest
+from diffprep.writer.plan import Plan, UnitPlan
+from diffprep.run.reader import Batch
+from diffprep.run.sanity import SanityReport
+from diffprep.writer.shards import Reject, StoredSample, UnitManifest
 from diffprep.sources import Source, SourceSample
 from diffprep.sources.base import caption_settings
-
-if TYPE_CHECKING:
-    from diffprep.decode import StoredSample
 
 log = logging.getLogger("diffprep.encodings")
 
@@ -90,7 +87,7 @@ class Encoding(ABC):
 
     name: str
     #: Named output layouts (``output.layout``) besides energon's own names: a trainer's member names for this
-    #: encoding's fields (``diffprep.layouts``). None: the member names are fixed (no layout, no key map).
+    #: encoding's fields (``diffprep.writer.layouts``). None: the member names are fixed (no layout, no key map).
     layout_presets: Mapping[str, LayoutPreset] | None = {}
     #: Whether --depth-column gives this encoding a field (Wan's depth_latent.pth); refused by name otherwise.
     reads_depth = False

@@ -37,11 +37,11 @@ from diffprep.media.buckets import Bucket, parse_bucket, parse_buckets
 from diffprep.media.video import ClipSpec
 from diffprep.media.windows import SceneSettings, read_scene_captions
 from diffprep.output import Output
-from diffprep.pictures import frame_strip
-from diffprep.plan import Plan, UnitPlan, dtype_name
-from diffprep.reader import Batch, first_batch
-from diffprep.sanity import MemoryWatch, SanityReport, finish_sanity
-from diffprep.shards import torch_bytes
+from diffprep.report.pictures import frame_strip
+from diffprep.writer.plan import Plan, UnitPlan, dtype_name
+from diffprep.run.reader import Batch, first_batch
+from diffprep.run.sanity import MemoryWatch, SanityReport, finish_sanity
+from diffprep.writer.shards import torch_bytes
 from diffprep.sources import Source, SourceSample
 
 _CLIP_FRAMES = re.compile(r"a clip of (\d+) frames")

@@ -26,7 +26,7 @@ source knows it (a subset missing the last class would silently narrow it).
 There is no Energon metadata. Flips are the loader's (``xflip``): never stored.
 
 An archive of latents (the sd-vae posteriors) also gets its latent statistics:
-the units' moments, saved as each unit wrote them (``diffprep.latent_stats``),
+the units' moments, saved as each unit wrote them (``diffprep.report.latent_stats``),
 are merged at validation into ``.diffprep/latent_stats.pt`` as for any latent
 dataset, after a check that they give the mean and std of the archive's own
 data files (read once, in the same pass as the checks above).
@@ -47,12 +47,12 @@ import numpy as np
 from PIL import Image
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
+from diffprep.report.checks import Check, Findings
 from diffprep.errors import ConfigError, DatasetValidationError
-from diffprep.latent_stats import LATENT_READERS, LatentStats, latent_of
-from diffprep.layouts import Layout
-from diffprep.plan import Plan
-from diffprep.shards import fsync_dir, temp_name
+from diffprep.report.latent_stats import LATENT_READERS, LatentStats, latent_of
+from diffprep.writer.layouts import Layout
+from diffprep.writer.plan import Plan
+from diffprep.writer.shards import fsync_dir, temp_name
 
 PNG_COMPRESS_LEVEL = 0  # EDM's dataset_tool: "uncompressed PNG" (compress_level=0, optimize=False)
 ZIP_DATE_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a ZIP can record: the archive's bytes never depend on the clock
@@ -79,7 +79,7 @@ def check_settings(settings: Any, *, image_files: bool = True) -> None:
                           f"got {size}: 32, 64, 128, 256, 512 ...")
     if settings.output.key_map:
         raise ConfigError("--layout edm-zip names its files itself (NNNNN/imgNNNNNNNN.png): remove --key-map")
-    from diffprep.sources.cifar10 import SIDE as CIFAR_SIZE
+    from diffprep.config.sections import CIFAR10_SIDE as CIFAR_SIZE
 
     if settings.source.type == "cifar10" and size != CIFAR_SIZE:
         raise ConfigError(f"CIFAR-10 is {CIFAR_SIZE} px and its archive stores it as it is (EDM's dataset_tool, "
@@ -172,7 +172,7 @@ def write_archive(path: Path, entries: Iterator[tuple[str, bytes, int | None]]) 
 
 def finalize(output: Any, plan: Plan) -> Any:
     """``dataset.zip`` assembled from the committed units (the module docstring)."""
-    from diffprep.energon import FinalizeResult
+    from diffprep.run.energon import FinalizeResult
 
     target = output.local / contract.EDM_ZIP
     before = target.stat().st_size if target.is_file() else None
@@ -295,7 +295,7 @@ def check_archive(path: Path, plan: Plan, written: int | None, stats: Any = None
 
 def validate(output: Any, plan: Plan) -> Any:
     """The validation report of an edm-zip output (``.diffprep/validation.json``)."""
-    from diffprep.validation.report import ValidationReport
+    from diffprep.report.validation import ValidationReport
 
     audit = output.state.read_json(contract.AUDIT_JSON)
     written = audit.get("written") if audit else None
@@ -318,7 +318,7 @@ def _archive_stats(output: Any, plan: Plan, field: str, seen: Any) -> tuple[list
     """The archive's own latent statistics (the summary's ``latent_stats``, as the validation report shows them),
     and the check that the units' merged moments, which validation then saves, are theirs. Nothing to check when
     no unit saved moments (units of an earlier diffprep: ``diffprep latent-stats OUT`` computes the file)."""
-    from diffprep.latent_stats import fields_stats, merged_unit_stats, same_stats
+    from diffprep.report.latent_stats import fields_stats, merged_unit_stats, same_stats
 
     archive = fields_stats({field: seen})
     line = {"mean": [float(v) for v in archive["mean"]], "std": [float(v) for v in archive["std"]],

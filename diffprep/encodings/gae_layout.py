@@ -38,11 +38,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
-from diffprep.layouts import Layout
+from diffprep.report.checks import Check, Findings
+from diffprep.writer.layouts import Layout
 from diffprep.encodings.unit_files import UnitFilesWriter, save_report
-from diffprep.plan import Plan
-from diffprep.shards import Reject, UnitManifest
+from diffprep.writer.plan import Plan
+from diffprep.writer.shards import Reject, UnitManifest
 from diffprep.sources.base import unescape_id
 
 UNIT_FILES = True  # its units write files, not shards (diffprep.encodings.unit_files_layout)
@@ -279,7 +279,7 @@ def audit_folders(output: Any, plan: Plan, manifests: list[UnitManifest]) -> lis
 
 def finalize(output: Any, plan: Plan) -> Any:
     """Nothing to write (GAE reads the folders as they are); the scenes they hold."""
-    from diffprep.energon import FinalizeResult
+    from diffprep.run.energon import FinalizeResult
 
     written = sum(m.count for m in _committed(output, plan))
     tops = sorted({folder.split("/", 1)[0] for folder in folders(plan).values() if folder})  # splits, or scenes
@@ -316,7 +316,7 @@ def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, d
     """``count`` committed scenes spread over the dataset as (key, folder, the shard layout's fields) for
     ``diffprep decode``."""
     from diffprep.errors import DatasetValidationError
-    from diffprep.shards import read_manifests
+    from diffprep.writer.shards import read_manifests
 
     picked = []
     names = folders(plan)

@@ -10,7 +10,7 @@ for ``<file>#0`` .. ``#n-1`` of the n rows the manifest records.
 
 A row is a reject, never an error, when a column is missing or null or is not
 a uint16 ``.npy``. The writing itself (downloads, units, the run) is
-``diffprep.ingest``; this module says what a sample holds and how it is
+``diffprep.tools.ingest``; this module says what a sample holds and how it is
 checked, loaded and judged.
 """
 
@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check, Findings, shape_str
+from diffprep.report.checks import Check, Findings, shape_str
 from diffprep.config import Settings
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.errors import ConfigError
-from diffprep.plan import Plan, UnitPlan, shape_matches
-from diffprep.shards import Reject, UnitManifest
+from diffprep.writer.plan import Plan, UnitPlan, shape_matches
+from diffprep.writer.shards import Reject, UnitManifest
 
 FORMAT_MLPERF = "mlperf-flux-arrow"
 # Arrow column -> sample field, in contract order.
@@ -131,7 +131,7 @@ class Ingested(Encoding):
         return 1
 
     def sanity(self, output, plan, loaded, source, spec, **options):
-        raise self._ingested_only("the encode sanity check")  # diffprep.ingest checks the first file's rows
+        raise self._ingested_only("the encode sanity check")  # diffprep.tools.ingest checks the first file's rows
 
     def oom_advice(self, settings: Settings, loaded: Any) -> str:
         return "nothing is encoded on a device here: free host memory"
@@ -142,10 +142,10 @@ class Ingested(Encoding):
     def decode_stored(self, stored: Sequence[Any], plan: Plan | None, **options: Any):
         raise ConfigError("this dataset was encoded elsewhere and ingested as stored (MLPerf Flux's VAE posterior "
                           "mean and logvar as bfloat16 .npy): it names no VAE that diffprep could decode pictures "
-                          "with; its samples load with diffprep.cooker.NumpyPreencodedTaskEncoder")
+                          "with; its samples load with diffprep.writer.cooker.NumpyPreencodedTaskEncoder")
 
     def task_encoder(self) -> Any:
-        from diffprep.cooker import NumpyPreencodedTaskEncoder  # Energon: finalize and validation only
+        from diffprep.writer.cooker import NumpyPreencodedTaskEncoder  # Energon: finalize and validation only
 
         return NumpyPreencodedTaskEncoder()
 
@@ -160,7 +160,7 @@ class IngestedInspector:
     TENSORS = ("prompt_embeds", "pooled_prompt_embeds", "mean", "logvar")
 
     def __init__(self, expected: dict[str, Any] | None) -> None:
-        from diffprep.latent_stats import LatentStats
+        from diffprep.report.latent_stats import LatentStats
 
         self.expected = dict(expected or {})
         self.shapes = Findings("shapes and dtypes")
@@ -197,7 +197,7 @@ class IngestedInspector:
         return {"fields": self.fields}
 
     def passed(self) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
-        from diffprep.shards import torch_bytes
+        from diffprep.writer.shards import torch_bytes
 
         if not self.stats.samples:
             return [], {}, {}

@@ -41,15 +41,15 @@ from diffprep.encodings.base import with_caption_settings
 from diffprep.encodings.ltx2_inputs import INPUT_FIELDS, expected_shapes, read_columns
 from diffprep.encodings.wan import Wan
 from diffprep.errors import ConfigError
-from diffprep.layouts import LayoutPreset
+from diffprep.writer.layouts import LayoutPreset
 from diffprep.media.buckets import Bucket, parse_buckets
 from diffprep.media.video import ClipSpec
 from diffprep.output import Output
-from diffprep.plan import Plan, dtype_name, shape_matches
-from diffprep.reader import Batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip
-from diffprep.shards import Reject, load_tensor, tensor_bytes
-from diffprep.workers import claimed_device
+from diffprep.writer.plan import Plan, dtype_name, shape_matches
+from diffprep.run.reader import Batch
+from diffprep.run.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip
+from diffprep.writer.shards import Reject, load_tensor, tensor_bytes
+from diffprep.run.workers import claimed_device
 
 log = logging.getLogger(__name__)
 _LOADED: dict[str, Any] = {}
@@ -199,15 +199,17 @@ class Ltx2(Wan):
 
     def unit_writer(self, output: Output, plan: Plan):
         """--layout ltx: the trainer's record files under the output (a ``.precomputed`` folder)."""
-        from diffprep.encodings.ltx_layout import PrecomputedWriter, is_ltx
+        from diffprep.encodings.ltx_layout import PrecomputedWriter
+        from diffprep.families.ltx2_precomputed import is_ltx
 
         return (lambda: PrecomputedWriter(output.local, plan)) if is_ltx(plan) else None
 
     def own_folders(self, plan: Plan | None) -> Any:
         """--layout ltx: the trainer's folders, read as they are (no Energon metadata, no split)."""
         from diffprep.encodings import ltx_layout
+        from diffprep.families.ltx2_precomputed import is_ltx
 
-        return ltx_layout if ltx_layout.is_ltx(plan) else None
+        return ltx_layout if is_ltx(plan) else None
 
     def sample_fields(self, settings: Settings, loaded: Any):
         trigger = settings.model.lora_trigger
@@ -315,7 +317,7 @@ class Ltx2(Wan):
         return load_sound(_checkpoint_of(model_path or recorded), device)
 
     def task_encoder(self) -> Any:
-        from diffprep.cooker import Ltx2SampleTaskEncoder  # Energon: finalize and validation only
+        from diffprep.writer.cooker import Ltx2SampleTaskEncoder  # Energon: finalize and validation only
 
         return Ltx2SampleTaskEncoder()
 

@@ -42,10 +42,10 @@ from diffprep.errors import ConfigError
 from diffprep.families.base import DTYPES
 from diffprep.media.audio import AudioSpec, duration_name, parse_durations
 from diffprep.output import Output
-from diffprep.plan import Plan, dtype_name, shape_matches
-from diffprep.reader import first_batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport
-from diffprep.shards import tensor_bytes
+from diffprep.writer.plan import Plan, dtype_name, shape_matches
+from diffprep.run.reader import first_batch
+from diffprep.run.sanity import TAR_MEMBER_OVERHEAD, SanityReport
+from diffprep.writer.shards import tensor_bytes
 from diffprep.sources import Source, SourceSample
 
 _AUDIO_SECONDS = re.compile(r"the audio is ([0-9.]+) s")

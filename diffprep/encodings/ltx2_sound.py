@@ -13,7 +13,7 @@ import torch
 
 from diffprep import contract
 from diffprep.media.audio import ClipAudio
-from diffprep.shards import load_tensor
+from diffprep.writer.shards import load_tensor
 
 # The log-mel pictures of diffprep decode: ltx-core's floor (log 1e-5) to a loud mel bin.
 _MEL_FLOOR, _MEL_TOP = math.log(1e-5), 2.0

@@ -29,7 +29,6 @@ There is no Energon metadata to finalize.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
@@ -37,21 +36,14 @@ from typing import Any, Mapping
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
-from diffprep.layouts import Layout
-from diffprep.media.windows import parse_clip_id
+from diffprep.report.checks import Check, Findings
 from diffprep.encodings.unit_files import UnitFilesWriter, save_report
-from diffprep.plan import Plan, dtype_name, shape_matches
+from diffprep.writer.plan import Plan, dtype_name, shape_matches
 from diffprep.errors import LinkInOutputError
-from diffprep.shards import Reject, UnitManifest, link_message, torch_bytes
-from diffprep.sources.base import unescape_id
+from diffprep.families.ltx2_precomputed import load_record, sample_names
+from diffprep.writer.shards import Reject, UnitManifest, link_message, torch_bytes
 
 UNIT_FILES = True  # its units write files, not shards (diffprep.encodings.unit_files_layout)
-_NAMES: dict[str, dict[str, PurePosixPath | str]] = {}  # plan fingerprint -> source id -> name (or first owner)
-
-
-def is_ltx(plan: Plan | None) -> bool:
-    return plan is not None and Layout.of_plan(plan.settings).name == contract.LAYOUT_LTX
 
 
 def precomputed_root(output_dir: str) -> str:
@@ -94,32 +86,6 @@ def folders(plan: Plan) -> list[str]:
 # The clip's other inputs (media/clip_inputs.py roles) -> their folder.
 _INPUT_DIRS = {"reference_audio": contract.REFERENCE_AUDIO_LATENTS_DIR, "video_mask": contract.VIDEO_MASKS_DIR,
                "audio_mask": contract.AUDIO_MASKS_DIR}
-
-
-def sample_names(plan: Plan) -> dict[str, PurePosixPath | str]:
-    """Source id -> its ``.pt`` name, or (a later sample giving a name already taken) the id that owns it."""
-    from diffprep.families.ltx2_precomputed import precomputed_relative_path, window_relative_path
-
-    if plan.fingerprint + str(plan.total_samples) in _NAMES:
-        return _NAMES[plan.fingerprint + str(plan.total_samples)]
-    folder = os.path.dirname(plan.source["metadata_file"])
-    names: dict[str, PurePosixPath | str] = {}
-    owners: dict[PurePosixPath, str] = {}
-    for unit in plan.units:
-        for source_id in unit.source_ids:
-            window = parse_clip_id(source_id)  # a long video's clip: <source>#<shot>:<first>-<last>
-            media = unescape_id((window[0] if window else source_id).split("#", 1)[0].replace("%23", "#"))
-            if not media:
-                names[source_id] = source_id  # no path: the read phase rejects it (missing_media)
-                continue
-            name = precomputed_relative_path(media, folder)
-            if window is not None:
-                name = window_relative_path(name, *window[1:])
-            owner = owners.setdefault(name, source_id)
-            names[source_id] = name if owner == source_id else owner
-    _NAMES.clear()
-    _NAMES[plan.fingerprint + str(plan.total_samples)] = names
-    return names
 
 
 def planned_files(plan: Plan) -> list[str]:
@@ -196,11 +162,6 @@ def records(fields: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 # --- checking records ------------------------------------------------------------------------------------------
-
-
-def load_record(path: Path) -> Any:
-    """A record as the trainer loads it: ``torch.load(map_location="cpu", weights_only=True)``."""
-    return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
 
 
 def record_problem(kind: str, record: Any, plan: Plan) -> str | None:
@@ -356,7 +317,7 @@ def check_folders(output: Any, plan: Plan, written: int | None) -> list[Check]:
 
 def finalize(output: Any, plan: Plan) -> Any:
     """Finalizing the folders: nothing to write (the trainer reads them as they are); the samples they hold."""
-    from diffprep.energon import FinalizeResult
+    from diffprep.run.energon import FinalizeResult
 
     written = sum(m.count for m in output.state.manifests().values() if m.fingerprint == plan.fingerprint)
     return FinalizeResult(splits={}, counts={"train": written}, parts=folders(plan), changed=False)
@@ -373,11 +334,11 @@ def validate(output: Any, plan: Plan) -> Any:
 
 
 def stored_samples(root: Path, plan: Plan, count: int) -> list[tuple[str, str, dict[str, bytes]]]:
-    """``count`` committed samples spread over the dataset, as (key, file, the Energon fields) for ``diffprep
-    decode``'s ``StoredSample``: the records' tensors, and a meta.json naming the source id, bucket and fps
+    """``count`` committed samples spread over the dataset, as (key, file, the Energon fields) for
+    ``diffprep.writer.shards.StoredSample``: the records' tensors, and a meta.json naming the source id, bucket and fps
     (audio only: the duration bucket, no fps)."""
     from diffprep.errors import DatasetValidationError
-    from diffprep.shards import json_bytes, read_manifests
+    from diffprep.writer.shards import json_bytes, read_manifests
 
     manifests = [m for _, m in sorted(read_manifests(root).items()) if m.keys and m.fingerprint == plan.fingerprint]
     picked = [(m, i) for m in manifests for i in range(len(m.keys))]

@@ -22,20 +22,20 @@ from typing import Any, Sequence
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check, Findings, shape_str
+from diffprep.report.checks import Check, Findings, shape_str
 from diffprep.config import Settings
 from diffprep.families.base import DTYPES
 from diffprep.families.flux import FluxEncoders, describe_flux, resolve_encoders
 from diffprep.families.flux_vae import VaeDecoder
 from diffprep.encodings.base import Encoding, SampleFields, encoded_samples
 from diffprep.errors import ConfigError
-from diffprep.images import ImageSpec, bucket_name, image_buckets, to_uint8
-from diffprep.latent_stats import LatentStats
-from diffprep.layouts import Layout, LayoutPreset
+from diffprep.media.images import ImageSpec, bucket_name, image_buckets, to_uint8
+from diffprep.report.latent_stats import LatentStats
+from diffprep.writer.layouts import Layout, LayoutPreset
 from diffprep.output import Output, as_output
-from diffprep.plan import Plan, dtype_name, shape_matches
-from diffprep.reader import Batch, first_batch
-from diffprep.sanity import (
+from diffprep.writer.plan import Plan, dtype_name, shape_matches
+from diffprep.run.reader import Batch, first_batch
+from diffprep.run.sanity import (
     TAR_MEMBER_OVERHEAD,
     SanityReport,
     check_round_trip,
@@ -43,9 +43,9 @@ from diffprep.sanity import (
     peak_memory,
     project_run,
 )
-from diffprep.shards import Reject, load_tensor, npy_bytes, tensor_bytes, torch_bytes
+from diffprep.writer.shards import Reject, load_tensor, npy_bytes, tensor_bytes, torch_bytes
 from diffprep.sources import Source
-from diffprep.workers import claimed_device
+from diffprep.run.workers import claimed_device
 
 _LOADED: dict[str, FluxEncoders] = {}
 _LOCK = threading.Lock()
@@ -300,7 +300,7 @@ class Preencoded(Encoding):
         return images, str(decoder.folder) if decoder.folder else None
 
     def task_encoder(self) -> Any:
-        from diffprep.cooker import FluxPreencodedTaskEncoder  # Energon: finalize and validation only
+        from diffprep.writer.cooker import FluxPreencodedTaskEncoder  # Energon: finalize and validation only
 
         return FluxPreencodedTaskEncoder()
 

@@ -25,16 +25,16 @@ from typing import Any, Sequence
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
+from diffprep.report.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.encodings.base import Encoding, SampleFields, with_caption_settings
 from diffprep.errors import ConfigError
-from diffprep.layouts import LayoutPreset
+from diffprep.writer.layouts import LayoutPreset
 from diffprep.output import Output
-from diffprep.plan import Plan
-from diffprep.reader import Batch, PromptSpec, first_batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, finish_sanity, peak_memory, project_run
-from diffprep.shards import Reject, field_bytes
+from diffprep.writer.plan import Plan
+from diffprep.run.reader import Batch, PromptSpec, first_batch
+from diffprep.run.sanity import TAR_MEMBER_OVERHEAD, SanityReport, finish_sanity, peak_memory, project_run
+from diffprep.writer.shards import Reject, field_bytes
 from diffprep.sources import Source
 
 BATCH_SIZE = 256  # captions per batch; only groups the work, any value gives the same bytes
@@ -115,7 +115,7 @@ class Prompts(Encoding):
                           "members")
 
     def task_encoder(self) -> Any:
-        from diffprep.prompt_cooker import PromptTaskEncoder  # Energon: finalize and validation only
+        from diffprep.writer.prompt_cooker import PromptTaskEncoder  # Energon: finalize and validation only
 
         return PromptTaskEncoder()
 

@@ -28,18 +28,18 @@ import torch
 from PIL import Image
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
+from diffprep.report.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.encodings.base import Encoding, SampleFields
-from diffprep.layouts import LayoutPreset
+from diffprep.writer.layouts import LayoutPreset
 from diffprep.errors import ConfigError, DatasetValidationError
-from diffprep.images import ImageSpec
-from diffprep.pictures import file_pixels
+from diffprep.media.images import ImageSpec
+from diffprep.report.pictures import file_pixels
 from diffprep.output import Output, as_output
-from diffprep.plan import Plan
-from diffprep.reader import Batch, first_batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip, finish_sanity, peak_memory, project_run
-from diffprep.shards import Reject, field_bytes
+from diffprep.writer.plan import Plan
+from diffprep.run.reader import Batch, first_batch
+from diffprep.run.sanity import TAR_MEMBER_OVERHEAD, SanityReport, check_round_trip, finish_sanity, peak_memory, project_run
+from diffprep.writer.shards import Reject, field_bytes
 from diffprep.sources import Source
 
 # Field name in the shard -> Pillow format.
@@ -237,7 +237,7 @@ class Raw(Encoding):
         return [stored_image(sample.key, sample.fields) for sample in stored], None
 
     def task_encoder(self) -> Any:
-        from diffprep.cooker import FluxRawTaskEncoder  # Energon: finalize and validation only
+        from diffprep.writer.cooker import FluxRawTaskEncoder  # Energon: finalize and validation only
 
         return FluxRawTaskEncoder()
 

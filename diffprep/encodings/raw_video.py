@@ -40,7 +40,7 @@ import av
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
+from diffprep.report.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.encodings import clips
 from diffprep.encodings.base import with_caption_settings
@@ -50,10 +50,10 @@ from diffprep.media.buckets import Bucket
 from diffprep.media.mp4 import AAC, X264, mp4_bytes, mp4_frames
 from diffprep.media.video import ClipSpec
 from diffprep.output import Output
-from diffprep.plan import Plan
-from diffprep.reader import Batch
-from diffprep.sanity import (TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip)
-from diffprep.shards import Reject
+from diffprep.writer.plan import Plan
+from diffprep.run.reader import Batch
+from diffprep.run.sanity import (TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip)
+from diffprep.writer.shards import Reject
 from diffprep.sources import Source
 
 BATCH_SIZE = 4  # clips prepared per batch; only groups the work, any value gives the same bytes
@@ -198,7 +198,7 @@ class RawVideo(clips.ClipEncoding):
         return [stored_clip(sample.key, sample.fields) for sample in stored], None
 
     def task_encoder(self) -> Any:
-        from diffprep.cooker import RawVideoTaskEncoder  # Energon: finalize and validation only
+        from diffprep.writer.cooker import RawVideoTaskEncoder  # Energon: finalize and validation only
 
         return RawVideoTaskEncoder()
 

@@ -32,18 +32,18 @@ import numpy as np
 import torch
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
+from diffprep.report.checks import Check, Findings
 from diffprep.config import Settings
 from diffprep.encodings.base import Encoding, SampleFields, with_caption_settings
 from diffprep.encodings.scene_checks import camera_problems, check_scene, intrinsics_rows, load_npy, npy
 from diffprep.errors import ConfigError
-from diffprep.layouts import LayoutPreset
+from diffprep.writer.layouts import LayoutPreset
 from diffprep.media.mp4 import X264, mp4_bytes, mp4_frames
 from diffprep.output import Output
-from diffprep.plan import Plan
-from diffprep.reader import Batch, first_batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip, finish_sanity, project_run
-from diffprep.shards import Reject
+from diffprep.writer.plan import Plan
+from diffprep.run.reader import Batch, first_batch
+from diffprep.run.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip, finish_sanity, project_run
+from diffprep.writer.shards import Reject
 
 BATCH_SIZE = 2  # scenes prepared per batch; only groups the work
 DEPTH_FORMATS = ("scannetpp",)  # the scene formats whose frames come with depth maps
@@ -274,7 +274,7 @@ class Scenes(ScenePlanned, Encoding):
                 load_npy(stored.fields[contract.SCENE_INTRINSICS], key=stored.key, field=contract.SCENE_INTRINSICS))
 
     def task_encoder(self) -> Any:
-        from diffprep.scene_cooker import SceneTaskEncoder
+        from diffprep.writer.scene_cooker import SceneTaskEncoder
 
         return SceneTaskEncoder()
 

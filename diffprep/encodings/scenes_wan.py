@@ -16,7 +16,7 @@ encoders, normalization, seeded sampling). Per sample (Energon subflavor
 Wan encodes ``N = 1 + k t`` frames (t = 4: 17, 21, 33, 81...) at sides that are
 multiples of its spatial factor, so the plan refuses ``--scene-frames`` and
 ``--scene-resolution`` that are not, naming the nearest values: every sample of
-a plan has the same shape. ``diffprep.scene_cooker.WanSceneTaskEncoder`` loads them.
+a plan has the same shape. ``diffprep.writer.scene_cooker.WanSceneTaskEncoder`` loads them.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from diffprep.encodings.wan import VideoInspector, Wan
 from diffprep.errors import ConfigError
 from diffprep.families.base import DTYPES
 from diffprep.families.wan import VaeTiling, WanEncoders, describe_wan, resolve_wan
-from diffprep.images import to_uint8
+from diffprep.media.images import to_uint8
 from diffprep.output import Output
-from diffprep.plan import Plan, dtype_name
-from diffprep.reader import Batch, first_batch
-from diffprep.sanity import MemoryWatch, SanityReport, check_round_trip, finish_sanity, project_run
-from diffprep.shards import Reject, tensor_bytes
+from diffprep.writer.plan import Plan, dtype_name
+from diffprep.run.reader import Batch, first_batch
+from diffprep.run.sanity import MemoryWatch, SanityReport, check_round_trip, finish_sanity, project_run
+from diffprep.writer.shards import Reject, tensor_bytes
 
 
 def latent_frames(frames: int, temporal: int) -> list[list[int]]:
@@ -174,14 +174,14 @@ class WanScenes(ScenePlanned, Wan):  # one scene shape for the whole plan (check
     def cameras(self, stored: Any) -> tuple[np.ndarray, np.ndarray]:
         """A stored sample's (c2w [N, 4, 4], fx fy cx cy [N, 4]): what ``diffprep decode`` draws."""
         from diffprep.encodings.scene_checks import intrinsics_rows
-        from diffprep.shards import load_tensor
+        from diffprep.writer.shards import load_tensor
 
         c2w = load_tensor(stored.fields[contract.SCENE_C2W], key=stored.key, field=contract.SCENE_C2W)
         K = load_tensor(stored.fields[contract.SCENE_K], key=stored.key, field=contract.SCENE_K)
         return c2w.numpy(), intrinsics_rows(K.numpy())
 
     def task_encoder(self) -> Any:
-        from diffprep.scene_cooker import WanSceneTaskEncoder
+        from diffprep.writer.scene_cooker import WanSceneTaskEncoder
 
         return WanSceneTaskEncoder()
 
@@ -225,7 +225,7 @@ class WanSceneInspector(VideoInspector):
 
     def __init__(self, expected: dict[str, Any] | None) -> None:
         super().__init__(expected)
-        from diffprep.checks import Findings
+        from diffprep.report.checks import Findings
 
         self.cameras = Findings("cameras")
 

@@ -21,13 +21,13 @@ from diffprep import contract
 from diffprep.config import Settings
 from diffprep.encodings.base import Encoding, SampleFields
 from diffprep.errors import ConfigError
-from diffprep.images import ImageSpec
-from diffprep.layouts import LayoutPreset
+from diffprep.media.images import ImageSpec
+from diffprep.writer.layouts import LayoutPreset
 from diffprep.output import Output
-from diffprep.plan import Plan
-from diffprep.reader import Batch, first_batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, SanityReport, finish_sanity, peak_memory, project_run
-from diffprep.shards import Reject, npy_bytes
+from diffprep.writer.plan import Plan
+from diffprep.run.reader import Batch, first_batch
+from diffprep.run.sanity import TAR_MEMBER_OVERHEAD, SanityReport, finish_sanity, peak_memory, project_run
+from diffprep.writer.shards import Reject, npy_bytes
 from diffprep.sources import Source
 
 BATCH_SIZE = 8
@@ -77,7 +77,7 @@ class SdVaeLatents(Encoding):
     def load(self, settings: Settings, token: str | None) -> Any:
         from diffprep.families.base import resolve_device
         from diffprep.families.sd_vae import load_sd_vae
-        from diffprep.workers import claimed_device
+        from diffprep.run.workers import claimed_device
 
         model = settings.model
         device = resolve_device(claimed_device() or model.device)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diffprep import contract
-from diffprep.shards import ShardInfo, atomic_write_bytes, no_link_below
+from diffprep.writer.shards import ShardInfo, atomic_write_bytes, no_link_below
 
 
 class UnitFilesWriter:
@@ -60,7 +60,7 @@ class UnitFilesWriter:
 def save_report(output: Any, checks: list, summary: dict[str, Any], audit: dict[str, Any] | None) -> Any:
     """The validation report of an output written as files (``.diffprep/validation.json``): ``checks``, and the
     ``summary`` with the audit's rejects when there was an audit."""
-    from diffprep.validation.report import ValidationReport
+    from diffprep.report.validation import ValidationReport
 
     if audit:
         summary["rejects"] = {key: audit[key] for key in ("inputs", "rejected", "by_reason")}

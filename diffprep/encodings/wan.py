@@ -37,17 +37,17 @@ from diffprep.encodings.preencoded import PreencodedInspector
 from diffprep.encodings.wan_depth import depth_inputs, encode_clips, plans_depth
 from diffprep.errors import ConfigError
 from diffprep.families.wan import VaeTiling, WanEncoders, decode_normalized, describe_wan, load_wan_vae, resolve_wan
-from diffprep.images import to_uint8
-from diffprep.layouts import Layout, LayoutPreset
+from diffprep.media.images import to_uint8
+from diffprep.writer.layouts import Layout, LayoutPreset
 from diffprep.media.buckets import Bucket
 from diffprep.media.video import ClipSpec
 from diffprep.output import Output
-from diffprep.plan import Plan, dtype_name, shape_matches
-from diffprep.reader import Batch
-from diffprep.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip
-from diffprep.shards import Reject, load_tensor, npy_bytes, tensor_bytes, torch_bytes
+from diffprep.writer.plan import Plan, dtype_name, shape_matches
+from diffprep.run.reader import Batch
+from diffprep.run.sanity import TAR_MEMBER_OVERHEAD, MemoryWatch, SanityReport, check_round_trip
+from diffprep.writer.shards import Reject, load_tensor, npy_bytes, tensor_bytes, torch_bytes
 from diffprep.sources import Source
-from diffprep.workers import claimed_device
+from diffprep.run.workers import claimed_device
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class Wan(clips.ClipEncoding):
 
     def task_encoder(self) -> Any:
         """Sample by sample (validation); training batches one bucket at a time with ``VideoPreencodedTaskEncoder``."""
-        from diffprep.cooker import VideoSampleTaskEncoder  # Energon: finalize and validation only
+        from diffprep.writer.cooker import VideoSampleTaskEncoder  # Energon: finalize and validation only
 
         return VideoSampleTaskEncoder()
 

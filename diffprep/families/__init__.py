@@ -134,7 +134,7 @@ def family_of_model(model_path: str, family: str | None = None, *, revision: str
     one) is LTX-2; a folder (or hub repo) whose root ``config.json`` is a
     4-channel ``AutoencoderKL`` is sd-vae (``stabilityai/sd-vae-ft-mse`` has no
     index). A hub repo's two root files are fetched alone (or read from the
-    cache) through :mod:`diffprep.hub`. Anything else, or a hub repo whose
+    cache) through :mod:`diffprep.families.hub`. Anything else, or a hub repo whose
     files cannot be fetched, is Flux: the layout diffprep read before families
     existed (its own loader then says what is missing, or why the hub refused).
     """
@@ -152,7 +152,7 @@ def family_of_model(model_path: str, family: str | None = None, *, revision: str
     if folder.exists():
         return get_family("flux")
     try:
-        from diffprep.hub import hub_root_files
+        from diffprep.families.hub import hub_root_files
 
         snapshot = hub_root_files(model_path, [MODEL_INDEX, CONFIG], revision=revision, token=token)
     except Exception:  # noqa: BLE001 - offline, gated or not a repo: the Flux resolver reports the real problem

@@ -37,7 +37,7 @@ from diffprep.config import LatentMode, ModelConfig
 from diffprep.families.base import (DTYPES, LATENT_MODES, checked_captions, key_noise, removed_excerpt, resolve_device,
                                     truncation)
 from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
-from diffprep.hub import Part, ResolvedPart, resolve_parts
+from diffprep.families.hub import Part, ResolvedPart, resolve_parts
 from diffprep.errors import ConfigError
 from diffprep.families.imports import family_imports
 

@@ -14,10 +14,10 @@ import torch
 
 from diffprep.families.flux import FluxEncoders, _vae_normalization, resolve_device
 from diffprep.families.imports import family_imports
-from diffprep.hub import resolve_component
+from diffprep.families.hub import resolve_component
 from diffprep.errors import ConfigError
-from diffprep.images import to_uint8
-from diffprep.plan import Plan
+from diffprep.media.images import to_uint8
+from diffprep.writer.plan import Plan
 
 
 class VaeDecoder:
@@ -78,7 +78,7 @@ class VaeDecoder:
 
 def _cached_component(repo_id: str, subfolder: str | None, revision: str | None) -> Path:
     """A hub component's folder in the local Hugging Face cache; ConfigError when it is not there."""
-    from huggingface_hub import try_to_load_from_cache  # imported whole by diffprep.hub, at its top
+    from huggingface_hub import try_to_load_from_cache  # imported whole by diffprep.families.hub, at its top
 
     config = try_to_load_from_cache(repo_id, f"{subfolder}/config.json" if subfolder else "config.json",
                                     revision=revision)

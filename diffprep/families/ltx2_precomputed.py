@@ -7,6 +7,7 @@ from what ``diffprep.families.ltx2`` encodes.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -14,6 +15,10 @@ from typing import Any
 import torch
 
 from diffprep import contract
+from diffprep.media.windows import parse_clip_id
+from diffprep.sources.base import unescape_id
+from diffprep.writer.layouts import Layout
+from diffprep.writer.plan import Plan
 from diffprep.families.ltx2 import (
     AUDIO_LATENTS_DTYPE,
     CONDITIONS_DTYPE,
@@ -27,6 +32,7 @@ from diffprep.families.ltx2 import (
 VIDEO_LATENTS_KEYS = contract.VIDEO_RECORD_KEYS
 AUDIO_LATENTS_KEYS = contract.AUDIO_RECORD_KEYS
 CONDITIONS_KEYS = contract.CONDITIONS_RECORD_KEYS
+_NAMES: dict[str, dict[str, PurePosixPath | str]] = {}  # plan fingerprint -> source id -> name (or first owner)
 
 
 # --------------------------------------------------------------------------- .precomputed records
@@ -123,3 +129,39 @@ def precomputed_path(output_root: str | Path, kind: str, relative: PurePosixPath
     if kind not in kinds:
         raise ValueError(f"kind must be one of {', '.join(kinds)}, got {kind!r}")
     return Path(output_root) / kind / Path(relative)
+
+
+# --------------------------------------------------------------------------- a plan's records
+
+
+def is_ltx(plan: Plan | None) -> bool:
+    return plan is not None and Layout.of_plan(plan.settings).name == contract.LAYOUT_LTX
+
+
+def sample_names(plan: Plan) -> dict[str, PurePosixPath | str]:
+    """Source id -> its ``.pt`` name, or (a later sample giving a name already taken) the id that owns it."""
+    if plan.fingerprint + str(plan.total_samples) in _NAMES:
+        return _NAMES[plan.fingerprint + str(plan.total_samples)]
+    folder = os.path.dirname(plan.source["metadata_file"])
+    names: dict[str, PurePosixPath | str] = {}
+    owners: dict[PurePosixPath, str] = {}
+    for unit in plan.units:
+        for source_id in unit.source_ids:
+            window = parse_clip_id(source_id)  # a long video's clip: <source>#<shot>:<first>-<last>
+            media = unescape_id((window[0] if window else source_id).split("#", 1)[0].replace("%23", "#"))
+            if not media:
+                names[source_id] = source_id  # no path: the read phase rejects it (missing_media)
+                continue
+            name = precomputed_relative_path(media, folder)
+            if window is not None:
+                name = window_relative_path(name, *window[1:])
+            owner = owners.setdefault(name, source_id)
+            names[source_id] = name if owner == source_id else owner
+    _NAMES.clear()
+    _NAMES[plan.fingerprint + str(plan.total_samples)] = names
+    return names
+
+
+def load_record(path: Path) -> Any:
+    """A record as the trainer loads it: ``torch.load(map_location="cpu", weights_only=True)``."""
+    return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)

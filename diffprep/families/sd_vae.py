@@ -23,7 +23,7 @@ import torch
 
 from diffprep.errors import ConfigError
 from diffprep.families.imports import family_imports
-from diffprep.images import to_model_input
+from diffprep.media.images import to_model_input
 
 CONFIG = "config.json"
 VAE_CLASS = "AutoencoderKL"
@@ -72,11 +72,11 @@ def load_sd_vae(model_path: str, *, device: str | torch.device = "cpu", revision
                 token: str | None = None, local_only: bool = False) -> SdVae:
     """The VAE of ``model_path`` (a local folder or a hub repo of the sd-vae layout), in float32, refused when it
     is not an ``AutoencoderKL`` with 4 latent channels. A hub repo's root files are downloaded (or read from the
-    cache) through :mod:`diffprep.hub`, whose errors name the three ways out of a refusal or of being offline."""
+    cache) through :mod:`diffprep.families.hub`, whose errors name the three ways out of a refusal or of being offline."""
     with family_imports("sd-vae"):
         from diffusers import AutoencoderKL
 
-    from diffprep.hub import resolve_component
+    from diffprep.families.hub import resolve_component
 
     folder = model_path
     if not Path(model_path).expanduser().is_dir() and not local_only:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from diffprep.shards import atomic_write_bytes
+from diffprep.writer.shards import atomic_write_bytes
 
 MIB = 1024 * 1024
 # Per process. FLUX.1-dev's T5 embedding is [512, 4096] bf16 = 4 MiB a caption, so 4 GiB holds ImageNet-1k's

@@ -56,7 +56,7 @@ from diffprep.families.base import (DTYPES, LATENT_MODES, checked_captions, key_
                                     truncation)
 from diffprep.families.imports import family_imports
 from diffprep.families.text_cache import TEXT_BATCH, TextCache, cache_bytes, fill_rows
-from diffprep.hub import ResolvedPart, resolve_component
+from diffprep.families.hub import ResolvedPart, resolve_component
 from diffprep.media.buckets import Bucket
 
 if TYPE_CHECKING:

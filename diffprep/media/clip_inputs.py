@@ -109,7 +109,7 @@ def video_mask_pixels(clip: Any, name: str, data: bytes, *, max_pixels: int) -> 
 
     try:
         if is_image_name(name):
-            from diffprep import images
+            from diffprep.media import images
 
             spec = images.ImageSpec(max_pixels=max_pixels)
             with images._open(data, spec) as img:

@@ -68,7 +68,7 @@ def depth_frames(clip: Any, name: str, data: bytes, *, max_pixels: int) -> torch
 
 
 def _image_frame(data: bytes, bucket: Any, box: Any, max_pixels: int) -> torch.Tensor:
-    from diffprep import images
+    from diffprep.media import images
 
     spec = images.ImageSpec(max_pixels=max_pixels)
     with images._open(data, spec) as img:

@@ -37,9 +37,9 @@ import torch
 from PIL import Image
 
 from diffprep.errors import ConfigError, RejectError
-from diffprep.images import ImageSpec, decode_rgb
-from diffprep.media.cameras import crop_resize
-from diffprep.media.scene_sampling import SAMPLINGS, chunk_name, chunk_ranges, kept_indices
+from diffprep.media.images import ImageSpec, decode_rgb
+from diffprep.sources.scenes.cameras import crop_resize
+from diffprep.sources.scenes.sampling import SAMPLINGS, chunk_name, chunk_ranges, kept_indices
 from diffprep.sources.scenes.base import Scene, SceneFrame
 
 DEPTH_MODES = frozenset({"I;16", "I;16B", "I;16L"})

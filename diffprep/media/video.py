@@ -24,7 +24,7 @@ project's machines have none).
 5. **Decode** only up to the last frame needed; each kept frame is rotated as
    the container says (phone videos), its centred box of the bucket's aspect
    ratio is resized with LANCZOS to the bucket size (cover, then centre crop;
-   the same filter as :mod:`diffprep.images`).
+   the same filter as :mod:`diffprep.media.images`).
 
 Everything that is not a usable clip ends as a
 :class:`~diffprep.errors.RejectError` (phase ``decode``) with a stable reason:
@@ -217,12 +217,12 @@ def clip_meta(info: ClipInfo, chosen: list[int], bucket: Bucket, box: tuple[int,
 
 
 def prepare_image_clip(data: bytes, buckets: Sequence[Bucket], *, max_pixels: int = 89_478_485) -> PreparedClip:
-    """An image as a one-frame clip: decoded as :mod:`diffprep.images` does (EXIF, alpha, modes), then
+    """An image as a one-frame clip: decoded as :mod:`diffprep.media.images` does (EXIF, alpha, modes), then
     covered and centre-cropped into the ``F = 1`` bucket of nearest aspect.
 
     No ``F = 1`` bucket: :class:`~diffprep.errors.RejectError` ``too_few_frames``.
     """
-    from diffprep import images
+    from diffprep.media import images
 
     if not data:
         raise RejectError("empty_file", "the image file is 0 bytes", phase="decode")
@@ -309,7 +309,7 @@ class ClipSpec:
         Raises :class:`~diffprep.errors.RejectError` as :meth:`prepare` would (``too_few_frames``...).
         """
         if not video:
-            from diffprep import images
+            from diffprep.media import images
 
             if not data:
                 raise RejectError("empty_file", "the image file is 0 bytes", phase="decode")

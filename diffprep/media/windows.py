@@ -33,26 +33,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from diffprep.config.sections import CLIP_MODES, DETECTORS, scene_threshold
 from diffprep.errors import ConfigError, RejectError
 from diffprep.media.buckets import Bucket, choose_bucket
 
-__all__ = ["CLIP_MODES", "DEFAULT_THRESHOLDS", "DETECTORS", "THRESHOLD_RANGES", "SceneSettings", "Window",
+__all__ = ["SceneSettings", "Window",
            "chain_windows", "clip_id", "parse_clip_id", "read_scene_captions", "shot_spans", "shot_windows",
            "source_windows"]
-
-CLIP_MODES: tuple[str, ...] = ("head", "chain", "slide", "uniform")
-DETECTORS: tuple[str, ...] = ("content", "adaptive", "threshold", "histogram")
-# --scene-threshold: PySceneDetect's own default of each detector (what an unset threshold means, so a run that
-# does not set it keeps its fingerprint), and the values that mean something in the detector's own units.
-DEFAULT_THRESHOLDS: dict[str, float] = {"content": 27.0, "adaptive": 3.0, "threshold": 12.0, "histogram": 0.2}
-THRESHOLD_RANGES: dict[str, tuple[float, float, str]] = {
-    "content": (0.0, 255.0, "the mean HSV change between two frames that makes a cut; lower finds more cuts"),
-    "adaptive": (0.0, 255.0, "how many times its neighbours' mean HSV change a frame's must be to make a cut (and "
-                 "at least 15); lower finds more cuts"),
-    "threshold": (0.0, 255.0, "the mean brightness under which a frame is black (a fade's end)"),
-    "histogram": (-1.0, 1.0, "the correlation of two frames' luma histograms at or below which they are cut "
-                  "apart; higher finds more cuts"),
-}
 
 _SHOT_KEY = re.compile(r"^.+#\d+$")
 _CLIP_ID = re.compile(r"^(?P<source>.+)#(?P<shot>\d+):(?P<first>\d+)-(?P<last>\d+)$")
@@ -70,21 +57,14 @@ class SceneSettings:
     # --scene-captions: (key, caption) pairs, a key "<source>#<shot>" or a clip id; in the plan's byte settings
     # (the fingerprint covers them), so a re-run, a resume and decode caption every clip the same.
     captions: tuple[tuple[str, str], ...] = ()
-    # --scene-threshold, in the detector's own units (THRESHOLD_RANGES); None: PySceneDetect's default, to which a
-    # value equal to it is normalized (the same cuts, the same fingerprint).
+    # --scene-threshold, in the detector's own units (config.sections.THRESHOLD_RANGES); None: PySceneDetect's
+    # default, to which a value equal to it is normalized (the same cuts, the same fingerprint).
     threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.detector not in DETECTORS:
             raise ValueError(f"split_scenes must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
-        if self.threshold is not None:
-            low, high, meaning = THRESHOLD_RANGES[self.detector]
-            if not low <= self.threshold <= high:
-                raise ConfigError(f"--scene-threshold {self.threshold:g} is outside {low:g}..{high:g}, the range of "
-                                  f"the {self.detector} detector's threshold ({meaning}; default "
-                                  f"{DEFAULT_THRESHOLDS[self.detector]:g}): give a value in that range or unset it")
-            if float(self.threshold) == DEFAULT_THRESHOLDS[self.detector]:
-                object.__setattr__(self, "threshold", None)
+        object.__setattr__(self, "threshold", scene_threshold(self.detector, self.threshold))
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)}, got {self.clip_mode!r}")
         if self.clip_stride is not None and self.clip_stride < 1:

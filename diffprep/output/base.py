@@ -19,7 +19,7 @@ from typing import IO, Any, NamedTuple
 
 from diffprep.output.locks import OutputLock, pid_alive
 from diffprep.output.state import StateStore
-from diffprep.shards import (
+from diffprep.writer.shards import (
     ShardDigest,
     ShardSink,
     UnitManifest,
@@ -71,7 +71,7 @@ class Output:
 
     def links(self) -> list[str]:
         """Every symbolic link below the output (files and folders), never followed: none is the output's own, and
-        nothing is written, renamed or removed through one (``diffprep.ownership``)."""
+        nothing is written, renamed or removed through one (``diffprep.validation.ownership``)."""
         found: list[str] = []
         pending = [self.local] if self.local.is_dir() else []
         while pending:
@@ -183,7 +183,7 @@ class Output:
         return []
 
     def remove(self, paths: list[str] | tuple[str, ...]) -> None:
-        """Delete exactly the files ``paths`` (only after an approved overwrite: ``diffprep.ownership`` says which
+        """Delete exactly the files ``paths`` (only after an approved overwrite: ``diffprep.validation.ownership`` says which
         are diffprep's), then the folders that removing them left empty; every other file stays."""
         folders = set()
         for relative in paths:
@@ -204,7 +204,7 @@ class Output:
         host = socket.gethostname()
         removed = []
         if self.state.root.is_symlink():
-            return []  # not ours to clean: the run refuses such an output (``diffprep.ownership``)
+            return []  # not ours to clean: the run refuses such an output (``diffprep.validation.ownership``)
         for root, _dirs, files in os.walk(self.state.root):
             for name in sorted(files):
                 pid = temp_pid(name, host)

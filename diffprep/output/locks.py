@@ -29,15 +29,24 @@ import threading
 from dataclasses import asdict, dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from diffprep import contract
 from diffprep.errors import LockedError
-from diffprep.shards import no_link_below
-from diffprep.storage import ObjectChangedError
+from diffprep.writer.shards import no_link_below
+from diffprep.sources.storage import ObjectChangedError
 
-if TYPE_CHECKING:
-    from diffprep.output.s3 import S3Output
+
+class LockedPrefix(Protocol):
+    """What an ``S3Lock`` uses of its output (``diffprep.output.s3.S3Output``): its staging folder and URL, its
+    objects, one request."""
+
+    local: Path
+    uri: str
+
+    def objects(self, refresh: bool = False) -> dict[str, Any]: ...
+
+    def request(self, operation: str, relative: str, **params: Any) -> Any: ...
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +226,7 @@ class OutputLock:
 class S3Lock:
     """A bucket prefix's lock: a lease object rewritten (``If-Match`` its ETag) every third of ``lease_s``."""
 
-    def __init__(self, output: S3Output, run: str | None, *, shard: int | None = None,
+    def __init__(self, output: LockedPrefix, run: str | None, *, shard: int | None = None,
                  lease_s: float | None = None) -> None:
         self.output = output
         self.shard = shard

@@ -16,21 +16,30 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
 from diffprep import contract
-
-if TYPE_CHECKING:
-    from diffprep.output.s3 import S3Output
+from diffprep.sources.storage import S3Url
 
 
-def profile_name(output: S3Output) -> str:
+class BucketOutput(Protocol):
+    """What a Multi-Storage Client profile is made of (``diffprep.output.s3.S3Output``): the prefix's URL, its
+    client, the endpoint and AWS profile it was opened with, and its state (where the profile file is kept)."""
+
+    url: S3Url
+    client: Any
+    endpoint_url: str | None
+    profile: str | None
+    state: Any
+
+
+def profile_name(output: BucketOutput) -> str:
     return f"diffprep-{output.url.bucket}"
 
 
-def msc_config(output: S3Output) -> dict[str, Any]:
+def msc_config(output: BucketOutput) -> dict[str, Any]:
     """A Multi-Storage Client profile for the bucket: endpoint, region, AWS profile; credentials from the chain."""
     client = output.client
     options: dict[str, Any] = {"base_path": output.url.bucket}
@@ -46,7 +55,7 @@ def msc_config(output: S3Output) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def energon_path(output: S3Output) -> Iterator[Any]:
+def energon_path(output: BucketOutput) -> Iterator[Any]:
     """The dataset as an Energon ``EPath`` on a profile of its own, valid inside the block."""
     from megatron.energon.epathlib import EPath
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from diffprep.output.base import Output
 from diffprep.output.s3 import S3Output
-from diffprep.storage import is_s3_url, parse_s3_url
+from diffprep.sources.storage import is_s3_url, parse_s3_url
 
 _OPENED: dict[OutputRef, Output] = {}
 _LOCK = threading.Lock()

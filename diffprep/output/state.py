@@ -18,20 +18,34 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from diffprep import contract
-from diffprep.plan import Plan, read_plan
-from diffprep.shards import UnitManifest, json_file_bytes, read_manifest, read_manifests
+from diffprep.writer.plan import Plan, read_plan
+from diffprep.writer.shards import UnitManifest, json_file_bytes, read_manifest, read_manifests
 
-if TYPE_CHECKING:
-    from diffprep.output.base import Output
+
+class StateOwner(Protocol):
+    """What a state store uses of the output that owns it (``diffprep.output.base.Output``): its working folder,
+    keeping that folder in step, and writing through it."""
+
+    local: Path
+
+    def sync_state(self) -> None: ...
+
+    def sync_manifests(self) -> None: ...
+
+    def writable(self, relative: str) -> Path: ...
+
+    def write_file(self, relative: str, data: bytes) -> Path: ...
+
+    def publish_file(self, relative: str) -> None: ...
 
 
 class StateStore:
     """``<output>/.diffprep``, read and written through the output that owns it."""
 
-    def __init__(self, output: Output) -> None:
+    def __init__(self, output: StateOwner) -> None:
         self.output = output
         self._current = False  # whether the working copy was made equal to the output's since it was (re)opened
 

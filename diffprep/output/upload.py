@@ -7,19 +7,25 @@ import hashlib
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from diffprep.storage import S3Url, storage_error
+from diffprep.sources.storage import S3Url, storage_error
 
-if TYPE_CHECKING:
-    from diffprep.output.s3 import S3Output
+
+
+class UploadTarget(Protocol):
+    """Where an upload goes (``diffprep.output.s3.S3Output``): its client, and an object's URL under its prefix."""
+
+    client: Any
+
+    def url_of(self, relative: str) -> S3Url: ...
 
 MULTIPART_CHUNK = 64 << 20  # part size, and the size from which uploads are multipart
 UPLOAD_CONCURRENCY = 4
 
 
 def request(client: Any, url: S3Url, operation: str, **params: Any) -> Any:
-    """One request on the object ``url`` (``operation`` as S3 names it); failures sorted as in diffprep.storage."""
+    """One request on the object ``url`` (``operation`` as S3 names it); failures sorted as in diffprep.sources.storage."""
     method = getattr(client, re.sub(r"(?<!^)(?=[A-Z])", "_", operation).lower())
     try:
         return method(Bucket=url.bucket, Key=url.key, **params)
@@ -43,7 +49,7 @@ class ObjectUpload:
     ``UPLOAD_CONCURRENCY + 1`` chunks are held.
     """
 
-    def __init__(self, output: S3Output, relative: str, metadata: dict[str, str] | None = None) -> None:
+    def __init__(self, output: UploadTarget, relative: str, metadata: dict[str, str] | None = None) -> None:
         self.output = output
         self.relative = relative
         self.metadata = metadata or {}

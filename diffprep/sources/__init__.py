@@ -3,7 +3,7 @@
 ``open_source(cfg)`` picks the reader for ``cfg.type``. Every reader lists ids
 lazily and reads a contiguous run of them at a time, so memory stays bounded by
 one work unit, never the dataset. The directory and webdataset readers also
-read ``s3://`` URLs (``diffprep.storage``), streamed, never copied to disk; so
+read ``s3://`` URLs (``diffprep.sources.storage``), streamed, never copied to disk; so
 does the metadata-file reader, for the file and the media it names.
 """
 
@@ -19,13 +19,13 @@ from diffprep.sources.imagefolder import ImageFolderSource
 from diffprep.sources.metadata import MetadataSource
 from diffprep.sources.webdataset import WebDatasetSource
 
-if TYPE_CHECKING:
-    from diffprep.media.scene_frames import SceneSpec
+if TYPE_CHECKING:  # the scenes package is imported when a scenes source is opened
+    from diffprep.sources.scenes.base import SceneChunking
 
 SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10", "scenes")
 
 
-def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneSpec | None = None) -> Source:
+def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneChunking | None = None) -> Source:
     """Open the source that ``cfg`` describes; a ``SourceError`` says what is missing.
 
     ``token`` is a Hugging Face token, used by the huggingface source only. ``scenes`` is how scenes are sampled

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from diffprep.config.sections import CIFAR10_SIDE
 from diffprep.errors import SourceError
 from diffprep.sources.base import SourceSample, file_stamp, read_class_names
 from diffprep.sources.labels import LabelCaptions, LabeledSample, checked_template
@@ -33,7 +34,7 @@ TARBALL = "cifar-10-python.tar.gz"
 FOLDER = "cifar-10-batches-py"
 SPLITS = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
 CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-SIDE = 32
+SIDE = CIFAR10_SIDE
 NUM_CLASSES = len(CLASS_NAMES)
 
 

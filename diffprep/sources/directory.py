@@ -72,7 +72,7 @@ from diffprep.sources.base import (
     unescape_id,
     unsupported,
 )
-from diffprep.storage import (
+from diffprep.sources.storage import (
     S3Url,
     StorageUnavailableError,
     has_objects,

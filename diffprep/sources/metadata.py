@@ -95,7 +95,7 @@ from diffprep.sources.base import (
     unsupported,
 )
 from diffprep.sources.scores import check_score_columns, row_scores
-from diffprep.storage import (
+from diffprep.sources.storage import (
     S3Url,
     StorageUnavailableError,
     is_s3_url,

@@ -71,7 +71,7 @@ from diffprep.sources.base import (
     unescape_id,
     unsupported,
 )
-from diffprep.storage import (
+from diffprep.sources.storage import (
     S3Url,
     StorageUnavailableError,
     glob_objects,

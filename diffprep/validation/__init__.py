@@ -1,4 +1,4 @@
-"""Strict validation of a finalized dataset: ``python -m diffprep.validate OUT``.
+"""Strict validation of a finalized dataset: ``python -m diffprep.validation OUT``.
 
 The checks (``checks.py``) are functions of an immutable description of the
 dataset (``dataset.py``); each returns its findings as ``Check``s, nothing is
@@ -29,16 +29,16 @@ import sys
 from typing import Any
 
 from diffprep import contract
-from diffprep.checks import Check
+from diffprep.report.checks import Check
 from diffprep.encodings import get_encoding
 from diffprep.encodings.ltx_layout import dataset_root
 from diffprep.errors import ConfigError, DiffprepError, SourceError
-from diffprep.layouts import Layout
+from diffprep.writer.layouts import Layout
 from diffprep.output import Output, OutputRef, as_output
-from diffprep.ownership import refuse_links
+from diffprep.validation.ownership import refuse_links
 from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
 from diffprep.validation.dataset import normalize_expected, read_dataset
-from diffprep.validation.report import ValidationReport
+from diffprep.report.validation import ValidationReport
 
 
 def validate_dataset(
@@ -133,8 +133,8 @@ def validate_dataset(
 def _unit_stats(output: Output, files: dict[str, bytes], max_load: int | None
                 ) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
     """The units' merged latent moments as the statistics file, checked against validation's own pass when it
-    loaded every sample (``diffprep.latent_stats.finalized_stats``)."""
-    from diffprep.latent_stats import finalized_stats
+    loaded every sample (``diffprep.report.latent_stats.finalized_stats``)."""
+    from diffprep.report.latent_stats import finalized_stats
 
     plan = output.state.plan()
     if plan is None:
@@ -145,7 +145,7 @@ def _unit_stats(output: Output, files: dict[str, bytes], max_load: int | None
 def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> ValidationReport:
     """A trainer's own folders (the LTX layout's records) that passed: the units' latent moments merged into
     ``.diffprep/latent_stats.pt`` as for shards, the report rewritten with what that adds."""
-    from diffprep.latent_stats import finalized_stats
+    from diffprep.report.latent_stats import finalized_stats
 
     if not report.ok:
         return report
@@ -157,8 +157,8 @@ def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> V
 
 def _write_state(output: Output, plan: Any, files: dict[str, bytes]) -> list[Check]:
     """Write what a passed validation adds to the state folder; per-channel statistics never replace a file with
-    the covariance (``diffprep.latent_stats.kept_richer``), and the check says what was kept."""
-    from diffprep.latent_stats import kept_richer
+    the covariance (``diffprep.report.latent_stats.kept_richer``), and the check says what was kept."""
+    from diffprep.report.latent_stats import kept_richer
 
     checks = []
     for name, data in files.items():
@@ -200,8 +200,8 @@ def _report(output: Output, checks: list[Check], summary: dict[str, Any]) -> Val
 
 def _previews(output: Output, count: int) -> dict[str, Any]:
     """``count`` samples decoded next to their sources, with a contact sheet; a note when that cannot be done."""
-    from diffprep.decode import decode_dataset
-    from diffprep.pictures import CONTACT_SHEET
+    from diffprep.validation.decode import decode_dataset
+    from diffprep.report.pictures import CONTACT_SHEET
 
     out = output.local
     try:
@@ -220,7 +220,7 @@ def _previews(output: Output, count: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m diffprep.validate",
+        prog="python -m diffprep.validation",
         description="Validate a finalized diffprep dataset; exit 0 when every check passes, 1 otherwise.",
     )
     parser.add_argument("out", help="the output folder (holds .nv-meta/), or s3://bucket/prefix")

@@ -31,11 +31,11 @@ from typing import Any, Callable
 import numpy as np
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
+from diffprep.report.checks import Check, Findings
 from diffprep.encodings import Encoding
 from diffprep.output import Output
-from diffprep.plan import shape_matches
-from diffprep.shards import UnitManifest
+from diffprep.writer.plan import shape_matches
+from diffprep.writer.shards import UnitManifest
 from diffprep.validation.dataset import Dataset
 
 Progress = Callable[[str, int, int], None]

@@ -18,12 +18,12 @@ import torch
 import yaml
 
 from diffprep import contract
-from diffprep.checks import Check, Findings
-from diffprep.energon import read_assignment, read_split_yaml
+from diffprep.report.checks import Check, Findings
+from diffprep.run.energon import read_assignment, read_split_yaml
 from diffprep.errors import ConfigError, DatasetValidationError
-from diffprep.layouts import Layout
+from diffprep.writer.layouts import Layout
 from diffprep.output import Output
-from diffprep.shards import UnitManifest
+from diffprep.writer.shards import UnitManifest
 
 TENSOR_NAMES = tuple(contract.field_stem(name) for name in
                      contract.TENSOR_FIELDS + contract.POSTERIOR_FIELDS + contract.LTX2_TENSOR_FIELDS

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from diffprep import contract
-from diffprep.checks import Findings
+from diffprep.report.checks import Findings
 from diffprep.encodings import get_encoding
 from diffprep.errors import ConfigError
-from diffprep.layouts import Layout
+from diffprep.writer.layouts import Layout
 from diffprep.output import Output
-from diffprep.shards import atomic_write_bytes
+from diffprep.writer.shards import atomic_write_bytes
 from diffprep.validation.dataset import normalize_expected
 
 IGNORE_INDEX_JSON = contract.IGNORE_INDEX_JSON

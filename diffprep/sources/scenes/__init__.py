@@ -1,6 +1,6 @@
 """``--source-type scenes``: posed multi-view scenes, one module per ``--scene-format`` (re10k, dl3dv, scannetpp,
 mvssynth, nerfstudio, colmap; each module's docstring has its layout and conventions), read into ``Scene``s with
-every camera converted once (``diffprep.media.cameras``).
+every camera converted once (``diffprep.sources.scenes.cameras``).
 
 Ids: a scene's folder relative to the input (the split first where the format has one). A scene whose kept
 frames (``scenes.frames`` and ``--frame-sampling``, then ``scenes.chunk_frames``: ``media/scene_sampling.py``) make
@@ -19,23 +19,20 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from diffprep.errors import RejectError, SourceError
-from diffprep.media.scene_sampling import chunk_name, chunk_ranges, kept_indices
+from diffprep.sources.scenes.sampling import chunk_name, chunk_ranges, kept_indices
 from diffprep.sources.base import SourceSample, reject
 from diffprep.sources.scenes import colmap, dl3dv, mvssynth, nerfstudio, re10k, scannetpp
-from diffprep.sources.scenes.base import Scene, SceneFrame
+from diffprep.sources.scenes.base import Scene, SceneChunking, SceneFrame
 from diffprep.sources.scenes.common import SceneDir, SceneFormat, split_chunk, stamps_of
 
-if TYPE_CHECKING:
-    from diffprep.media.scene_frames import SceneSpec
 
 FORMATS: dict[str, SceneFormat] = {module.NAME: module.FORMAT
                                    for module in (re10k, dl3dv, scannetpp, mvssynth, nerfstudio, colmap)}
 
 
-def chunks_of(scene: Scene, spec: SceneSpec) -> list[tuple[int, int]]:
+def chunks_of(scene: Scene, spec: SceneChunking) -> list[tuple[int, int]]:
     """The chunk ranges (over the kept frames) of ``scene`` under ``spec``'s sampling and chunk size."""
     kept = kept_indices([frame.c2w for frame in scene.frames], spec.frames, spec.sampling)
     return chunk_ranges(len(kept), spec.chunk_frames)
@@ -44,7 +41,7 @@ def chunks_of(scene: Scene, spec: SceneSpec) -> list[tuple[int, int]]:
 class SceneSource:
     """Scenes of one format under ``root``; ``spec`` (frames, sampling, chunk size) decides the chunk ids."""
 
-    def __init__(self, root: str, scene_format: str | None, spec: SceneSpec, *, pose_key: str = "pose") -> None:
+    def __init__(self, root: str, scene_format: str | None, spec: SceneChunking, *, pose_key: str = "pose") -> None:
         if scene_format not in FORMATS:
             raise SourceError(f"source.scene_format is {scene_format!r}: set --scene-format to one of "
                               f"{', '.join(FORMATS)}")

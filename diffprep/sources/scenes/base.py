@@ -1,7 +1,7 @@
 """What a posed-scene source gives: a scene's frames, each with its camera, before any sampling or resizing.
 
 Every scene format (``--scene-format``) is read into these types, its cameras converted once
-(``diffprep.media.cameras``) to OpenCV camera-to-world 4x4 and a 3x3 K in pixels of the frame images as
+(``diffprep.sources.scenes.cameras``) to OpenCV camera-to-world 4x4 and a 3x3 K in pixels of the frame images as
 stored in the source. ``SourceSample.scene`` carries one; ``diffprep.media.scene_frames`` samples,
 crops and resizes it into a ``PreparedScene``.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,3 +35,15 @@ class Scene:
     info: Mapping[str, Any] = field(default_factory=dict)  # format facts for meta.json (applied_gl2cv, pose_key)
     # A long scene's sample: which chunk (chunk_NNN) of its kept frames (media/scene_sampling.py); None: all of them.
     chunk: int | None = None
+
+
+class SceneChunking(Protocol):
+    """How a scenes source samples and chunks each scene, which decides its ids (``diffprep.media.scene_frames.
+    SceneSpec`` is one): the frames kept per scene and how, the chunk size, and the settings a plan records."""
+
+    frames: int | None
+    sampling: str
+    chunk_frames: int | None
+
+    def describe(self) -> dict[str, Any]: ...
+

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from diffprep.media import cameras
+from diffprep.sources.scenes import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene
 from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, image_size, inside,

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from diffprep.errors import RejectError
-from diffprep.media.cameras import CameraError, intrinsics_problem, pose_problem
+from diffprep.sources.scenes.cameras import CameraError, intrinsics_problem, pose_problem
 from diffprep.sources.base import decode_caption_bytes, file_stamp, reject
 from diffprep.sources.scenes.base import Scene, SceneFrame
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from diffprep.media import cameras
+from diffprep.sources.scenes import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene, SceneFrame
 from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, image_size, inside,

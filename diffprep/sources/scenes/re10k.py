@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffprep.media import cameras
+from diffprep.sources.scenes import cameras
 from diffprep.sources.base import normalize_caption, reject
 from diffprep.sources.scenes.base import Scene
 from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, frame_order, image_size, inside,

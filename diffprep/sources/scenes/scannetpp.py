@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from diffprep.media import cameras
+from diffprep.sources.scenes import cameras
 from diffprep.sources.base import reject
 from diffprep.sources.scenes.base import Scene
 from diffprep.sources.scenes.common import (SceneDir, SceneFormat, by_stem, camera, inside, make_frame, make_scene,

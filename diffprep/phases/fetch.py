@@ -1,0 +1,168 @@
+"""Phase 1, fetch: resolve the source and what writes the samples, fingerprint the settings, plan the units.
+
+The encoders are resolved (downloaded where needed: only the subfolders the
+encoders use) but not loaded; their configs give the shapes every sample must
+have (``diffprep.encodings``: each encoding says what it fingerprints and
+expects). The output is only read here (an earlier plan of the same
+fingerprint is extended, for appends); the plan is written by the pipeline
+once the verify phase decided where it may go.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+from diffprep import contract
+from diffprep.config import Settings, stretch_note
+from diffprep.families.hub import resolve_token
+from diffprep.encodings import encoding_for, get_encoding
+from diffprep.errors import SourceError
+from diffprep.output import Output, as_output
+from diffprep.encodings.clips import planned_spec
+from diffprep.run.long_videos import given_way, plan_long_videos
+from diffprep.media.windows import SceneSettings
+from diffprep.writer.plan import Plan, fingerprint, plan_units
+from diffprep.sources import Source, open_source
+from diffprep.sources.labels import check_num_classes
+from diffprep.run.threads import record
+
+log = logging.getLogger(__name__)
+
+
+def fetch(
+    settings: Settings,
+    output: Output | str | os.PathLike | None = None,
+    *,
+    token: str | None = None,
+    encoding: str = contract.ENCODING_PREENCODED,
+) -> tuple[Plan, Source]:
+    """Resolve everything and plan the units. Reads ``output`` (default: the settings') but writes nothing there.
+
+    ``token``: a Hugging Face token; by default the token file, ``HF_TOKEN`` or the cached login.
+    ``encoding``: the kind of dataset (``diffprep.encodings``): ``raw`` resolves no encoder.
+    """
+    output = as_output(output if output is not None else settings.output.output_dir)
+    token = token or resolve_token(settings.auth.hf_token_file)
+    encoding = encoding_for(settings, encoding, token)
+    byte, expected = get_encoding(encoding).planned(settings, token)
+    fp = fingerprint(byte)
+    source = open_source(settings.source, token=token, **get_encoding(encoding).source_options(byte))
+    check_num_classes(settings.source.num_classes, source.describe())  # once, before anything is planned
+    previous = output.state.plan() if output.local.is_dir() else None
+    if previous is not None and previous.fingerprint != fp:
+        previous = None  # other settings: verify-existing will ask what to do
+    scenes = SceneSettings.from_json(byte.get("video", {}).get("scenes"))
+    # Long videos: retried rejects are whole sources, re-split as new ones (below; clip ids have no stamps).
+    retry = changed_rejects(output, previous, source) if previous is not None and scenes is None else []
+    long = None
+    if scenes is not None:
+        long = plan_long_videos(source, planned_spec(byte), previous,
+                                output.state.manifests() if previous is not None else {},
+                                workers=settings.image.decode_workers)
+        ids, bucket_of, retry = long.ids, long.bucket_of, long.retry
+    else:
+        ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
+    units, missing, missing_count = plan_units(
+        ids,
+        shard_size=settings.output.shard_size,
+        max_samples=settings.output.max_samples,
+        previous=previous,
+        bucket_of=bucket_of,
+        retry=retry,
+    )
+    retried = dict(previous.retried) if previous is not None else {}
+    first_new = len(previous.units) if previous is not None else 0
+    again = set(retry)
+    retried |= {sid: unit.unit for unit in units[first_new:] for sid in unit.source_ids if sid in again}
+    gone: dict[str, int] = {}
+    if long is not None and long.resplit:
+        gone = given_way(previous, units[first_new:], long.resplit, again)
+        retried |= gone
+        missing = [sid for sid in missing if sid not in gone]
+        missing_count -= len(gone)
+        log.info("split %d sources again whose files changed since every clip of theirs was rejected: %s",
+                 len(long.resplit), ", ".join(long.resplit[:10]))
+    if not units:
+        raise SourceError(f"the source holds no samples: {json.dumps(source.describe())}")
+    plan = Plan(
+        fingerprint=fp,
+        settings=byte,
+        source=source.describe(),
+        expected=expected,
+        units=units,
+        encoding=encoding,
+        missing=missing,
+        missing_count=missing_count,
+        retried=retried,
+        retrying=len(retry) + len(gone),
+        scenes=long.records if long is not None else {},
+        changed_units=changed_inputs(output, previous, source) if previous is not None else [],
+        # The planned bits' CPU facts: a resume or an append keeps the first run's (diffprep/run/threads.py).
+        cpu=previous.cpu if previous is not None and previous.cpu else record(settings.workers.encoder_threads).to_json(),
+    )
+    if note := stretch_note(settings):
+        log.warning("%s", note)
+    if plan.changed_units:
+        log.warning("%d written units hold samples whose input files (a mask, a sound file, the clip) changed since "
+                    "they were read; they are encoded again: units %s", len(plan.changed_units),
+                    ", ".join(f"{u:06d}" for u in plan.changed_units[:10]))
+    return plan, source
+
+
+def changed_rejects(output: Output, previous: Plan, source: Source) -> list[str]:
+    """The rejected samples of ``previous`` whose input files changed or appeared since (their stamps differ), in
+    plan order: the latest outcome of each id only, and only rejects the source stamped. Costs one stamp (a stat
+    or HEAD per file) per such reject, none per sample."""
+    stamps = getattr(source, "stamps", None)
+    if stamps is None:
+        return []
+    recorded: dict[str, str] = {}
+    for unit, manifest in sorted(output.state.manifests().items()):
+        if manifest.fingerprint != previous.fingerprint:
+            continue
+        for reject in manifest.rejects:
+            if reject.stamp is not None and not previous.superseded(unit, reject.source_id):
+                recorded[reject.source_id] = reject.stamp
+    if not recorded:
+        return []
+    now = stamps(list(recorded))
+    # A sample whose own file is gone is not retried: the plan reports it missing from the source.
+    return [sid for sid, stamp in recorded.items()
+            if now.get(sid, stamp) != stamp and not now[sid].startswith("-")]
+
+
+def changed_inputs(output: Output, previous: Plan, source: Source) -> list[int]:
+    """The committed units of ``previous`` holding a written sample whose input files (its clip, caption, a mask, a
+    sound file: the source's stamp of its row) changed since it was read: their manifests' ``stamps``, kept by
+    runs whose clips have other inputs (plan.planned_inputs). One stamp per such sample; none in other runs."""
+    stamps = getattr(source, "stamps", None)
+    manifests = [m for m in output.state.manifests().values()
+                 if m.stamps and m.fingerprint == previous.fingerprint] if stamps is not None else []
+    if not manifests:
+        return []
+    now = stamps([sid for m in manifests for sid in m.stamps])
+    # A sample whose own file is gone is left as it is: the plan reports it missing from the source.
+
+    def changed(sid: str, stamp: str) -> bool:
+        return now.get(sid, stamp) != stamp and not now[sid].startswith("-")
+
+    return sorted(m.unit for m in manifests if any(changed(sid, stamp) for sid, stamp in m.stamps.items()))
+
+
+def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict,
+              retry: list[str]) -> tuple[Iterable[str], Callable[[str], str | None] | None]:
+    """The source's ids, and for a bucketing encoding (video) the bucket of each id the plan will add."""
+    ids: Iterable[str] = source.list_ids()
+    if not get_encoding(encoding).bucketed(byte):
+        return ids, None
+    ids = list(ids)
+    planned = {sid for unit in previous.units for sid in unit.source_ids} if previous else set()
+    new = [sid for sid in ids if sid not in planned]
+    if settings.output.max_samples is not None:
+        new = new[:max(0, settings.output.max_samples - len(planned))]
+    new = retry + new
+    buckets = get_encoding(encoding).probe_buckets(settings, source, new, byte)
+    return ids, buckets.get

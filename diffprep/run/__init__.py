@@ -1,0 +1,1 @@
+"""A run's units: read into batches, checked (sanity), encoded and written, finalized; devices, ranks, threads."""
