@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from uuid import UUID
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+from user_shell import REPO, terminal_env
 
 
 def shell_env(api_url: str, home: Path) -> dict[str, str]:
-    """The environment of a user's shell pointed at ``api_url``: venv on PATH, offline, quiet, no DIFFPREP_*."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFPREP_", "PREFECT_"))}
-    env.update(
-        PREFECT_API_URL=api_url,
-        PREFECT_HOME=str(home),
-        DO_NOT_TRACK="1",
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        HF_HUB_OFFLINE="1",
-        # This checkout's packages, not those of wherever the project is installed from.
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
-    return env
+    """The environment of a user's shell pointed at ``api_url``: a fresh terminal's (``user_shell.terminal_env``)
+    with a server named."""
+    return terminal_env(home) | {"PREFECT_API_URL": api_url}
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path = REPO, timeout: float = 180,

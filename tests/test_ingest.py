@@ -76,10 +76,15 @@ def write_manifest(folder: Path, name: str, files: dict[str, bytes | None], base
 def mlperf(tmp_path_factory) -> Path:
     """Three files of 3 rows (the first with __key__, the second with one row missing its mean) and empty
     encodings: a folder that is its own base URL."""
-    folder = tmp_path_factory.mktemp("mlperf")
-    names = [f"data-{i:05d}.arrow" for i in range(3)]
+    return write_mlperf(tmp_path_factory.mktemp("mlperf"), files=3, null_mean_row=2)
+
+
+def write_mlperf(folder: Path, files: int, null_mean_row: int | None = None) -> Path:
+    """``files`` Arrow files of 3 rows (the first with __key__; the second missing the mean of ``null_mean_row``)
+    and their manifest, and the empty encodings with theirs in ``empty/``: a folder that is its own base URL."""
+    names = [f"data-{i:05d}.arrow" for i in range(files)]
     for i, name in enumerate(names):
-        write_arrow(folder / name, 3, i, keys=i == 0, null_mean_row=2 if i == 1 else None)
+        write_arrow(folder / name, 3, i, keys=i == 0, null_mean_row=null_mean_row if i == 1 else None)
     write_manifest(folder, "flux-1-tiny-preprocessed", dict.fromkeys(names))
     empty = folder / "empty"
     empty.mkdir()

@@ -103,22 +103,10 @@ def sd_vae(term: Terminal, inputs: Path) -> Ran:
 @pytest.fixture(scope="module")
 def ingest(term: Terminal) -> Ran:
     """README, Ingesting: one MLPerf manifest (two Arrow files of three rows) and its empty encodings."""
-    import numpy as np
+    from test_ingest import write_mlperf
 
-    from diffprep import contract
-    from test_ingest import write_arrow, write_manifest
-
-    folder = term.cwd / "mlperf"
-    folder.mkdir()
-    names = [f"data-{i:05d}.arrow" for i in range(2)]
-    for i, name in enumerate(names):
-        write_arrow(folder / name, 3, i, keys=i == 0)
-    write_manifest(folder, "flux-1-tiny-preprocessed", dict.fromkeys(names))
-    empty = folder / "empty"
-    empty.mkdir()
-    for name, shape in ((contract.T5_EMPTY, (1, 6, 8)), (contract.CLIP_EMPTY, (1, 8))):
-        np.save(empty / name, np.zeros(shape, np.float32), allow_pickle=False)
-    write_manifest(empty, "flux-1-empty-encodings", dict.fromkeys([contract.T5_EMPTY, contract.CLIP_EMPTY]))
+    (term.cwd / "mlperf").mkdir()
+    write_mlperf(term.cwd / "mlperf", files=2)
     return term.run("diffprep ingest --manifest ./mlperf/flux-1-tiny-preprocessed.uri "
                     "--empty-encodings ./mlperf/empty/flux-1-empty-encodings.uri --output-dir ./cc12m --train-split 1")
 
