@@ -204,7 +204,7 @@ def test_library_log_lines_reach_the_run_log(finished: FinishedRun) -> None:
     messages = [(log.name, log.message) for log in logs]
     # One line per finished unit from the library's own logger, with its rate...
     for unit in range(3):
-        assert any(name == "diffprep.run.units" and message.startswith(f"unit {unit:06d}: 4 written, 0 rejected in ")
+        assert any(name == "diffprep.units" and message.startswith(f"unit {unit:06d}: 4 written, 0 rejected in ")
                    and "samples/s" in message for name, message in messages), messages
     # ...next to the flow's progress line.
     assert any("unit 000002 done (3/3)" in message and "samples/s overall" in message for _, message in messages)
