@@ -41,7 +41,8 @@ from diffprep.encodings.unit_files import UnitFilesWriter, save_report
 from diffprep.writer.plan import Plan, dtype_name, shape_matches
 from diffprep.errors import LinkInOutputError
 from diffprep.families.ltx2_precomputed import load_record, sample_names
-from diffprep.writer.shards import Reject, UnitManifest, link_message, torch_bytes
+from diffprep.writer.links import link_message
+from diffprep.writer.shards import Reject, UnitManifest, torch_bytes
 
 UNIT_FILES = True  # its units write files, not shards (diffprep.encodings.unit_files_layout)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from diffprep import contract
-from diffprep.writer.shards import ShardInfo, atomic_write_bytes, no_link_below
+from diffprep.writer.links import no_link_below
+from diffprep.writer.shards import ShardInfo, atomic_write_bytes
 
 
 class UnitFilesWriter:

@@ -19,12 +19,12 @@ from typing import IO, Any, NamedTuple
 
 from diffprep.output.locks import OutputLock, pid_alive
 from diffprep.output.state import StateStore
+from diffprep.writer.links import no_link_below
 from diffprep.writer.shards import (
     ShardDigest,
     ShardSink,
     UnitManifest,
     atomic_write_bytes,
-    no_link_below,
     shard_digest,
     tar_keys,
     temp_pid,

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from diffprep import contract
 from diffprep.errors import LockedError
-from diffprep.writer.shards import no_link_below
+from diffprep.writer.links import no_link_below
 from diffprep.sources.storage import ObjectChangedError
 
 

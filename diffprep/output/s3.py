@@ -38,7 +38,8 @@ from diffprep.output.base import Output
 from diffprep.output.locks import S3Lock
 from diffprep.output.msc import energon_path
 from diffprep.output.upload import MULTIPART_CHUNK, ObjectUpload, etag_of, request
-from diffprep.writer.shards import ShardSink, UnitManifest, json_file_bytes, no_link_below, tar_keys
+from diffprep.writer.links import no_link_below
+from diffprep.writer.shards import ShardSink, UnitManifest, json_file_bytes, tar_keys
 from diffprep.sources.storage import (
     S3_SCHEME,
     ObjectInfo,

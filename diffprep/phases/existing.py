@@ -21,7 +21,8 @@ from diffprep.writer.layouts import Layout
 from diffprep.output import Output, as_output
 from diffprep.validation.ownership import SHOWN, classify, listed
 from diffprep.writer.plan import Plan, dtype_name, settings_diff, shape_matches
-from diffprep.writer.shards import link_target, load_tensor
+from diffprep.writer.links import link_target
+from diffprep.writer.shards import load_tensor
 
 CHOICES = ("resume", "new-dir", "overwrite", "reuse", "abort")
 

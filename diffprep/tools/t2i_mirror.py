@@ -51,7 +51,8 @@ def mirror_split(split: str, repo: str, output: Path, *, token: str | None = Non
     from huggingface_hub import HfApi, hf_hub_download
 
     # here: the CLI's parser reads this module's repos, torch not loaded
-    from diffprep.writer.shards import fsync_dir, no_link_below
+    from diffprep.writer.links import no_link_below
+    from diffprep.writer.shards import fsync_dir
 
     # Nothing downloaded, renamed or skipped through a link inside the output: refused before the first download.
     folder = no_link_below(output, output / contract.T2I_SPLIT_FOLDERS[split])

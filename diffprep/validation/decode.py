@@ -22,7 +22,6 @@ and validate phases share these pieces:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tarfile

@@ -34,7 +34,8 @@ from diffprep import contract
 from diffprep.report.pictures import CONTACT_SHEET
 from diffprep.writer.plan import Plan
 from diffprep.errors import LinkInOutputError
-from diffprep.writer.shards import TEMP_SUFFIX, UnitManifest, link_message
+from diffprep.writer.links import link_message
+from diffprep.writer.shards import TEMP_SUFFIX, UnitManifest
 
 # Energon's names in .nv-meta (megatron.energon.flavors.webdataset.config) and diffprep's dataset.yaml.
 NV_META_FILES = frozenset({contract.DATASET_YAML, contract.SPLIT_YAML, contract.INFO_JSON, contract.INDEX_SQLITE,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from diffprep import contract
-from diffprep.errors import LinkInOutputError
+from diffprep.writer.links import no_link_below
 
 MEMBER_MODE = 0o444
 
@@ -102,38 +102,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def no_link_below(root: Path, path: Path) -> Path:
-    """``path`` when no folder or file from ``root`` (excluded) down to it is a symbolic link; else
-    ``LinkInOutputError`` naming the link. Nothing is written, renamed or removed through a link inside an output:
-    it points at files that are not the output's (another dataset's, a shared folder)."""
-    root, path = Path(root), Path(path)
-    current = root
-    for part in path.relative_to(root).parts:
-        current = current / part
-        if current.is_symlink():
-            raise LinkInOutputError(link_message(root, current.relative_to(root).as_posix()))
-    return path
-
-
-def link_message(root: Path | str, relative: str | list[str]) -> str:
-    """What a user reads about links inside an output where a run would write."""
-    links = [relative] if isinstance(relative, str) else relative
-    named = ", ".join(f"`{name}` -> {link_target(Path(root) / name)}" for name in links[:10])
-    more = f" and {len(links) - 10} more" if len(links) > 10 else ""
-    return (f"{root}: {named}{more} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'} where this "
-            "run writes; diffprep never writes, renames or removes through a link inside an output (it would change "
-            "files outside it). Nothing was written: move the link out of the output (or replace it with a folder "
-            "of its own), or write to another output (--on-existing new-dir, or another --output-dir).")
-
-
-def link_target(path: Path) -> str:
-    """Where the link ``path`` points, as it is written."""
-    try:
-        return os.readlink(path)
-    except OSError:
-        return "?"
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
