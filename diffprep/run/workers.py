@@ -63,11 +63,7 @@ def claim_device(devices: Sequence[str], claim_dir: str, cpu_threads: int | None
     workers then share the cores; on GPUs this does not matter).
     """
     global _claimed, _claim_fd
-    tune_malloc()  # a worker process: before its encoders load (diffprep/run/allocator.py)
-    if cpu_threads is not None:
-        import torch
-
-        torch.set_num_threads(cpu_threads)
+    _prepare(cpu_threads)
     for slot, device in enumerate(devices):
         fd = os.open(Path(claim_dir) / f"{slot}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -78,6 +74,22 @@ def claim_device(devices: Sequence[str], claim_dir: str, cpu_threads: int | None
         _claimed, _claim_fd = device, fd
         return
     raise RuntimeError(f"every device of {list(devices)} is already held by a worker of this pool")
+
+
+def pin_device(device: str, cpu_threads: int | None = None) -> None:
+    """A worker process given its device by its parent (``diffprep.run.pool``, one process per device): what
+    ``claim_device`` does once it holds a device, with no lock to take."""
+    global _claimed
+    _prepare(cpu_threads)
+    _claimed = device
+
+
+def _prepare(cpu_threads: int | None) -> None:
+    tune_malloc()  # a worker process: before its encoders load (diffprep/run/allocator.py)
+    if cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(cpu_threads)
 
 
 def claimed_device() -> str | None:
