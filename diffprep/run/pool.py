@@ -28,6 +28,7 @@ unit number and return a picklable result (tests/test_pool.py uses stand-ins).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
 import multiprocessing
@@ -38,7 +39,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +80,8 @@ class _Worker:
         self.inbox.cancel_join_thread()  # a unit number or a stop: nothing to flush once the worker is gone
         self.process = context.Process(target=_worker_main, name=f"diffprep-worker-{index}", daemon=True,
                                        args=(index, setup, self.inbox, outbox, logs, tuple(loggers)))
-        self.process.start()
+        with _sigint_ignored():  # inherited from birth: a Ctrl-C while it imports is the parent's to handle
+            self.process.start()
         self.name = f"{socket.gethostname()}:{self.process.pid}/{device}"
         self.state = "loading"  # -> idle <-> busy; gone
         self.unit: int | None = None
@@ -302,6 +304,19 @@ class _Pool:
                 worker.process.join()
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this thread's process while a worker is started (the main thread only can set it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 # --- in the worker process ---
 
 
@@ -347,6 +362,7 @@ class _Tag(logging.Filter):
 def _worker_main(index: int, setup: Setup, inbox: Any, outbox: Any, logs: Any, loggers: tuple[str, ...]) -> None:
     """A worker: its loggers sent to the parent, ``setup()``, "ready", then units until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends the workers
+    # (ignored from its start too: ``_sigint_ignored``)
     tag = _Tag()
     handler = logging.handlers.QueueHandler(logs)
     handler.addFilter(tag)
