@@ -198,7 +198,8 @@ class Recorder(logging.Handler):
         from diffprep.families.base import resolve_device
         from diffprep.output import ref_of
         from diffprep.run.pool import UnitDone, pid_name, share_units
-        from diffprep.run.workers import parse_devices
+        from diffprep.run.threads import CpuRecord, default_threads
+        from diffprep.run.workers import cpu_workers_that_fit, parse_devices
 
         devices = parse_devices(settings.workers.devices)
         own = resolve_device(settings.model.device)
@@ -207,6 +208,16 @@ class Recorder(logging.Handler):
         others = list(devices)
         if own_name in others:
             others.remove(own_name)
+        planned = CpuRecord.from_json(plan.cpu)
+        threads, cores = planned.threads if planned else torch.get_num_threads(), default_threads()
+        cpus = others.count("cpu")
+        fit = cpu_workers_that_fit(cpus, threads, cores, own_name == "cpu" and own_name in devices)
+        if fit < cpus:
+            log.warning("workers.devices %s: %d CPU process(es) of %d encoder threads fill this machine's %d "
+                        "cores, so %d more would only share them (slower, not faster): starting %d CPU "
+                        "worker(s). For more CPU processes, plan fewer threads each (--encoder-threads)",
+                        settings.workers.devices, cores // max(1, threads) or 1, threads, cores, cpus - fit, fit)
+            others = [d for d in others if d != "cpu"] + ["cpu"] * fit
         here_name = pid_name(own_name)
         setups = [(device, partial(unit_worker, settings, ref_of(output), token, torch.get_num_threads(), device))
                   for device in others]

@@ -22,7 +22,7 @@ from diffprep.tools.demo import write_demo_dataset
 from diffprep.errors import ConfigError, LockedError
 from diffprep.output import OutputLock
 from diffprep.writer.shards import read_manifests, temp_pid
-from diffprep.run.workers import parse_devices, split_chunks, units_for_shard
+from diffprep.run.workers import cpu_workers_that_fit, parse_devices, split_chunks, units_for_shard
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -62,6 +62,12 @@ def test_device_specs():
         parse_devices("gpu0")
     assert units_for_shard(range(7), 3, 2) == [2, 5]
     assert split_chunks([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
+    # CPU workers beside a CPU parent: as many as the cores hold at the planned threads, never one that only shares
+    assert cpu_workers_that_fit(1, threads=2, cores=2, parent_on_cpu=True) == 0
+    assert cpu_workers_that_fit(1, threads=1, cores=2, parent_on_cpu=True) == 1
+    assert cpu_workers_that_fit(3, threads=4, cores=16, parent_on_cpu=True) == 3
+    assert cpu_workers_that_fit(2, threads=8, cores=16, parent_on_cpu=False) == 2
+    assert cpu_workers_that_fit(2, threads=32, cores=16, parent_on_cpu=False) == 1
 
 
 def test_two_cpu_workers_write_the_same_bytes_as_one(prefect_server, data, tiny_model, reference, tmp_path):
@@ -70,20 +76,25 @@ def test_two_cpu_workers_write_the_same_bytes_as_one(prefect_server, data, tiny_
     assert _hashes(out) == reference
 
 
-def test_two_cpu_workers_of_a_terminal_run_share_its_units_and_are_recorded_once(data, tiny_model, reference,
+def test_two_cpu_workers_of_a_terminal_run_share_its_units_and_are_recorded_once(prefect_server, data, tiny_model,
                                                                                   tmp_path):
     """Issue 35: ``diffprep encode --devices cpu:2`` as a user types it (no PREFECT_API_URL, a fresh PREFECT_HOME)
     is a recorded run (flows/recorded.py): the command's own process encodes units at once with the encoders the
     sanity check loaded, one worker process loads its own and takes units once ready (diffprep/run/pool.py; on
     this tiny set it may still be loading at the end, and is ended). One Prefect server, the run's own, started
     beside it (before: the live flow waited for it; before that, each worker started one more). The shards are a
-    one-worker run's; every unit is one task run of the recorded flow run, naming the process that encoded it."""
+    one-worker run's; every unit is one task run of the recorded flow run, naming the process that encoded it.
+    One encoder thread per process, so that two CPU processes fit any machine of 2 cores or more
+    (``cpu_workers_that_fit``)."""
     home = tmp_path / "prefect"
     env = {name: value for name, value in os.environ.items() if name not in ("PREFECT_API_URL", "DIFFPREP_LIVE_FLOW")}
     env |= {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
             "PREFECT_HOME": str(home)}
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "diffprep", *_args(data, tiny_model, out, "--devices", "cpu:2")],
+    one = tmp_path / "one"
+    assert main(_args(data, tiny_model, one, "--encoder-threads", "1")) == 0
+    done = subprocess.run([sys.executable, "-m", "diffprep", *_args(data, tiny_model, out, "--devices", "cpu:2",
+                                                                     "--encoder-threads", "1")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     printed = done.stderr
@@ -95,7 +106,7 @@ def test_two_cpu_workers_of_a_terminal_run_share_its_units_and_are_recorded_once
     by = dict(re.findall(r"unit (\d{6}) done \(\d/4\) by (\S+):", printed))
     assert sorted(by) == [f"{u:06d}" for u in range(4)], printed  # each unit once, with who encoded it
     assert set(by.values()) <= {here, worker} and here in by.values(), printed
-    assert _hashes(out) == reference
+    assert _hashes(out) == _hashes(one)
 
     # Each unit one task run of the run, naming its process; the unit's lines are the run's, whoever wrote them.
     with sqlite3.connect(home / "prefect.db") as db:
@@ -120,7 +131,8 @@ def test_ctrl_c_on_a_terminal_devices_run_ends_its_workers_and_records_it_crashe
             "PREFECT_HOME": str(home)}
     out = tmp_path / "out"
     slow = write_demo_dataset(tmp_path / "slow", samples=16)
-    args = _args(slow, tiny_model, out, "--devices", "cpu:2", "--image-size", "256", "--batch-size", "1")
+    args = _args(slow, tiny_model, out, "--devices", "cpu:2", "--image-size", "256", "--batch-size", "1",
+                 "--encoder-threads", "1")  # two CPU processes fit 2 cores (cpu_workers_that_fit)
     printed = tmp_path / "log"
     with printed.open("w") as sink:
         run = subprocess.Popen([sys.executable, "-m", "diffprep", *args], env=env, stdout=sink,

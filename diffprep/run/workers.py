@@ -101,6 +101,16 @@ def claim_dir() -> str:
     return tempfile.mkdtemp(prefix="diffprep-devices-")
 
 
+def cpu_workers_that_fit(requested: int, threads: int, cores: int, parent_on_cpu: bool) -> int:
+    """How many of ``requested`` CPU worker processes get cores of their own: each encodes with ``threads``
+    threads, on ``cores`` physical cores, the parent's own share first when it encodes on the CPU too.
+
+    A CPU worker past that only shares the cores the others fill: on 2 cores, with 2 threads per process, a
+    second process made a run slower (benchmarks/README.md, section 14), never faster."""
+    fit = max(1, cores // max(1, threads)) - (1 if parent_on_cpu else 0)
+    return max(0, min(requested, fit))
+
+
 def units_for_shard(units: Sequence[int], num_shards: int | None, shard_index: int | None) -> list[int]:
     """The units of manual shard ``shard_index`` of ``num_shards`` (``u % num_shards == shard_index``)."""
     if num_shards is None:
