@@ -226,8 +226,7 @@ class Recorder(logging.Handler):
                  else f"{len(others)} worker processes ({own_name}, model.device, is not one of them)")
 
         def started(unit: int, worker: str) -> None:
-            index = self.add(TaskRecord("encode-unit", f"encode-unit-{unit:06d}", time.time()), unit)
-            self.tasks[index].worker = worker
+            self.add(TaskRecord("encode-unit", f"encode-unit-{unit:06d}", time.time(), worker=worker), unit)
 
         def done(finished: UnitDone) -> None:
             if finished.worker != here_name:
@@ -235,9 +234,9 @@ class Recorder(logging.Handler):
                 record.started, record.ended = finished.started, finished.ended
             progress.unit_done(finished.result)
 
-        share_units(units, here=(lambda unit: self.encode_here(settings, output, plan, unit, token, here_name))
-                    if own_name in devices else None,
-                    here_name=here_name, setups=setups, done=done, started=started)
+        here = partial(self.encode_here, settings, output, plan, token=token, worker=here_name)
+        share_units(units, here=here if own_name in devices else None, here_name=here_name, setups=setups, done=done,
+                    started=started)
 
 
 def unit_worker(settings: Settings, output: Any, token: str | None, threads: int,
