@@ -6,12 +6,16 @@ same plan, the same units and the same bytes. Sides (``--sides``):
 
 - ``in-process``: no ``--devices``: one process encodes every unit, recorded on the embedded server afterwards
   (``flows/recorded.py``), what a terminal run does by default;
-- ``cpu:1``: ``--devices cpu:1``: the live flow on the embedded server, one spawned worker process;
-- ``cpu:2``: ``--devices cpu:2``: the same with two workers.
+- ``cpu:1``: ``--devices cpu:1``: recorded too; the command's process is the one device's worker;
+- ``cpu:2``: ``--devices cpu:2``: the command's process and one spawned worker process, which takes units once
+  its encoders are loaded (``diffprep/run/pool.py``). (Before issue 35's second fix both ``--devices`` sides were
+  the live flow on the embedded server with one spawned worker per device.) Only the CPU workers the cores hold at
+  the plan's thread count start: at the default threads on 2 cores, none (``cpu_workers_that_fit``).
 
 Per run: the whole command's seconds (start to exit), the units' seconds (from the sanity check's line to the
-last unit's line: with a pool, its workers' start is in them), and how many Prefect servers it started (the embedded server's start line; before issue
-35's fix each pool worker started one more). Rounds interleaved, the order reversed each round, each side the
+last unit's line: with a pool, its workers' start is in them), how many Prefect servers it started (the embedded
+server's start line; before issue 35's fix each pool worker started one more), and how many units each process
+encoded. Rounds interleaved, the order reversed each round, each side the
 fastest of its rounds. Every side's shards must be byte-identical to the first side's.
 
 The workers' encoders run at the plan's thread count (``diffprep/run/threads.py``: the machine's physical cores by
@@ -45,6 +49,7 @@ SIDES = {"in-process": [], "cpu:1": ["--devices", "cpu:1"], "cpu:2": ["--devices
 SERVER_LINE = re.compile(r"Starting temporary server|embedded Prefect server starting")
 SANITY_DONE = re.compile(r"sanity: [\d.]+ s per batch")  # every side's last line before its units
 UNIT_DONE = re.compile(r"unit \d{6} done \(\d+/\d+\)|unit \d{6}: \d+ written")
+UNIT_BY = re.compile(r"unit \d{6} done \(\d+/\d+\) by (\S+):")
 
 
 def command(source: Path, model: Path, out: Path, args: argparse.Namespace, side: str) -> list[str]:
@@ -96,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_command(command(source, model, out, args, side), env, out)
                 run["servers"] = sum(1 for _, line in run["lines"] if SERVER_LINE.search(line))
                 run["units"] = units_seconds(run["lines"])
+                by: dict[str, int] = {}
+                for _, line in run["lines"]:
+                    if match := UNIT_BY.search(line):
+                        by[match.group(1)] = by.get(match.group(1), 0) + 1
                 run["sanity"] = next((at for at, line in run["lines"] if SANITY_DONE.search(line)), float("nan"))
                 hashes = c.shard_hashes(out)
                 reference = reference or hashes
@@ -105,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 units = f"{run['units']:6.1f}" if run["units"] is not None else "     -"
                 print(f"    round {r + 1}: {side:<10} {run['seconds']:7.1f} s, sanity done at {run['sanity']:5.1f} s, "
                       f"units {units} s, "
-                      f"{run['servers']} Prefect server(s) started, {len(hashes)} shards (load {c.load_average()})",
+                      f"{run['servers']} Prefect server(s) started, {len(hashes)} shards, units per process "
+                      f"{'+'.join(str(n) for n in sorted(by.values(), reverse=True)) or '-'} "
+                      f"(load {c.load_average()})",
                       flush=True)
                 shutil.rmtree(run_dir, ignore_errors=True)
     finally:

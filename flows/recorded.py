@@ -21,6 +21,14 @@ up waits for it only to be recorded, and a server that does not start costs a
 warning, never the run. Transient errors (network, storage) are retried as the
 tasks retry them (``tasks/common.py``). ``DIFFPREP_LIVE_FLOW=1`` runs the flow
 on the embedded server instead, as before.
+
+With ``--devices``, the units are shared (``diffprep.run.pool``): this process,
+whose encoders the sanity check loaded, encodes units on its own device when
+that is one of the devices, and one plain process per other device loads its
+encoders and takes units once it is ready (``unit_worker``). Each unit is still
+``encode_one_unit`` (the same bytes whatever the split), recorded as its task
+run with the worker that encoded it; the workers' log lines come back into
+this process's log and the recording.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 from diffprep.config import Settings
@@ -50,13 +59,16 @@ log = logging.getLogger("diffprep.recorded")
 LIVE_FLOW_ENV = "DIFFPREP_LIVE_FLOW"
 SERVER_NICE = 10  # the embedded server's start competes with the encoders for the cores: it gets what they leave
 MAX_LOG_LINES = 20_000
+CPU_WORKER_NICE = 19  # a CPU worker shares this process's cores: its start and its units get what this one leaves
+POOL_THREAD = "diffprep-pool"  # diffprep.run.pool.THREAD_NAME (the library is imported late here: start-up time)
 
 
 def wanted(settings: Settings) -> bool:
     """Whether this terminal run is recorded afterwards rather than run as a flow: no server to run it on, and
-    nothing the run needs from the Prefect API while it runs (a credentials block, several devices' worker pool,
-    a fan-out deployment), and not rank 0 of a torchrun / SLURM launch (the flow's ``ranks`` runner shares the
-    units with the other ranks; run here, rank 0 encoded every unit and the others none)."""
+    nothing the run needs from the Prefect API while it runs (a credentials block, a fan-out deployment; several
+    devices are shared here: ``diffprep.run.pool``), and not rank 0 of a torchrun / SLURM launch (the flow's
+    ``ranks`` runner shares the units with the other ranks; run here, rank 0 encoded every unit and the others
+    none)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     from diffprep.run import launch
@@ -65,7 +77,7 @@ def wanted(settings: Settings) -> bool:
         return False
     if launch.group() is not None:
         return False
-    uses_api = (settings.auth.hf_credentials_block or settings.auth.aws_credentials_block or settings.workers.devices
+    uses_api = (settings.auth.hf_credentials_block or settings.auth.aws_credentials_block
                 or settings.workers.deployment)
     return not uses_api and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
 
@@ -79,6 +91,7 @@ class TaskRecord:
     started: float
     ended: float = 0.0
     error: BaseException | None = None
+    worker: str = ""  # a unit's: the process that encoded it (``host:pid/device``), when the units were shared
 
 
 class Recorder(logging.Handler):
@@ -92,20 +105,40 @@ class Recorder(logging.Handler):
         self.tasks: list[TaskRecord] = []
         self.artifacts: list[Any] = []  # prefect.artifacts.Artifact objects, not yet created
         self.logs: list[tuple[logging.LogRecord, int | None]] = []
-        self.current: int | None = None  # the task under way (the pipeline runs its phases one at a time)
+        self.current: int | None = None  # the task under way in the pipeline's thread (its phases, its units)
+        self.units: dict[int, int] = {}  # unit -> its task's index, once it has one
         self.dropped = 0  # lines past MAX_LOG_LINES: counted, said in the recorded log
+        self.records_lock = threading.Lock()  # shared units: the pool's thread records its workers' units
 
     def emit(self, record: logging.LogRecord) -> None:
-        if len(self.logs) < MAX_LOG_LINES:
-            self.logs.append((record, self.current))
+        if hasattr(record, "pool_unit"):  # a worker's line (diffprep.run.pool): its unit's task, if in one
+            task = self.units.get(record.pool_unit) if record.pool_unit is not None else None
+        elif record.threadName == POOL_THREAD:  # the pool's reports (units done by workers): the run's
+            task = None
         else:
-            self.dropped += 1
+            task = self.current
+        with self.records_lock:
+            if len(self.logs) < MAX_LOG_LINES:
+                self.logs.append((record, task))
+            else:
+                self.dropped += 1
+
+    def add(self, record: TaskRecord, unit: int | None = None) -> int:
+        """``record``'s index; a unit's task is made once (a unit failed in a worker is retried in its task)."""
+        with self.records_lock:
+            if unit is not None and unit in self.units:
+                return self.units[unit]
+            self.tasks.append(record)
+            index = len(self.tasks) - 1
+            if unit is not None:
+                self.units[unit] = index
+            return index
 
     @contextmanager
-    def task(self, task: str, name: str | None = None) -> Iterator[None]:
-        record = TaskRecord(task, name or task, time.time())
-        self.tasks.append(record)
-        self.current = len(self.tasks) - 1
+    def task(self, task: str, name: str | None = None, unit: int | None = None) -> Iterator[None]:
+        self.current = self.add(TaskRecord(task, name or task, time.time()), unit)
+        record = self.tasks[self.current]
+        record.error = None
         try:
             yield
         except BaseException as error:
@@ -123,18 +156,16 @@ class Recorder(logging.Handler):
 
     def steps(self, settings: Settings, token: str | None) -> Any:
         """``Steps.here``, each phase timed as its task, fetch and the units retried on transient errors."""
-        from diffprep.phases.pipeline import Steps, encode_one_unit
-        from diffprep.tasks.common import FETCH_RETRY_DELAYS, UNIT_RETRY_DELAYS
+        from diffprep.phases.pipeline import Steps
+        from diffprep.tasks.common import FETCH_RETRY_DELAYS
 
         here = Steps.here(token)
 
         def units(settings: Settings, output: Any, plan: Any, units: list[int], progress: Any) -> None:
+            if settings.workers.devices:
+                return self.shared_units(settings, output, plan, units, progress, token)
             for unit in units:
-                with self.task("encode-unit", f"encode-unit-{unit:06d}"):
-                    result = retried(lambda: encode_one_unit(settings, output, plan, unit, token),
-                                     f"unit {unit:06d}", UNIT_RETRY_DELAYS)
-                progress.unit_done({"unit": result.unit, "count": result.count, "rejected": result.rejected,
-                                    "seconds": round(result.seconds, 3), "skipped": result.skipped})
+                progress.unit_done(self.encode_here(settings, output, plan, unit, token))
 
         return Steps(plan=self.timed("fetch", here.plan, FETCH_RETRY_DELAYS),
                      verify=self.timed("verify-existing", here.verify),
@@ -142,6 +173,99 @@ class Recorder(logging.Handler):
                      sanity=self.timed("sanity", here.sanity), units=units,
                      audit=self.timed("audit", here.audit), finalize=self.timed("finalize", here.finalize),
                      validate=self.timed("validate", here.validate))
+
+    def encode_here(self, settings: Settings, output: Any, plan: Any, unit: int, token: str | None,
+                    worker: str | None = None) -> dict:
+        """One unit in this process, recorded as its task, retried on transient errors."""
+        from diffprep.phases.pipeline import encode_one_unit
+        from diffprep.tasks.common import UNIT_RETRY_DELAYS
+
+        with self.task("encode-unit", f"encode-unit-{unit:06d}", unit):
+            result = retried(lambda: encode_one_unit(settings, output, plan, unit, token), f"unit {unit:06d}",
+                             UNIT_RETRY_DELAYS)
+            record = self.tasks[self.units[unit]]
+            record.worker = f"{record.worker}, then {worker}" if record.worker and worker else worker or ""
+        done = {"unit": result.unit, "count": result.count, "rejected": result.rejected,
+                "seconds": round(result.seconds, 3), "skipped": result.skipped}
+        return done | ({"worker": worker} if worker else {})
+
+    def shared_units(self, settings: Settings, output: Any, plan: Any, units: list[int], progress: Any,
+                     token: str | None) -> None:
+        """The units shared between this process (on its own device, when that is one of ``workers.devices``)
+        and a worker process per other device, each taking units once its encoders are loaded."""
+        import torch
+
+        from diffprep.families.base import resolve_device
+        from diffprep.output import ref_of
+        from diffprep.run.pool import UnitDone, pid_name, share_units
+        from diffprep.run.threads import CpuRecord, default_threads
+        from diffprep.run.workers import cpu_workers_that_fit, parse_devices
+
+        devices = parse_devices(settings.workers.devices)
+        own = resolve_device(settings.model.device)
+        own_name = f"cuda:{own.index if own.index is not None else torch.cuda.current_device()}" \
+            if own.type == "cuda" else own.type
+        others = list(devices)
+        if own_name in others:
+            others.remove(own_name)
+        planned = CpuRecord.from_json(plan.cpu)
+        threads, cores = planned.threads if planned else torch.get_num_threads(), default_threads()
+        cpus = others.count("cpu")
+        fit = cpu_workers_that_fit(cpus, threads, cores, own_name == "cpu" and own_name in devices)
+        if fit < cpus:
+            log.warning("workers.devices %s: %d CPU process(es) of %d encoder threads fill this machine's %d "
+                        "cores, so %d more would only share them (slower, not faster): starting %d CPU "
+                        "worker(s). For more CPU processes, plan fewer threads each (--encoder-threads)",
+                        settings.workers.devices, cores // max(1, threads) or 1, threads, cores, cpus - fit, fit)
+            others = [d for d in others if d != "cpu"] + ["cpu"] * fit
+        here_name = pid_name(own_name)
+        setups = [(device, partial(unit_worker, settings, ref_of(output), token, torch.get_num_threads(), device))
+                  for device in others]
+        log.info("encoding %d units on %s: %s", len(units), ", ".join(devices),
+                 f"this process ({here_name}) and {len(others)} worker process(es)" if own_name in devices
+                 else f"{len(others)} worker processes ({own_name}, model.device, is not one of them)")
+
+        def started(unit: int, worker: str) -> None:
+            self.add(TaskRecord("encode-unit", f"encode-unit-{unit:06d}", time.time(), worker=worker), unit)
+
+        def done(finished: UnitDone) -> None:
+            if finished.worker != here_name:
+                record = self.tasks[self.units[finished.unit]]
+                record.started, record.ended = finished.started, finished.ended
+            progress.unit_done(finished.result)
+
+        here = partial(self.encode_here, settings, output, plan, token=token, worker=here_name)
+        share_units(units, here=here if own_name in devices else None, here_name=here_name, setups=setups, done=done,
+                    started=started)
+
+
+def unit_worker(settings: Settings, output: Any, token: str | None, threads: int,
+                device: str) -> Callable[[int], dict]:
+    """A shared run's worker process (``diffprep.run.pool``): ``device`` pinned, torch at the parent's thread
+    count, the encoders loaded; returns its function for one unit (``encode_one_unit``, as this process's).
+
+    A CPU worker runs at the lowest priority: on cores this process already fills, its start (imports, encoders:
+    seconds) slowed this process's units more than its own units added (benchmarks/README.md, section 14); at
+    nice 19 it gets the cycles this process leaves, and on idle cores the priority changes nothing."""
+    from diffprep.encodings import get_encoding
+    from diffprep.phases.pipeline import encode_one_unit
+    from diffprep.run.pool import pid_name
+    from diffprep.run.workers import pin_device
+
+    if device == "cpu":
+        os.nice(CPU_WORKER_NICE)
+    pin_device(device, threads)
+    opened = output.open()
+    plan = opened.state.plan()
+    get_encoding(plan.encoding).load(settings, token)
+    name = pid_name(device)
+
+    def encode(unit: int) -> dict:
+        result = encode_one_unit(settings, opened, plan, unit, token)
+        return {"unit": result.unit, "count": result.count, "rejected": result.rejected,
+                "seconds": round(result.seconds, 3), "skipped": result.skipped, "worker": name}
+
+    return encode
 
 
 def retried(call: Callable[[], Any], what: str, delays: tuple[int, ...]) -> Any:
@@ -352,8 +476,10 @@ def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], er
         for index, task in enumerate(recorder.tasks):
             task_run = client.create_task_run(TASKS_BY_NAME[task.task], flow_run.id, f"{task.name}-{index}",
                                               name=task.name, state=Running())
-            client.set_task_run_state(task_run.id, final_state(task.error, _ran(task.started, task.ended)),
-                                      force=True)
+            # A task the run's end cut short (a worker's unit at a Ctrl-C) ended with the run, as the run did.
+            ended, ended_error = (task.ended, task.error) if task.ended else (recorder.ended, task.error or error)
+            ran = _ran(task.started, ended, f"ran on {task.worker}" if task.worker else "ran")
+            client.set_task_run_state(task_run.id, final_state(ended_error, ran), force=True)
             ids.append(task_run.id)
         client.create_logs([LogCreate(name=record.name, level=record.levelno, message=_message(record),
                                       timestamp=_at(record.created), flow_run_id=flow_run.id,

@@ -131,7 +131,9 @@ def test_a_run_is_recorded_only_where_no_server_or_api_is_needed(monkeypatch, se
         settings.auth.hf_credentials_block = "hf"  # a block is loaded through the API
         assert not wanted(settings)
         settings.auth.hf_credentials_block = None
-        settings.workers.devices = "cuda:0,cuda:1"  # Prefect's process pool runs them
+        settings.workers.devices = "cuda:0,cuda:1"  # shared here (diffprep.run.pool), no API needed
+        assert wanted(settings)
+        settings.workers.deployment = "encode-units/encode-units"  # run_deployment needs the API
         assert not wanted(settings)
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
         assert not wanted(settings_for(tmp_path / "out", tmp_path / "in", tmp_path / "model"))  # a server someone can open: the live flow, with its UI questions

@@ -63,11 +63,7 @@ def claim_device(devices: Sequence[str], claim_dir: str, cpu_threads: int | None
     workers then share the cores; on GPUs this does not matter).
     """
     global _claimed, _claim_fd
-    tune_malloc()  # a worker process: before its encoders load (diffprep/run/allocator.py)
-    if cpu_threads is not None:
-        import torch
-
-        torch.set_num_threads(cpu_threads)
+    _prepare(cpu_threads)
     for slot, device in enumerate(devices):
         fd = os.open(Path(claim_dir) / f"{slot}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -80,6 +76,22 @@ def claim_device(devices: Sequence[str], claim_dir: str, cpu_threads: int | None
     raise RuntimeError(f"every device of {list(devices)} is already held by a worker of this pool")
 
 
+def pin_device(device: str, cpu_threads: int | None = None) -> None:
+    """A worker process given its device by its parent (``diffprep.run.pool``, one process per device): what
+    ``claim_device`` does once it holds a device, with no lock to take."""
+    global _claimed
+    _prepare(cpu_threads)
+    _claimed = device
+
+
+def _prepare(cpu_threads: int | None) -> None:
+    tune_malloc()  # a worker process: before its encoders load (diffprep/run/allocator.py)
+    if cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(cpu_threads)
+
+
 def claimed_device() -> str | None:
     """The device this worker process claimed, or None outside a worker pool."""
     return _claimed
@@ -87,6 +99,16 @@ def claimed_device() -> str | None:
 
 def claim_dir() -> str:
     return tempfile.mkdtemp(prefix="diffprep-devices-")
+
+
+def cpu_workers_that_fit(requested: int, threads: int, cores: int, parent_on_cpu: bool) -> int:
+    """How many of ``requested`` CPU worker processes get cores of their own: each encodes with ``threads``
+    threads, on ``cores`` physical cores, the parent's own share first when it encodes on the CPU too.
+
+    A CPU worker past that only shares the cores the others fill: on 2 cores, with 2 threads per process, a
+    second process made a run slower (benchmarks/README.md, section 14), never faster."""
+    fit = max(1, cores // max(1, threads)) - (1 if parent_on_cpu else 0)
+    return max(0, min(requested, fit))
 
 
 def units_for_shard(units: Sequence[int], num_shards: int | None, shard_index: int | None) -> list[int]:
