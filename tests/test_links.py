@@ -284,3 +284,37 @@ def test_the_blip3o_mirror_refuses_a_linked_split_folder(tmp_path, hub, monkeypa
     with pytest.raises(LinkInOutputError, match=rf"`{folder}/00000.tar` -> {outside}/00000.tar"):
         mirror_blip3o(str(tmp_path / "out"), ["long"], overrides, endpoint=hub)
     assert tree(outside) == before and (tmp_path / "out" / folder / "00000.tar").is_symlink()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["energon", "fastgen", "raw", "edm-zip"])
+def test_an_overwrite_keeps_foreign_files_and_links_out_of_its_way(layout, tmp_path, images, tiny_model,
+                                                                   settings_for) -> None:
+    """Foreign files and links at names this run never writes, in every folder diffprep's state is not: the
+    overwrite goes on, removes only what diffprep's records name, and keeps every file, every link and every
+    link's target as they were."""
+    from test_ownership import answers_keep_foreign_files, plant
+
+    encoding = "raw" if layout in ("raw", "edm-zip") else "preencoded"
+    output = {} if layout == "raw" else {"layout": layout}
+    sections = {"raw": {"image_format": "png"}} if layout == "edm-zip" else {}
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    assert run(image_settings(settings_for, out, images, tiny_model, output, **sections), encoding,
+               ask=never_ask).samples == 4
+    planted = plant(out, {".nv-meta/custom/keep.yaml": b"mine: true\n"})
+    outside.mkdir()
+    (outside / "target.txt").write_bytes(b"someone else's")
+    links = [folder / "user-link" for folder in [out, *out.rglob("*")]
+             if folder.is_dir() and not folder.is_symlink() and contract.STATE_DIR not in folder.relative_to(out).parts]
+    for link in links:
+        os.symlink(outside / "target.txt", link)
+    assert len(links) >= 3
+
+    def again(answer):
+        return run(image_settings(settings_for, out, images, tiny_model, {**output, "on_existing": answer},
+                                  image={"image_size": 64}, **sections), encoding, ask=never_ask)
+
+    answers_keep_foreign_files(out, again, planted, tmp_path / "out-v2")
+    assert all(link.is_symlink() and os.readlink(link) == str(outside / "target.txt") for link in links)
+    assert tree(outside) == {"target.txt": tree(outside)["target.txt"]}
+    assert (outside / "target.txt").read_bytes() == b"someone else's"
