@@ -128,7 +128,7 @@ def test_scene_threshold_is_checked_and_fingerprinted_only_when_it_changes_the_c
     from scenedetect import AdaptiveDetector, ContentDetector, HistogramDetector, ThresholdDetector
 
     from diffprep.errors import ConfigError
-    from diffprep.config.sections import DEFAULT_THRESHOLDS
+    from diffprep.config.scenes import DEFAULT_THRESHOLDS
 
     # An unset threshold is PySceneDetect's own default, so plans made before the flag keep their fingerprints.
     for name, kind, key in [("content", ContentDetector, "threshold"), ("adaptive", AdaptiveDetector,

@@ -5,7 +5,7 @@ backend, the decoder the rest of :mod:`diffprep.media` uses, and its detectors p
 ``content`` (HSV change between frames), ``adaptive`` (that change against its rolling average: fewer false cuts
 in fast motion), ``threshold`` (fades through black), ``histogram`` (YUV histogram change).
 ``min_scene_seconds`` is the detector's own shortest shot: no cut is placed sooner after the previous one;
-``threshold`` (``--scene-threshold``) the detector's own threshold, in its units (``diffprep.config.sections.THRESHOLD_RANGES``;
+``threshold`` (``--scene-threshold``) the detector's own threshold, in its units (``diffprep.config.scenes.THRESHOLD_RANGES``;
 None: PySceneDetect's default). ``adaptive`` is PySceneDetect's own default detector, and the one that finds
 every hard cut of the suite ``tests/test_long_videos.py`` writes with its default threshold: ``content`` scores
 a cut between two flat colours of one brightness (blue to green) about 20, under its 27, and each frame of a fast

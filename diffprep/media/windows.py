@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from diffprep.config.sections import CLIP_MODES, DETECTORS, scene_threshold
+from diffprep.config.scenes import CLIP_MODES, DETECTORS, scene_threshold
 from diffprep.errors import ConfigError, RejectError
 from diffprep.media.buckets import Bucket, choose_bucket
 
@@ -57,7 +57,7 @@ class SceneSettings:
     # --scene-captions: (key, caption) pairs, a key "<source>#<shot>" or a clip id; in the plan's byte settings
     # (the fingerprint covers them), so a re-run, a resume and decode caption every clip the same.
     captions: tuple[tuple[str, str], ...] = ()
-    # --scene-threshold, in the detector's own units (config.sections.THRESHOLD_RANGES); None: PySceneDetect's
+    # --scene-threshold, in the detector's own units (config.scenes.THRESHOLD_RANGES); None: PySceneDetect's
     # default, to which a value equal to it is normalized (the same cuts, the same fingerprint).
     threshold: float | None = None
 
