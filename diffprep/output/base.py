@@ -62,26 +62,35 @@ class Output:
     def files(self) -> list[str]:
         """Every file below the output, ours and foreign, as ``/``-separated paths relative to it (a link is a
         file: it is listed, never followed)."""
-        found = []
-        for root, dirs, names in os.walk(self.local):
-            folder = Path(root).relative_to(self.local)
-            for name in names + [d for d in dirs if (Path(root) / d).is_symlink()]:
-                found.append((folder / name).as_posix())
-        return sorted(found)
+        return self.listing()[0]
 
     def links(self) -> list[str]:
         """Every symbolic link below the output (files and folders), never followed: none is the output's own, and
         nothing is written, renamed or removed through one (``diffprep.validation.ownership``)."""
-        found: list[str] = []
+        return self.listing()[1]
+
+    def listing(self) -> tuple[list[str], list[str]]:
+        """``files()`` and ``links()`` in one walk of the working folder (a bucket: its objects, and the links of
+        its staging folder)."""
+        files: list[str] = []
+        links: list[str] = []
         pending = [self.local] if self.local.is_dir() else []
         while pending:
-            with os.scandir(pending.pop()) as scan:
+            try:
+                scan = os.scandir(pending.pop())
+            except OSError:  # a folder that cannot be read is skipped, as os.walk does
+                continue
+            with scan:
                 for entry in scan:
+                    relative = Path(entry.path).relative_to(self.local).as_posix()
                     if entry.is_symlink():
-                        found.append(Path(entry.path).relative_to(self.local).as_posix())
+                        files.append(relative)
+                        links.append(relative)
                     elif entry.is_dir():
                         pending.append(Path(entry.path))
-        return sorted(found)
+                    else:
+                        files.append(relative)
+        return sorted(files), sorted(links)
 
     def writable(self, relative: str) -> Path:
         """Where the file ``relative`` is written, once no folder or file on its way is a symbolic link

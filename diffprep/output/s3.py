@@ -114,6 +114,9 @@ class S3Output(Output):
     def files(self) -> list[str]:
         return sorted(self.objects(refresh=True))
 
+    def listing(self) -> tuple[list[str], list[str]]:
+        return self.files(), super().listing()[1]  # the bucket's objects; links only in the staging folder
+
     def size(self, name: str) -> int | None:
         info = self.objects().get(name)
         return None if info is None else info.size

@@ -180,13 +180,13 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         if not output.local.is_dir():
             raise ExistingOutputError(f"output {output.uri} exists and is not a directory")
     entries = output.entries()
-    links = output.links()
+    files, links = output.listing()
     if not entries or (entries == [contract.STATE_DIR] and not links and output.state.is_empty()):
         return Inspection(output.uri, exists=output.exists(), empty=True, plan_fingerprint=None, same_settings=True,
                           units_left=[u.unit for u in plan.units])
     old = output.state.plan()
     manifests = output.state.manifests()
-    owned = classify(output.files(), manifests, old, links)
+    owned = classify(files, manifests, old, links)
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
     committed, damaged = output.committed_units(plan.fingerprint, manifests)

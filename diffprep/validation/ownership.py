@@ -202,7 +202,8 @@ def temp_targets(path: str) -> list[str]:
 
 def ownership(output: Any) -> Ownership:
     """Who wrote each file of ``output`` (a folder or a bucket prefix), by its manifests and its plan."""
-    return classify(output.files(), output.state.manifests(), output.state.plan(), output.links())
+    files, links = output.listing()
+    return classify(files, output.state.manifests(), output.state.plan(), links)
 
 
 def refuse_links(output: Any, plan: Plan | None = None, *, writes: set[str] | None = None) -> None:
