@@ -81,7 +81,7 @@ def test_tiny_captioner_is_the_same_files_for_the_same_seed(tiny_captioner, tmp_
             "preprocessor_config.json", "video_preprocessor_config.json"} <= set(names)
     assert names == sorted(p.name for p in again.iterdir())
     assert all((tiny_captioner / n).read_bytes() == (again / n).read_bytes() for n in names)
-    with pytest.raises(FileExistsError):
+    with pytest.raises(ConfigError, match="already holds a model"):
         write_tiny_qwen2_5_vl(again)
 
 
@@ -130,6 +130,8 @@ def test_a_clip_is_a_video_with_its_frame_times(captioner, samples):
     image = captioner.image_processor(images=[frame], return_tensors="pt")
     assert torch.equal(patches, image["pixel_values"]) and grid.tolist() == image["image_grid_thw"][0].tolist()
     assert seconds == 1.0
+    with pytest.raises(ConfigError, match="one frame for an image"):
+        captioner.inputs([CaptionInput("two-stills", [frame, frame])])
     # The clip's motion reaches the model: its frames reversed give another caption.
     reversed_clip = CaptionInput("clip-r", item.frames[::-1], fps=item.fps)
     assert captioner.caption([reversed_clip]) != captioner.caption([item])

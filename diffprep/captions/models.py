@@ -24,7 +24,6 @@ batches of 16).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -190,6 +189,11 @@ class TransformersCaptioner:
         """The model's inputs for ``batch`` (what ``processor(text=..., images=..., videos=...)`` returns)."""
         import torch
 
+        for item in batch:
+            if not item.frames or (not item.is_video and len(item.frames) != 1):
+                raise ConfigError(f"{item.key}: a caption input holds one frame for an image (fps None) or the "
+                                  f"frames of a clip (with its fps), got {len(item.frames)} frames and fps "
+                                  f"{item.fps}; make it with diffprep.captions.frames.caption_input")
         texts: list[str] = []
         images = [item.frames[0] for item in batch if not item.is_video]
         image_inputs = self.image_processor(images=images, return_tensors="pt") if images else {}
@@ -342,6 +346,3 @@ def _video_settings(folder: Any, image_processor: Any) -> dict[str, Any]:
                                 "longest_edge": saved.get("max_pixels", settings["size"]["longest_edge"])}
     return settings
 
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
