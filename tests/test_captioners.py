@@ -193,8 +193,12 @@ def test_clip_frames_are_sampled_at_fps_and_capped_evenly(tmp_path):
     assert image.fps is None and len(image.frames) == 1 and image.frames[0].mode == "RGB"
 
 
-def test_bad_media_is_a_named_reject(tmp_path):
+def test_bad_media_is_a_named_reject(monkeypatch):
     good = png(picture(40, 30, 0))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # Pillow refuses a 40x30 picture at open: still an image
+    with pytest.raises(RejectError, match="image_too_large"):
+        caption_input("bomb", good, fps=2.0, max_frames=8)
+    monkeypatch.undo()
     for data, reason in [(b"", "empty_file"), (good[: len(good) // 2], "image_truncated"),
                          (b"not a picture nor a clip" * 10, "video_decode_error"),
                          (clip(8, 1)[:400], "video")]:
