@@ -150,7 +150,8 @@ def test_describe_records_the_model_files_and_settings(captioner, tiny_captioner
     described = captioner.describe()
     assert described["backend"] == "transformers" and described["class"] == "Qwen2_5_VLForConditionalGeneration"
     assert described["model"]["source"] == str(tiny_captioner.resolve())
-    assert "config.json" in described["model"]["files_sha256"] and "model.safetensors" in described["model"]["weight_bytes"]
+    assert "config.json" in described["model"]["files_sha256"]
+    assert "model.safetensors" in described["model"]["weight_bytes"]
     assert CaptionSettings.from_json(described["settings"]) == captioner.settings
     json.dumps(described)
 
@@ -168,8 +169,8 @@ def test_a_hub_model_missing_offline_names_the_ways_out(monkeypatch, tmp_path):
 
 
 def test_settings_refuse_bad_values_naming_them():
-    for bad, match in [({"max_new_tokens": 0}, "max_new_tokens"), ({"fps": 0}, "fps"), ({"instruction": " "}, "instruction"),
-                       ({"server_url": "localhost:8000"}, "http://")]:
+    for bad, match in [({"max_new_tokens": 0}, "max_new_tokens"), ({"fps": 0}, "fps"),
+                       ({"instruction": " "}, "instruction"), ({"server_url": "localhost:8000"}, "http://")]:
         with pytest.raises(ConfigError, match=match):
             CaptionSettings(**bad)
     with pytest.raises(ConfigError, match="unknown field.*temperature"):
@@ -217,7 +218,8 @@ def server_settings(server: OpenAIStandin, **more) -> CaptionSettings:
 
 def test_the_server_gets_frames_as_data_urls_greedy_with_max_tokens(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "sk-standin")
-    items = [CaptionInput("i", [picture(32, 24, 1)]), CaptionInput("c", [picture(32, 24, k) for k in range(3)], fps=2.0),
+    items = [CaptionInput("i", [picture(32, 24, 1)]),
+             CaptionInput("c", [picture(32, 24, k) for k in range(3)], fps=2.0),
              CaptionInput("j", [picture(32, 24, 2)])]
     with OpenAIStandin(api_key="sk-standin") as server:
         captioner = load_captioner(server_settings(server))

@@ -80,7 +80,8 @@ class CaptionSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"caption settings: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ConfigError(f"caption settings: unknown field(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
         return cls(**data)
 
 
