@@ -157,11 +157,17 @@ def _column(explicit: str | None, setting: str, defaults: Sequence[str], columns
 class MetadataSource:
     """Rows of a JSON / JSONL / CSV metadata file naming media files and captions (see the module docstring)."""
 
+    # How often this process opened a metadata source, and looked rows up by id (the whole file read into an
+    # index): what a unit must not cost again (tests/test_source_positions.py and benchmarks/source_scale.py count).
+    opened = 0
+    indexed = 0
+
     def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
                  image_key: str | None = None, s3_endpoint_url: str | None = None,
                  s3_profile: str | None = None, reference_key: str | None = None,
                  audio_key: str | None = None, score_columns: Sequence[str] = (),
                  depth_key: str | None = None) -> None:
+        MetadataSource.opened += 1
         self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
         self._client = None
         fmt = posixpath.splitext(metadata_file)[1].lower()
@@ -273,6 +279,7 @@ class MetadataSource:
             if self._by_id is None:
                 log.info("%s: looking rows up by id (a plan without positions, or rows that moved since planning): "
                          "the file is read whole once", self.metadata_file)
+                MetadataSource.indexed += 1
                 self._by_id = {source_id: row for source_id, row, _ in self._rows()}
             return self._by_id
 
@@ -298,17 +305,18 @@ class MetadataSource:
         }
 
     def list_entries(self) -> Iterator[tuple[str, Any]]:
-        """Each id with where its row starts, ``[byte offset, row number, line]`` (a JSON list: None), streamed."""
+        """Each id with where its row is, ``[byte offset, row number, line, CRC-32 of its bytes]`` (a JSON list:
+        None), streamed."""
         for source_id, _, record in self._rows():
-            yield source_id, None if record.offset is None else [record.offset, record.number, record.line]
+            yield source_id, record.position()
 
     def list_ids(self) -> Iterator[str]:
         return (source_id for source_id, _ in self.list_entries())
 
     def read(self, ids: Sequence[str], at: Sequence[Any] | None = None) -> Iterator[SourceSample]:
         """One sample per id; ``at`` (``list_entries``' positions, parallel to ``ids``) reads each row where it
-        starts, parsing only those rows. A row no longer found there as planned (the file changed) is looked up
-        by its id, as without positions: gone, it is ``source_missing``."""
+        starts, parsing only those rows. A row no longer there as planned, byte for byte (the file changed), is
+        looked up by its id, as without positions: gone, it is ``source_missing``."""
         if at is not None and len(at) != len(ids):
             raise SourceError(f"{len(at)} positions for {len(ids)} ids of {self.metadata_file}: the unit's plan is "
                               "damaged; plan the run again")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -33,6 +34,11 @@ class Record:
     number: int  # 1-based position among the records
     line: int | None  # the line the record starts on (JSONL) or ends on (CSV); None in a JSON list
     values: dict
+    crc: int | None = None  # CRC-32 of the record's bytes (its lines without their ends): a changed row is not it
+
+    def position(self) -> list[int] | None:
+        """Where the record is, as a unit's plan keeps it: ``[offset, number, line, crc]`` (a JSON list: None)."""
+        return None if self.offset is None else [self.offset, self.number, self.line, self.crc]
 
 
 Opener = Callable[[], BinaryIO]  # a fresh binary stream of the whole file, at its start
@@ -46,13 +52,13 @@ def _decode_line(data: bytes, where: str, line: int, offset: int) -> str:
                           f"a metadata file must be UTF-8") from None
 
 
-def _lines(stream: BinaryIO, where: str, start: int, first_line: int) -> Iterator[tuple[int, int, str, int]]:
-    """``(offset, line number, text, end offset)`` of each line from ``start`` (a BOM at the file's start skipped)."""
+def _lines(stream: BinaryIO, where: str, start: int, first_line: int) -> Iterator[tuple[int, int, str, bytes]]:
+    """``(offset, line number, text, bytes)`` of each line from ``start`` (a BOM at the file's start skipped)."""
     offset, number = start, first_line
     while data := stream.readline():
         if offset == 0 and data.startswith(_UTF8_BOM):
             data, offset = data[len(_UTF8_BOM):], len(_UTF8_BOM)
-        yield offset, number, _decode_line(data, where, number, offset), offset + len(data)
+        yield offset, number, _decode_line(data, where, number, offset), data
         offset += len(data)
         number += 1
 
@@ -74,25 +80,32 @@ def jsonl_records(open_file: Opener, where: str) -> Iterator[Record]:
     # Lines split on newlines only, never at U+2028 and the others that JSON strings may hold; blank lines skipped.
     count = 0
     with open_file() as stream:
-        for offset, line, text, _ in _lines(stream, where, 0, 1):
+        for offset, line, text, data in _lines(stream, where, 0, 1):
             if text.strip():
                 count += 1
-                yield Record(offset, count, line, _jsonl_record(text, where, line))
+                yield Record(offset, count, line, _jsonl_record(text, where, line), _crc(data))
 
 
 # --- CSV --------------------------------------------------------------------------------------------------------------
 
 
+def _crc(data: bytes, crc: int = 0) -> int:
+    return zlib.crc32(data.rstrip(b"\r\n"), crc)
+
+
 class _CsvLines:
-    """Lines fed to ``csv.reader``, remembering the offset of the next line it has not taken yet."""
+    """Lines fed to ``csv.reader``, remembering the offset of the next line it has not taken yet and the CRC of
+    the lines taken since ``crc`` was last set to 0."""
 
     def __init__(self, stream: BinaryIO, where: str, start: int, first_line: int) -> None:
         self._lines = _lines(stream, where, start, first_line)
         self.next_offset = start
+        self.crc = 0
 
     def __iter__(self) -> Iterator[str]:
-        for _, _, text, end in self._lines:
-            self.next_offset = end
+        for offset, _, text, data in self._lines:
+            self.next_offset = offset + len(data)
+            self.crc = _crc(data, self.crc)
             yield text
 
 
@@ -132,14 +145,14 @@ def csv_records(open_file: Opener, where: str) -> Iterator[Record]:
             return
         count = 0
         while True:
-            start = lines.next_offset
+            start, lines.crc = lines.next_offset, 0
             cells = _csv_next(reader, where)
             if cells is None:
                 return
             if cells == []:  # a blank line, as csv.DictReader skips it
                 continue
             count += 1
-            yield Record(start, count, reader.line_num, _csv_values(cells, header, where, reader.line_num))
+            yield Record(start, count, reader.line_num, _csv_values(cells, header, where, reader.line_num), lines.crc)
 
 
 # --- JSON list --------------------------------------------------------------------------------------------------------
@@ -193,10 +206,10 @@ def scan_columns(fmt: str, open_file: Opener, where: str) -> tuple[list[str], bo
 
 
 def record_at(fmt: str, stream: BinaryIO, where: str, at: Any, header: list[str]) -> Record | None:
-    """The record that starts at ``at`` (``[offset, number, line]``, as listed), or None where none can be read
-    there any more (the file changed: the caller looks the id up the slow way, as before positions)."""
+    """The record listed at ``at`` (``Record.position``), or None where it is not there any more, byte for byte
+    (the file changed: the caller looks the id up the slow way, as without positions)."""
     try:
-        offset, number, line = (int(value) for value in at)
+        offset, number, line, crc = (int(value) for value in at)
     except (TypeError, ValueError):
         return None
     if fmt not in (".csv", ".jsonl") or offset < 0:
@@ -207,11 +220,15 @@ def record_at(fmt: str, stream: BinaryIO, where: str, at: Any, header: list[str]
             data = stream.readline()
             if offset == 0 and data.startswith(_UTF8_BOM):
                 data = data[len(_UTF8_BOM):]
+            if _crc(data) != crc:
+                return None
             text = _decode_line(data, where, line, offset)
-            return Record(offset, number, line, _jsonl_record(text, where, line)) if text.strip() else None
+            return Record(offset, number, line, _jsonl_record(text, where, line), crc)
         lines = _CsvLines(stream, where, offset, line)
         cells = _csv_next(csv.reader(lines), where)
-        return None if not cells else Record(offset, number, line, _csv_values(cells, header, where, line))
+        if not cells or lines.crc != crc:
+            return None
+        return Record(offset, number, line, _csv_values(cells, header, where, line), crc)
     except SourceError:
         return None
 
