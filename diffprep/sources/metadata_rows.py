@@ -20,16 +20,14 @@ import io
 import json
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from diffprep.errors import SourceError
 
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):  # a tuple: made once per row of a listing
     offset: int | None  # the byte offset of the record's first line (JSONL, CSV); None in a JSON list
     number: int  # 1-based position among the records
     line: int | None  # the line the record starts on (JSONL) or ends on (CSV); None in a JSON list
@@ -55,7 +53,7 @@ def _decode_line(data: bytes, where: str, line: int, offset: int) -> str:
 def _lines(stream: BinaryIO, where: str, start: int, first_line: int) -> Iterator[tuple[int, int, str, bytes]]:
     """``(offset, line number, text, bytes)`` of each line from ``start`` (a BOM at the file's start skipped)."""
     offset, number = start, first_line
-    while data := stream.readline():
+    for data in stream:  # lines end at b"\n" only
         if offset == 0 and data.startswith(_UTF8_BOM):
             data, offset = data[len(_UTF8_BOM):], len(_UTF8_BOM)
         yield offset, number, _decode_line(data, where, number, offset), data
