@@ -9,9 +9,10 @@ once per process) and read the unit's samples. Three sides:
   and run in a subprocess): ``open_source`` + ``read(ids)`` per unit, which parsed the whole file each time.
   It costs minutes at 100k, so ``--old-units`` units spread over the plan are timed and the phase is that mean
   times the number of units (said so in the output).
-- ``new-ids``: this checkout, a plan without positions (written before them): one open, rows looked up by id
+- ``new-ids``: this checkout, a plan written before positions: one open (the file checked), rows looked up by id
   (the file read whole once per process), every unit timed.
-- ``new-at``: this checkout, the plan's positions (``list_entries``): one open, every unit read at its rows.
+- ``new-at``: this checkout, a plan with positions (``list_entries``) and the source's description: one open that
+  reads nothing of the file, every unit read at its rows.
 
 Each side prints the phase's seconds at each size; the summary gives old/new ratios and the growth exponent
 ``log(t(100k) / t(10k)) / log(10)`` of each side (1: linear in the rows; 2: quadratic).
@@ -91,12 +92,14 @@ def new_side(path: Path, positions: bool) -> tuple[float, float, int]:
     cfg = SourceConfig(type="metadata", metadata_file=str(path))
     metadata._LAYOUTS.clear()  # the units' process has not seen the file: its one opening is timed
     start = time.perf_counter()
-    entries = list(list_planned(open_source(cfg)))  # the plan phase, once
+    listing = open_source(cfg)
+    entries = list(list_planned(listing))  # the plan phase, once
     listed = time.perf_counter() - start
     metadata._LAYOUTS.clear()
     indexed = MetadataSource.indexed
     start = time.perf_counter()
-    source = open_source(cfg)  # once per process (pipeline.opened_source)
+    # Once per process (pipeline.opened_source), with the plan's description of the source when the plan is new.
+    source = open_source(cfg, planned=listing.describe() if positions else None)
     for first in range(0, len(entries), SHARD_SIZE):
         unit = entries[first:first + SHARD_SIZE]
         ids = [source_id for source_id, _ in unit]

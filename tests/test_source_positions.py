@@ -17,7 +17,7 @@ import pytest
 from diffprep.config import load_settings
 from diffprep.output import as_output
 from diffprep.phases.pipeline import run
-from diffprep.sources import MetadataSource, WebDatasetSource
+from diffprep.sources import MetadataSource, WebDatasetSource, metadata
 from diffprep.sources.base import read_planned
 from diffprep.tasks.encode import plan_of
 
@@ -88,6 +88,16 @@ def test_metadata_rows_read_at_their_offsets_are_the_rows_read_by_id(tmp_path: P
         **({"img/012.png": "invalid_caption"} if name.endswith(".jsonl") else {})}
     assert samples[0].image == bytes([0]) * 40 and samples[29].image == bytes([29]) * 69
     assert check_positions_read_as_ids(source) == [i for i, _ in entries]
+
+    # A unit's process opens it with the plan's description: the file is not read on opening, only at the rows.
+    metadata._LAYOUTS.clear()  # as in another process
+    scanned = MetadataSource.scanned
+    unit_side = MetadataSource(str(tmp_path / name), planned=source.describe())
+    assert MetadataSource.scanned == scanned and unit_side.columns == ["image", "caption"]
+    assert plain(unit_side.read([i for i, _ in entries], at=[at for _, at in entries])) == plain(samples)
+    # A plan written before it recorded the columns: the file is checked on opening, as before.
+    MetadataSource(str(tmp_path / name), planned={**source.describe(), "columns": None})
+    assert MetadataSource.scanned == scanned + 1
 
 
 def test_a_metadata_file_changed_after_planning_gives_the_rejects_it_gave_before(tmp_path: Path):

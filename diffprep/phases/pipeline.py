@@ -171,14 +171,16 @@ _OPENED_LOCK = threading.Lock()
 
 def opened_source(settings: Settings, plan: Plan, token: str | None = None) -> Source:
     """The source of ``settings`` for ``plan``, opened once per process: the one opened before when the source
-    settings, the token and the plan (the same object: a run's) are the same, else a new one (the old dropped)."""
+    settings, the token and the plan (the same object: a run's) are the same, else a new one (the old dropped).
+    The plan's description of the source spares what listing already found (a metadata file's columns)."""
     options = get_encoding(plan.encoding).source_options(plan.settings)
     key = (settings.source.model_dump_json(), hashlib.sha256((token or "").encode()).hexdigest(), repr(options))
     with _OPENED_LOCK:
         if _OPENED.get("key") != key or _OPENED["plan"]() is not plan:
             _OPENED.clear()  # the other settings' source goes
             _OPENED.update(key=key, plan=weakref.ref(plan),
-                           source=open_source(settings.source, token=token, **options))
+                           source=open_source(settings.source, token=token, planned=getattr(plan, "source", None),
+                                              **options))
         return _OPENED["source"]
 
 

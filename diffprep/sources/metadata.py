@@ -82,7 +82,7 @@ import logging
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
@@ -157,16 +157,20 @@ def _column(explicit: str | None, setting: str, defaults: Sequence[str], columns
 class MetadataSource:
     """Rows of a JSON / JSONL / CSV metadata file naming media files and captions (see the module docstring)."""
 
-    # How often this process opened a metadata source, and looked rows up by id (the whole file read into an
-    # index): what a unit must not cost again (tests/test_source_positions.py and benchmarks/source_scale.py count).
+    # How often this process opened a metadata source, checked a whole file on opening (its columns), and looked
+    # rows up by id (the whole file read into an index): what a unit must not cost again
+    # (tests/test_source_positions.py and benchmarks/source_scale.py count them).
     opened = 0
+    scanned = 0
     indexed = 0
 
     def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
                  image_key: str | None = None, s3_endpoint_url: str | None = None,
                  s3_profile: str | None = None, reference_key: str | None = None,
                  audio_key: str | None = None, score_columns: Sequence[str] = (),
-                 depth_key: str | None = None) -> None:
+                 depth_key: str | None = None, planned: Mapping[str, Any] | None = None) -> None:
+        """``planned``: the plan's ``describe()`` of this source; when it describes this same file, its columns
+        are taken from it and opening reads nothing of the file (a unit's process, which reads at positions)."""
         MetadataSource.opened += 1
         self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
         self._client = None
@@ -197,7 +201,8 @@ class MetadataSource:
             columns = list(dict.fromkeys(name for record in self._json for name in record.values))
             has_records = bool(self._json)
         else:
-            columns, has_records = self._read_metadata(lambda: _layout(identity, fmt, self._open, where))
+            columns, has_records = _planned_columns(planned, self.metadata_file, fmt) or self._read_metadata(
+                lambda: _layout(identity, fmt, self._open, where))
         self._header = columns if fmt == ".csv" else []
         if audio_key and (video_key or image_key):
             raise SourceError(f"{where}: source.audio_key {audio_key!r} names the audio files of an audio-only run; "
@@ -302,6 +307,8 @@ class MetadataSource:
             **({"depth_key": self.depth_key} if self.depth_key else {}),
             "s3_endpoint_url": self._endpoint_url,
             "s3_profile": self._profile,
+            # What opening found in the file, so that a unit's process need not read it again (``planned``).
+            "columns": self.columns,
         }
 
     def list_entries(self) -> Iterator[tuple[str, Any]]:
@@ -478,10 +485,21 @@ _LAYOUTS: dict[tuple, tuple[list[str], bool]] = {}
 _LAYOUTS_KEPT = 8
 
 
+def _planned_columns(planned: Mapping[str, Any] | None, metadata_file: str, fmt: str) -> tuple[list[str], bool] | None:
+    """The columns a plan recorded for this file (``describe()["columns"]``), None when it describes another."""
+    if not planned or planned.get("metadata_file") != metadata_file or fmt == ".json":
+        return None
+    columns = planned.get("columns")
+    if not isinstance(columns, list) or not all(isinstance(name, str) for name in columns):
+        return None  # a plan written before it recorded them
+    return list(columns), bool(columns)
+
+
 def _layout(identity: tuple | None, fmt: str, open_file: Opener, where: str) -> tuple[list[str], bool]:
     if identity is not None and identity in _LAYOUTS:
         columns, has_records = _LAYOUTS[identity]
         return list(columns), has_records
+    MetadataSource.scanned += 1
     found = scan_columns(fmt, open_file, where)
     if identity is not None:
         while len(_LAYOUTS) >= _LAYOUTS_KEPT:
