@@ -87,15 +87,15 @@ def new_side(path: Path, positions: bool) -> tuple[float, float, int]:
     from diffprep.config import SourceConfig
     from diffprep.sources import MetadataSource, open_source
     from diffprep.sources.base import list_planned, read_planned
-    from diffprep.sources import metadata
+    from diffprep.sources import metadata_rows
 
     cfg = SourceConfig(type="metadata", metadata_file=str(path))
-    metadata._LAYOUTS.clear()  # the units' process has not seen the file: its one opening is timed
+    metadata_rows._LAYOUTS.clear()  # the units' process has not seen the file: its one opening is timed
     start = time.perf_counter()
     listing = open_source(cfg)
     entries = list(list_planned(listing))  # the plan phase, once
     listed = time.perf_counter() - start
-    metadata._LAYOUTS.clear()
+    metadata_rows._LAYOUTS.clear()
     indexed = MetadataSource.indexed
     start = time.perf_counter()
     # Once per process (pipeline.opened_source), with the plan's description of the source when the plan is new.

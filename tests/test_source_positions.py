@@ -17,7 +17,7 @@ import pytest
 from diffprep.config import load_settings
 from diffprep.output import as_output
 from diffprep.phases.pipeline import run
-from diffprep.sources import MetadataSource, WebDatasetSource, metadata
+from diffprep.sources import MetadataSource, WebDatasetSource, metadata_rows
 from diffprep.sources.base import read_planned
 from diffprep.tasks.encode import plan_of
 
@@ -90,7 +90,7 @@ def test_metadata_rows_read_at_their_offsets_are_the_rows_read_by_id(tmp_path: P
     assert check_positions_read_as_ids(source) == [i for i, _ in entries]
 
     # A unit's process opens it with the plan's description: the file is not read on opening, only at the rows.
-    metadata._LAYOUTS.clear()  # as in another process
+    metadata_rows._LAYOUTS.clear()  # as in another process
     scanned = MetadataSource.scanned
     unit_side = MetadataSource(str(tmp_path / name), planned=source.describe())
     assert MetadataSource.scanned == scanned and unit_side.columns == ["image", "caption"]

@@ -64,14 +64,17 @@ in the other sources), a caption that is not text (``invalid_caption``). An
 id no row has any more (the file changed since planning) is ``source_missing``.
 Captions are normalized as in every source (``sources/base.py``).
 
-Listing (``list_entries``) is one streamed pass that gives each id the byte
-offset of its row (``sources/metadata_rows.py``); a unit's ``read(ids, at=...)``
-parses only its own rows there, checking that each still gives its planned id
-(a row that moved is looked up by id, as a plan without positions is: the file
-read whole once per opened source). Opening checks every row and takes the
-columns: a CSV file's header, or every key of a JSONL file's rows (one
-streamed pass holding no row, once per file and process); a JSON list cannot
-be streamed and is parsed whole: keep it to a few million rows, or write JSONL.
+Listing (``list_entries``) is one streamed pass that gives each id where its
+row is (byte offset, row number, line, CRC-32 of the row's bytes;
+``sources/metadata_rows.py``); a unit's ``read(ids, at=...)`` parses only its
+own rows there. A row not there as listed, byte for byte (the file changed),
+is looked up by its id, as a plan without positions is: the file read whole
+once per opened source. Opening checks every row and takes the columns (a CSV
+file's header, every key of a JSONL file's rows: one streamed pass holding no
+row, once per file and process), unless it is given the plan's description of
+the source (``planned``), whose columns it takes instead: a unit's process
+then reads nothing but its rows. A JSON list cannot be streamed and is parsed
+whole on opening: keep it to a few million rows, or write JSONL.
 """
 
 from __future__ import annotations
@@ -99,7 +102,16 @@ from diffprep.sources.base import (
     rejected,
     unsupported,
 )
-from diffprep.sources.metadata_rows import Opener, Record, json_records, open_bytes, record_at, records, scan_columns
+from diffprep.sources.metadata_rows import (
+    Opener,
+    Record,
+    file_columns,
+    json_records,
+    open_bytes,
+    planned_columns,
+    record_at,
+    records,
+)
 from diffprep.sources.scores import check_score_columns, row_scores
 from diffprep.sources.storage import (
     S3Url,
@@ -201,8 +213,13 @@ class MetadataSource:
             columns = list(dict.fromkeys(name for record in self._json for name in record.values))
             has_records = bool(self._json)
         else:
-            columns, has_records = _planned_columns(planned, self.metadata_file, fmt) or self._read_metadata(
-                lambda: _layout(identity, fmt, self._open, where))
+            found = planned_columns(planned, self.metadata_file, fmt)
+            if found is None:
+                columns, has_records, scanned = self._read_metadata(lambda: file_columns(identity, fmt, self._open,
+                                                                                           where))
+                MetadataSource.scanned += scanned
+            else:
+                columns, has_records = found
         self._header = columns if fmt == ".csv" else []
         if audio_key and (video_key or image_key):
             raise SourceError(f"{where}: source.audio_key {audio_key!r} names the audio files of an audio-only run; "
@@ -477,35 +494,6 @@ def _base_id(row: _Row) -> str | None:
 def _own_id(row: _Row, base: str | None) -> str:
     """The id of a row whose path an earlier row has (``base#<row>``), or that has none (``#<row>``)."""
     return (base or "") + f"{DUPLICATE_MARK}{row.number}"
-
-
-# Columns of the metadata files scanned in this process, by (path, format, size, mtime): opening the same file
-# again (the plan phase, the sanity check and every unit open it) does not read it again.
-_LAYOUTS: dict[tuple, tuple[list[str], bool]] = {}
-_LAYOUTS_KEPT = 8
-
-
-def _planned_columns(planned: Mapping[str, Any] | None, metadata_file: str, fmt: str) -> tuple[list[str], bool] | None:
-    """The columns a plan recorded for this file (``describe()["columns"]``), None when it describes another."""
-    if not planned or planned.get("metadata_file") != metadata_file or fmt == ".json":
-        return None
-    columns = planned.get("columns")
-    if not isinstance(columns, list) or not all(isinstance(name, str) for name in columns):
-        return None  # a plan written before it recorded them
-    return list(columns), bool(columns)
-
-
-def _layout(identity: tuple | None, fmt: str, open_file: Opener, where: str) -> tuple[list[str], bool]:
-    if identity is not None and identity in _LAYOUTS:
-        columns, has_records = _LAYOUTS[identity]
-        return list(columns), has_records
-    MetadataSource.scanned += 1
-    found = scan_columns(fmt, open_file, where)
-    if identity is not None:
-        while len(_LAYOUTS) >= _LAYOUTS_KEPT:
-            _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        _LAYOUTS[identity] = found
-    return list(found[0]), found[1]
 
 
 def _plain(value: Any) -> Any:

@@ -19,7 +19,7 @@ import csv
 import io
 import json
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO, NamedTuple
 
 from diffprep.errors import SourceError
@@ -201,6 +201,36 @@ def scan_columns(fmt: str, open_file: Opener, where: str) -> tuple[list[str], bo
         found = True
         columns.update(dict.fromkeys(record.values))
     return list(columns), found
+
+
+# Columns of the metadata files checked in this process, by (path, format, size, mtime): opening the same file
+# again (the plan phase opens it more than once) does not read it again.
+_LAYOUTS: dict[tuple, tuple[list[str], bool]] = {}
+_LAYOUTS_KEPT = 8
+
+
+def file_columns(identity: tuple | None, fmt: str, open_file: Opener, where: str) -> tuple[list[str], bool, bool]:
+    """``scan_columns`` once per file ``identity`` in this process: ``(columns, any record, whether it read it)``."""
+    if identity is not None and identity in _LAYOUTS:
+        columns, has_records = _LAYOUTS[identity]
+        return list(columns), has_records, False
+    columns, has_records = scan_columns(fmt, open_file, where)
+    if identity is not None:
+        while len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[identity] = (list(columns), has_records)
+    return columns, has_records, True
+
+
+def planned_columns(planned: Mapping[str, Any] | None, metadata_file: str, fmt: str) -> tuple[list[str], bool] | None:
+    """The columns a plan recorded for this file (its ``describe()["columns"]``); None when it describes another
+    file, recorded none (a plan written before), or the file is a JSON list (parsed whole on opening anyway)."""
+    if not planned or planned.get("metadata_file") != metadata_file or fmt == ".json":
+        return None
+    columns = planned.get("columns")
+    if not isinstance(columns, list) or not all(isinstance(name, str) for name in columns):
+        return None
+    return list(columns), bool(columns)
 
 
 def record_at(fmt: str, stream: BinaryIO, where: str, at: Any, header: list[str]) -> Record | None:
