@@ -181,3 +181,29 @@ def test_a_run_opens_its_metadata_source_once_for_all_its_units(tmp_path: Path):
     assert plan is not None and plan_of(output) is plan and plan_of(as_output(out)) is plan
     output.state.write_plan(plan)
     assert plan_of(output) is not plan and plan_of(output).fingerprint == plan.fingerprint
+
+
+BUCKET = "positions"
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_unit_reads_its_rows_of_a_metadata_file_in_a_bucket_by_ranged_gets(admin, proxy, tmp_path: Path):
+    rows = media_rows(tmp_path, 30)
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    for path in sorted(tmp_path.rglob("*")):
+        if path.is_file():
+            admin.put_object(Bucket=BUCKET, Key=f"m/{path.relative_to(tmp_path)}", Body=path.read_bytes())
+    url = f"s3://{BUCKET}/m/d.jsonl"
+    listed = MetadataSource(url, s3_endpoint_url=proxy.url)
+    entries = list(listed.list_entries())
+    ids, at = [i for i, _ in entries][10:20], [a for _, a in entries][10:20]
+    proxy.reset()
+    unit_side = MetadataSource(url, s3_endpoint_url=proxy.url, planned=listed.describe())
+    samples = list(unit_side.read(ids, at=at))
+    local = list(MetadataSource(str(tmp_path / "d.jsonl")).read(ids, at=at))
+    assert [(s.source_id, s.image, s.caption, s.reject and s.reject.reason) for s in samples] == [
+        (s.source_id, s.image, s.caption, s.reject and s.reject.reason) for s in local]
+    assert samples[0].image == bytes([10]) * 50 and samples[2].reject.reason == "invalid_caption"
+    gets = proxy.requests("GET", f"/{BUCKET}/m/d.jsonl")
+    # Only ranged GETs of the file (one here: the unit's rows are a small part of it), never the whole of it.
+    assert gets and all(r.headers.get("Range", r.headers.get("range", "")).startswith("bytes=") for r in gets)

@@ -73,8 +73,10 @@ once per opened source. Opening checks every row and takes the columns (a CSV
 file's header, every key of a JSONL file's rows: one streamed pass holding no
 row, once per file and process), unless it is given the plan's description of
 the source (``planned``), whose columns it takes instead: a unit's process
-then reads nothing but its rows. A JSON list cannot be streamed and is parsed
-whole on opening: keep it to a few million rows, or write JSONL.
+then reads nothing but its rows. In a bucket the file is streamed for
+listing and checking, and a unit's rows are read by ranged GETs. A JSON list
+cannot be streamed and is parsed whole on opening: keep it to a few million
+rows, or write JSONL.
 """
 
 from __future__ import annotations
@@ -107,7 +109,6 @@ from diffprep.sources.metadata_rows import (
     Record,
     file_columns,
     json_records,
-    open_bytes,
     planned_columns,
     record_at,
     records,
@@ -118,6 +119,8 @@ from diffprep.sources.storage import (
     StorageUnavailableError,
     is_s3_url,
     object_stamp,
+    open_object,
+    open_ranged,
     parse_s3_url,
     read_object,
     s3_client,
@@ -195,14 +198,16 @@ class MetadataSource:
             self.metadata_file = str(url)
             self._s3_folder: S3Url | None = S3Url(url.bucket, posixpath.dirname(url.key))
             self._local_folder = ""
-            self._open: Opener = open_bytes(self._read_metadata(lambda: read_object(self._s3(), url)))
-            identity = None  # downloaded once per opened source; nothing to key a cache on
+            # Streamed for listing and checking; read by ranged GETs at a unit's rows (nothing else downloaded).
+            self._open: Opener = lambda: open_object(self._s3(), url)
+            self._open_at: Opener = lambda: open_ranged(self._s3(), url)
+            identity = None  # nothing to key the columns' cache on without a request
         else:
             self.metadata_file = os.path.abspath(os.path.expanduser(metadata_file))
             self._s3_folder = None
             self._local_folder = os.path.dirname(self.metadata_file)
             path = self.metadata_file
-            self._open = lambda: open(path, "rb")
+            self._open = self._open_at = lambda: open(path, "rb")
             info = self._read_metadata(lambda: os.stat(path))
             identity = (path, fmt, info.st_size, info.st_mtime_ns)
         where = self.metadata_file
@@ -302,7 +307,7 @@ class MetadataSource:
                 log.info("%s: looking rows up by id (a plan without positions, or rows that moved since planning): "
                          "the file is read whole once", self.metadata_file)
                 MetadataSource.indexed += 1
-                self._by_id = {source_id: row for source_id, row, _ in self._rows()}
+                self._by_id = self._read_metadata(lambda: {source_id: row for source_id, row, _ in self._rows()})
             return self._by_id
 
     def _s3(self):
@@ -345,7 +350,8 @@ class MetadataSource:
             raise SourceError(f"{len(at)} positions for {len(ids)} ids of {self.metadata_file}: the unit's plan is "
                               "damaged; plan the run again")
         positions = at if at is not None else [None] * len(ids)
-        stream = self._open() if any(pos is not None for pos in positions) and self._json is None else None
+        wanted = any(pos is not None for pos in positions) and self._json is None
+        stream = self._read_metadata(self._open_at) if wanted else None
         try:
             for source_id, pos in zip(ids, positions):
                 row = self._row_at(stream, source_id, pos) if stream is not None and pos is not None else None
@@ -361,8 +367,14 @@ class MetadataSource:
                 stream.close()
 
     def _row_at(self, stream: BinaryIO, source_id: str, pos: Any) -> _Row | None:
-        """The row at ``pos`` when it still gives ``source_id``, else None."""
-        record = record_at(self._fmt, stream, self.metadata_file, pos, self._header)
+        """The row at ``pos`` when it still gives ``source_id``, else None (also when it cannot be read there: the
+        lookup by id then says why)."""
+        try:
+            record = record_at(self._fmt, stream, self.metadata_file, pos, self._header)
+        except StorageUnavailableError:
+            raise  # the store, not the file: the unit fails and its task can run again
+        except OSError:
+            return None
         if record is None:
             return None
         row = self._row_of(record)

@@ -16,7 +16,6 @@ planned for it (``MetadataSource.read``).
 from __future__ import annotations
 
 import csv
-import io
 import json
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -259,8 +258,3 @@ def record_at(fmt: str, stream: BinaryIO, where: str, at: Any, header: list[str]
         return Record(offset, number, line, _csv_values(cells, header, where, line), crc)
     except SourceError:
         return None
-
-
-def open_bytes(data: bytes) -> Opener:
-    """An opener over a file already in memory (a metadata file in a bucket, downloaded once)."""
-    return lambda: io.BytesIO(data)
