@@ -207,3 +207,23 @@ def test_a_unit_reads_its_rows_of_a_metadata_file_in_a_bucket_by_ranged_gets(adm
     gets = proxy.requests("GET", f"/{BUCKET}/m/d.jsonl")
     # Only ranged GETs of the file (one here: the unit's rows are a small part of it), never the whole of it.
     assert gets and all(r.headers.get("Range", r.headers.get("range", "")).startswith("bytes=") for r in gets)
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_unit_reads_its_members_of_a_shard_in_a_bucket_by_ranged_gets(admin, proxy, tmp_path: Path):
+    write_shards(tmp_path, 2, 10)
+    for t in range(2):
+        admin.put_object(Bucket=BUCKET, Key=f"w/s{t}.tar", Body=(tmp_path / f"s{t}.tar").read_bytes())
+    source = WebDatasetSource(f"s3://{BUCKET}/w/*.tar", s3_endpoint_url=proxy.url)
+    entries = list(source.list_entries())
+    assert entries == list(WebDatasetSource(str(tmp_path / "*.tar")).list_entries())  # the same spans
+    unit = entries[6:14]  # the end of one shard, the start of the next
+    proxy.reset()
+    samples = list(source.read([i for i, _ in unit], at=[at for _, at in unit]))
+    gets = [r for r in proxy.log if r.method == "GET"]
+    assert plain(samples) == plain(source.read([i for i, _ in unit]))
+    assert [s.caption for s in samples] == [f"caption {t}/{k}" for t, k in [(0, 6), (0, 7), (0, 8), (0, 9), (1, 0),
+                                                                            (1, 1), (1, 2), (1, 3)]]
+    # Only ranged GETs, s0's from its 7th key's header on, not from its start.
+    assert gets and all("Range" in r.headers for r in gets)
+    assert gets[0].path == f"/{BUCKET}/w/s0.tar" and gets[0].headers["Range"].startswith(f"bytes={unit[0][1][0]}-")

@@ -21,13 +21,14 @@ tars give the same ids on disk and in a bucket. Listing (``list_entries``)
 gives each id the byte span of its members in its shard, and reads several
 shards at once (threads), in the shards' order. ``read`` goes through each
 needed shard once and keeps only the requested samples; given the spans, it
-reads a local shard only from the unit's first member to its last. Listing a local shard
-reads its tar headers only (seeking past the data); an object in a bucket is a
-forward-only stream, so listing downloads each shard once (about one shard's
-bytes per shard, never held in memory or written to disk) and reading
-downloads each needed shard again. Ranged GETs of the headers alone would save
-that for shards of large members; for the small image members of a source
-shard the reads are mostly the data anyway.
+reads a shard only from the unit's first member to its last (in a bucket:
+ranged GETs of that part; without spans, each needed shard is downloaded
+again). Listing a local shard reads its tar headers only (seeking past the
+data); an object in a bucket is listed as a forward-only stream, so listing
+downloads each shard once (never held in memory or written to disk). Ranged
+GETs of the headers alone would save that for shards of large members; for
+the small image members of a source shard the reads are mostly the data
+anyway.
 
 Member names are never used as file paths (nothing is extracted); a key with a
 ``..`` component or an absolute path is still listed, and read as an
@@ -51,6 +52,7 @@ the json member's caption, text or prompt field.
 from __future__ import annotations
 
 import glob
+import io
 import json
 import logging
 import os
@@ -80,6 +82,8 @@ from diffprep.sources.base import (
     unsupported,
 )
 from diffprep.sources.storage import (
+    READ_BUFFER,
+    RangedObject,
     S3Url,
     StorageUnavailableError,
     glob_objects,
@@ -164,6 +168,14 @@ class _LocalShards:
         with tarfile.open(self.where(shard), "r:*") as tar:
             yield tar
 
+    @contextmanager
+    def open_span(self, shard: str, start: int, end: int) -> Iterator[tuple[tarfile.TarFile, int]]:
+        """The tar positioned at ``start`` (a member's header), and the offset where the span ends in it."""
+        with self.open_tar(shard) as tar:
+            if start > 0:  # opening read the shard's first member: go back to the span's first header
+                tar.firstmember, tar.offset = None, start
+            yield tar, end
+
 
 class _S3Shards:
     """Tar objects in a bucket, each read as one forward-only GET stream (nothing is written to disk)."""
@@ -202,6 +214,16 @@ class _S3Shards:
         stream = open_object(self._client, self._folder.join(unescape_id(shard)))
         with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
             yield tar
+
+    @contextmanager
+    def open_span(self, shard: str, start: int, end: int) -> Iterator[tuple[tarfile.TarFile, int]]:
+        """The span's bytes as a tar stream of their own (ranged GETs from ``start``; its offsets count from
+        there), and the offset where the span ends in it."""
+        raw = RangedObject(self._client, self._folder.join(unescape_id(shard)))
+        raw.seek(start)
+        stream = io.BufferedReader(raw, max(1, min(READ_BUFFER, end - start)))
+        with stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            yield tar, end - start
 
 
 @dataclass
@@ -327,10 +349,7 @@ class WebDatasetSource:
                 pos += 1
 
     def _span(self, positions: list[Any]) -> tuple[int, int] | None:
-        """The byte range of a local shard holding these spans; None when one is missing or not a span (or the
-        shard is an object in a bucket, read as a stream from its start)."""
-        if not isinstance(self._store, _LocalShards):
-            return None
+        """The byte range of a shard holding these spans; None when one is missing or not a span."""
         try:
             spans = [(int(start), int(end)) for start, end in positions]
         except (TypeError, ValueError):
@@ -347,14 +366,22 @@ class WebDatasetSource:
                      self._store.where(shard), *span)
         return self._collect_pass(shard, wanted, None)
 
+    @contextmanager
+    def _open(self, shard: str, span: tuple[int, int] | None) -> Iterator[tuple[tarfile.TarFile, int | None]]:
+        """The shard's tar from its start (no end), or from its span's start (and where the span ends in it)."""
+        if span is None:
+            with self._store.open_tar(shard) as tar:
+                yield tar, None
+        else:
+            with self._store.open_span(shard, *span) as opened:
+                yield opened
+
     def _collect_pass(self, shard: str, wanted: set[str], span: tuple[int, int] | None) -> _ShardRead:
         result = _ShardRead()
         try:
-            with self._store.open_tar(shard) as tar:
-                if span is not None and span[0] > 0:  # start at its first header (opening read the shard's first)
-                    tar.firstmember, tar.offset = None, span[0]
+            with self._open(shard, span) as (tar, end):
                 for member in _regular_members(tar):
-                    if span is not None and member.offset >= span[1]:
+                    if end is not None and member.offset >= end:
                         break
                     split = split_member_name(member.name)
                     if split is None or split[0] not in wanted:
