@@ -352,7 +352,12 @@ class ServerStart:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         args, env = server_command(self.port, SERVER_NICE)
-        self.process = subprocess.Popen(args, env=env, start_new_session=True)
+        # The server's own output goes to a file, not the user's terminal: the run's lines are what the terminal
+        # shows, and uvicorn's shutdown sometimes logs a cancelled database reset as a traceback after the run.
+        self.log_path = server_log_path()
+        with open(self.log_path, "ab") as server_log:
+            self.process = subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                            stdout=server_log, stderr=subprocess.STDOUT)
         atexit.register(self.stop)
         log.info("embedded Prefect server starting on http://127.0.0.1:%d, to record this run when it ends", self.port)
         threading.Thread(target=self._wait, name="diffprep-server", daemon=True).start()
@@ -389,8 +394,8 @@ class ServerStart:
                 return
             except Exception as failed:  # noqa: BLE001 - the run's work is done and kept either way
                 self.error = failed
-        log.warning("the run was not recorded in Prefect (%s: %s); its output is complete as reported",
-                    type(self.error).__name__, self.error)
+        log.warning("the run was not recorded in Prefect (%s: %s; the server's log: %s); its output is complete as "
+                    "reported", type(self.error).__name__, self.error, self.log_path)
 
     def stop(self) -> None:
         """End the server (its last writes done: SIGTERM, as uvicorn shuts down cleanly), at most 5 s."""
@@ -401,6 +406,15 @@ class ServerStart:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def server_log_path() -> str:
+    """Where the embedded server's output goes: ``embedded-server.log`` in ``PREFECT_HOME`` (appended to)."""
+    from prefect.settings import PREFECT_HOME
+
+    home = PREFECT_HOME.value()
+    home.mkdir(parents=True, exist_ok=True)
+    return str(home / "embedded-server.log")
 
 
 def _free_port() -> int:

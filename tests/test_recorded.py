@@ -63,6 +63,8 @@ def test_a_run_without_a_server_is_recorded_as_the_flow_run_with_its_tasks_artif
     assert done.returncode == 0, done.stderr
     assert "samples written: 12" in done.stdout and "validation: passed" in done.stdout
     assert "recorded as flow run" in done.stderr and "not recorded" not in done.stderr, done.stderr
+    # The server's own output (uvicorn, a shutdown's tracebacks) goes to its log, not the user's terminal.
+    assert (home / "embedded-server.log").is_file() and "Traceback" not in done.stderr, done.stderr
 
     run = _recorded(home)
     assert (run["flow"], run["state"], run["tags"]) == ("encode-dataset", "COMPLETED", ["recorded"])
