@@ -89,7 +89,7 @@ def test_append_keeps_previous_units_and_plans_new_ids_only() -> None:
         (2, ["s006", "s007", "s008", "s009"]),
         (3, ["s010"]),
     ]
-    assert json.dumps([u.__dict__ for u in units[:2]]) == json.dumps([u.__dict__ for u in first])
+    assert [u.to_json() for u in units[:2]] == [u.to_json() for u in first] and units[:2] == first
     assert (missing, missing_count) == ([], 0)
     assert json.dumps(previous.to_json(), sort_keys=True) == before  # the previous plan is not modified
 

@@ -76,7 +76,8 @@ def fetch(
     retried = dict(previous.retried) if previous is not None else {}
     first_new = len(previous.units) if previous is not None else 0
     again = set(retry)
-    retried |= {sid: unit.unit for unit in units[first_new:] for sid in unit.source_ids if sid in again}
+    if again:  # the new units' lists, streamed (none kept in memory) only when something was retried
+        retried |= {sid: unit.unit for unit in units[first_new:] for sid, _ in unit.entries() if sid in again}
     gone: dict[str, int] = {}
     if long is not None and long.resplit:
         gone = given_way(previous, units[first_new:], long.resplit, again)
@@ -152,17 +153,27 @@ def changed_inputs(output: Output, previous: Plan, source: Source) -> list[int]:
     return sorted(m.unit for m in manifests if any(changed(sid, stamp) for sid, stamp in m.stamps.items()))
 
 
+def listing(source: Source) -> Iterable[str | tuple[str, object]]:
+    """The source's listing, read once: ``(id, at)`` pairs where the source gives each sample's locator
+    (``list_entries``: its unit then reads it without listing the source again), else its ids."""
+    list_entries = getattr(source, "list_entries", None)
+    return list_entries() if list_entries is not None else source.list_ids()
+
+
 def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict,
-              retry: list[str]) -> tuple[Iterable[str], Callable[[str], str | None] | None]:
-    """The source's ids, and for a bucketing encoding (video) the bucket of each id the plan will add."""
-    ids: Iterable[str] = source.list_ids()
+              retry: list[str]) -> tuple[Iterable[str | tuple[str, object]], Callable[[str], str | None] | None]:
+    """The source's listing, and for a bucketing encoding (video) the bucket of each id the plan will add."""
+    items = listing(source)
     if not get_encoding(encoding).bucketed(byte):
-        return ids, None
-    ids = list(ids)
-    planned = {sid for unit in previous.units for sid in unit.source_ids} if previous else set()
-    new = [sid for sid in ids if sid not in planned]
+        return items, None
+    # Video: the new ids are probed for their buckets before they are planned, so this listing is held (a clip
+    # costs a probe that outweighs its id; the plan itself holds no id).
+    items = list(items)
+    planned = {sid for unit in previous.units for sid, _ in unit.entries()} if previous else set()
+    new = [item if isinstance(item, str) else item[0] for item in items]
+    new = [sid for sid in new if sid not in planned]
     if settings.output.max_samples is not None:
         new = new[:max(0, settings.output.max_samples - len(planned))]
     new = retry + new
     buckets = get_encoding(encoding).probe_buckets(settings, source, new, byte)
-    return ids, buckets.get
+    return items, buckets.get
