@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,7 @@ from diffprep import contract
 from diffprep.errors import DiffprepError
 from diffprep.writer.links import no_link_below
 from diffprep.writer.shards import atomic_write_bytes, atomic_write_json
-from diffprep.writer.unit_lists import (NEW, PLANNED, PLANNED_SEEN, Entry, IdIndex, Staging, as_entry, list_bytes,
-                                        read_entries)
+from diffprep.writer.unit_lists import Entry, ListingIndex, Staging, list_bytes, read_entries
 
 MISSING_PREVIEW = 20
 
@@ -244,7 +244,7 @@ def _shown(value: Any) -> str:
     return "(none)" if value is _MISSING else json.dumps(value, sort_keys=True)
 
 
-LISTING_CHUNK = 10_000  # ids looked up in the id index at once
+LISTING_CHUNK = 10_000  # listing entries taken at once
 
 
 def plan_units(
@@ -256,12 +256,12 @@ def plan_units(
     bucket_of: Callable[[str], str | None] | None = None,
     retry: Iterable[str] = (),
 ) -> tuple[list[UnitPlan], list[str], int]:
-    """Cut the source listing into units, in one pass with bounded memory.
+    """Cut the source listing into units, with bounded memory.
 
     ``ids``: the listing, as ids (``Source.list_ids``) or ``(id, at)`` pairs (``Source.list_entries``: ``at`` is
-    kept beside the id in its unit's list, ``UnitPlan.positions``). Each unit's list is written to a staging
-    folder as the unit fills (``unit_lists``); which ids are planned already and which the listing repeats is
-    asked of an on-disk ``IdIndex``, not a set in memory.
+    kept beside the id in its unit's list, ``UnitPlan.positions``); it is read once. Which ids are planned already
+    and which the listing repeats is answered by a ``ListingIndex`` on disk, not by sets of every id; each unit's
+    list is then written to a staging folder as the unit fills (``unit_lists``).
 
     With a ``previous`` plan of the same fingerprint, its units stay exactly as
     they are (a partly filled last unit included: its shard may be written
@@ -274,13 +274,21 @@ def plan_units(
     planned ids that disappeared from the source, and their count.
     """
     staging = Staging()
-    index = IdIndex(staging.root / "ids.sqlite")
+    index = ListingIndex(staging.root / "index")
     try:
         units = list(previous.units) if previous else []
         for unit in units:  # the planned ids, one unit's list at a time
-            index.add_planned([sid for sid, _ in unit.entries()])
+            index.planned(sid for sid, _ in unit.entries())
         total = previous.total_samples if previous else 0
-        any_planned = total > 0
+        listing = iter(ids)
+        if max_samples is not None and not total:
+            # Nothing planned yet: every listed id is new, so the listing is read no further than the limit (and the
+            # one after it) instead of to the end of a large source.
+            listing = itertools.islice(listing, max(0, max_samples) + 1)
+        while chunk := list(itertools.islice(listing, LISTING_CHUNK)):
+            index.listed([(item, None) if isinstance(item, str) else (item[0], item[1]) for item in chunk])
+        missing, missing_count = index.classify(MISSING_PREVIEW)
+
         next_unit = (max(u.unit for u in units) + 1) if units else 0
         groups: dict[str | None, list[Entry]] = {}  # bucket -> its samples not yet in a unit (one group unbucketed)
 
@@ -300,39 +308,14 @@ def plan_units(
 
         for sid in retry:
             add(sid, None)  # its locator is not known here: the source looks it up
-        listing = iter(ids)
-        while True:
-            # With a limit and nothing planned, read no further than the limit (a large source is not listed).
-            size = LISTING_CHUNK if max_samples is None or any_planned else min(LISTING_CHUNK, max_samples - total + 1)
-            chunk = [as_entry(item) for item in itertools.islice(listing, max(size, 1))]
-            if not chunk:
+        for sid, at in index.new_entries():
+            if max_samples is not None and total >= max_samples:
                 break
-            known = index.states([sid for sid, _ in chunk])
-            seen, new, stop = [], [], False
-            for sid, at in chunk:
-                state = known.get(sid)
-                if state in (PLANNED, PLANNED_SEEN):
-                    seen.append(sid)
-                    continue
-                if max_samples is not None and total >= max_samples:
-                    if not any_planned:
-                        stop = True
-                        break
-                    continue  # keep scanning only to learn which planned ids disappeared
-                if state == NEW:
-                    raise ValueError(f"the source listed the sample id {sid!r} twice; source ids must be unique")
-                known[sid] = NEW
-                new.append(sid)
-                add(sid, at)
-                total += 1
-            index.seen(seen)
-            index.add_new(new)
-            if stop:
-                break
+            add(sid, at)
+            total += 1
         for bucket, current in groups.items():  # the partly filled units, in order of their buckets' first sample
             if current:
                 close(bucket, current)
-        missing, missing_count = index.missing(MISSING_PREVIEW)
     finally:
         index.close()
     return units, missing, missing_count
@@ -353,18 +336,27 @@ def read_plan(path: str | os.PathLike, pull: Callable[[str], None] | None = None
     return Plan.from_json(json.loads(path.read_text(encoding="utf-8")), path.parent, pull)
 
 
+LIST_WRITERS = 8  # lists written at once: their fsyncs (a bucket's uploads) overlap instead of queueing
+
+
 def write_unit_lists(plan: Plan, folder: Path, write: Callable[[str, bytes], Path]) -> None:
     """Write each unit's list that ``folder`` (the state folder) does not hold yet through ``write(relative, data)``
     (atomic, links refused), and read the units from there after. A unit whose list is ``folder``'s already and
     that was not loaded is not written again: a resume or an append writes only its new units' lists."""
-    for unit in plan.units:
-        relative = contract.plan_unit_path(unit.unit)
-        target = folder / relative
-        if unit._ids is None and unit._path is not None and unit._path == target:
-            continue
-        path = write(relative, list_bytes(unit.entries()))
-        if unit._ids is None:
-            unit._path, unit._staging = path, None
+    pending = [unit for unit in plan.units
+               if unit._ids is not None or unit._path != folder / contract.plan_unit_path(unit.unit)]
+
+    def write_one(unit: UnitPlan) -> Path:
+        # A list planned into a staging folder is copied as it is; one in memory (old plan.json, tests) encoded.
+        data = unit._list_file().read_bytes() if unit._ids is None else list_bytes(unit.entries())
+        return write(contract.plan_unit_path(unit.unit), data)
+
+    with ThreadPoolExecutor(LIST_WRITERS) as pool:
+        for start in range(0, len(pending), 64 * LIST_WRITERS):  # a bounded number of writes in flight
+            batch = pending[start:start + 64 * LIST_WRITERS]
+            for unit, path in zip(batch, pool.map(write_one, batch)):
+                if unit._ids is None:
+                    unit._path, unit._staging, unit._pull = path, None, None
 
 
 def write_plan(path: str | os.PathLike, plan: Plan) -> Path:

@@ -8,30 +8,38 @@ A list is JSON lines, one sample a line in the unit's order: ``"id"``, or ``["id
 locator. Planning writes each list as its unit fills, into a staging folder of its own (the output is chosen only
 after the plan, by the verify phase); writing the plan to an output copies the lists there, then plan.json.
 
-Dedup and "is this id planned already" (appends to a grown source, retried rejects) go through ``IdIndex``, an
-SQLite table on disk in the staging folder: its memory is its page cache, whatever the number of ids.
+Dedup and "is this id planned already" (appends to a grown source, retried rejects) go through ``ListingIndex``:
+the ids cut into parts on disk by a hash, each part checked alone, never a set of every id.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
+import marshal
+import re
 import shutil
-import sqlite3
 import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from diffprep import contract
 
 Entry = tuple[str, Any]  # a sample id and its locator (None: the source has nothing better than the id)
 
 
+# An id that JSON writes as it is, between quotes (printable ASCII but ``"`` and ``\``): json.dumps's own output,
+# without its cost, for the ids of nearly every source.
+_PLAIN = re.compile(r'[ !#-\[\]-~]*')
+
+
 def entry_line(sid: str, at: Any) -> str:
     """One sample's line of a unit list."""
     if at is None:
-        return json.dumps(sid)
+        return f'"{sid}"' if _PLAIN.fullmatch(sid) else json.dumps(sid)
     return json.dumps([sid, at], separators=(",", ":"))
 
 
@@ -44,19 +52,14 @@ def read_entries(path: Path) -> Iterator[Entry]:
     """The entries of a unit list, streamed from its file."""
     with open(path, encoding="utf-8") as handle:
         for line in handle:
+            if line[0] == '"' and "\\" not in line:  # a plain id: the text between its quotes
+                yield line[1:-2], None
+                continue
             value = json.loads(line)
             if isinstance(value, str):
                 yield value, None
             else:
                 yield value[0], value[1]
-
-
-def as_entry(item: str | Entry | list) -> Entry:
-    """A listing's item (an id from ``list_ids``, or ``(id, at)`` from ``list_entries``) as an entry."""
-    if isinstance(item, str):
-        return item, None
-    sid, at = item
-    return sid, at
 
 
 class Staging:
@@ -78,56 +81,116 @@ class Staging:
         return path
 
 
-# An id's state in the index.
-PLANNED, PLANNED_SEEN, NEW = 1, 2, 3
+class ListingIndex:
+    """The listing and the ids an earlier plan holds, cut by a hash of the id into parts on disk: which listed ids
+    are new, which are listed twice, which planned ids the listing no longer holds, answered one part at a time
+    (``classify``). Memory: a part's ids (``PARTS`` of them in all) and one bit per listed sample, whatever the
+    order of the listing (an index keyed by id, an SQLite table, slows down once it outgrows its cache: the
+    listing's ids come in no order the index could use).
 
+    The listing itself (ids and locators) is kept in listing order in a file of its own, read again once the new
+    ids are known (``new_entries``).
+    """
 
-class IdIndex:
-    """The ids a plan holds, on disk (SQLite, keyed by id): which are planned already, which the listing showed
-    again, which it added. Lookups go by chunks of ids (one query each), not one query per id."""
+    PARTS = 256
+    SPILL = 200_000  # ids held before they are written to their parts' files
 
-    CACHE_KIB = 32 * 1024  # the page cache's bound: the index's memory whatever its size
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.count = 0  # samples listed
+        self._parts: list[list[tuple[str, int]]] = [[] for _ in range(self.PARTS)]
+        self._held = 0
+        self._spilled = False
+        self._listing_path = folder / "listing.marshal"
+        self._listing = open(self._listing_path, "wb")
+        self._new = bytearray()
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.db = sqlite3.connect(path, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=OFF")
-        self.db.execute("PRAGMA synchronous=OFF")
-        self.db.execute(f"PRAGMA cache_size=-{self.CACHE_KIB}")
-        self.db.execute("PRAGMA temp_store=FILE")
-        self.db.execute("CREATE TABLE ids (id TEXT PRIMARY KEY, state INTEGER NOT NULL) WITHOUT ROWID")
-        self.db.execute("BEGIN")
+    def planned(self, ids: Iterable[str]) -> None:
+        """Ids of an earlier plan (a retried id is in two units: counted once)."""
+        self._put([(sid, -1) for sid in ids])
 
-    def add_planned(self, ids: list[str]) -> None:
-        """Ids of an earlier plan (a retried id is in two units: kept once)."""
-        self.db.execute("INSERT OR IGNORE INTO ids SELECT value, ? FROM json_each(?)", (PLANNED, json.dumps(ids)))
+    def listed(self, entries: list[Entry]) -> None:
+        """The next entries of the listing, in its order."""
+        if not entries:
+            return
+        _dump(entries, self._listing)
+        start, self.count = self.count, self.count + len(entries)
+        self._put([(sid, position) for position, (sid, _) in enumerate(entries, start)])
 
-    def states(self, ids: list[str]) -> dict[str, int]:
-        """The known ids among ``ids`` and their states."""
-        rows = self.db.execute("SELECT id, state FROM ids WHERE id IN (SELECT value FROM json_each(?))",
-                               (json.dumps(ids),))
-        return dict(rows)
+    def _put(self, items: list[tuple[str, int]]) -> None:
+        parts, count = self._parts, self.PARTS
+        for item in items:
+            parts[hash(item[0]) % count].append(item)
+        self._held += len(items)
+        if self._held >= self.SPILL:
+            self._spill()
 
-    def seen(self, ids: list[str]) -> None:
-        """Planned ids the listing holds still."""
-        if ids:
-            self.db.execute("UPDATE ids SET state = ? WHERE id IN (SELECT value FROM json_each(?))",
-                            (PLANNED_SEEN, json.dumps(ids)))
+    def _spill(self) -> None:
+        for number, part in enumerate(self._parts):
+            if part:
+                with open(self.folder / f"part-{number:03d}.marshal", "ab") as handle:
+                    _dump(part, handle)
+                part.clear()
+        self._held, self._spilled = 0, True
 
-    def add_new(self, ids: list[str]) -> None:
-        if ids:
-            self.db.execute("INSERT INTO ids SELECT value, ? FROM json_each(?)", (NEW, json.dumps(ids)))
+    def _part(self, number: int) -> Iterator[tuple[str, int]]:
+        path = self.folder / f"part-{number:03d}.marshal"
+        if self._spilled and path.is_file():
+            yield from _marshalled(path)
+        yield from self._parts[number]
 
-    def missing(self, preview: int) -> tuple[list[str], int]:
-        """Planned ids the listing no longer holds: the first ``preview`` in sorted order, and their count."""
-        first = [row[0] for row in self.db.execute("SELECT id FROM ids WHERE state = ? ORDER BY id LIMIT ?",
-                                                   (PLANNED, preview))]
-        (count,) = self.db.execute("SELECT count(*) FROM ids WHERE state = ?", (PLANNED,)).fetchone()
+    def classify(self, preview: int) -> tuple[list[str], int]:
+        """Mark the new ids (``ValueError`` for an id listed twice); returns the planned ids no longer listed: the
+        first ``preview`` in sorted order, and their count."""
+        self._listing.close()
+        self._new = bytearray((self.count + 7) // 8)
+        first: list[str] = []
+        count = 0
+        for number in range(self.PARTS):
+            planned: dict[str, bool] = {}  # planned id -> listed still
+            listed: set[str] = set()
+            for sid, position in self._part(number):
+                if position < 0:
+                    planned[sid] = False
+                elif sid in planned:
+                    planned[sid] = True
+                elif sid in listed:
+                    raise ValueError(f"the source listed the sample id {sid!r} twice; source ids must be unique")
+                else:
+                    listed.add(sid)
+                    self._new[position >> 3] |= 1 << (position & 7)
+            gone = [sid for sid, still in planned.items() if not still]
+            count += len(gone)
+            first = heapq.nsmallest(preview, itertools.chain(first, gone))
+            self._parts[number] = []
         return first, count
 
+    def new_entries(self) -> Iterator[Entry]:
+        """The new samples (``classify``), in listing order, with their locators."""
+        position = 0
+        for entry in _marshalled(self._listing_path):
+            if self._new[position >> 3] & (1 << (position & 7)):
+                yield entry
+            position += 1
+
     def close(self) -> None:
-        self.db.close()
-        self.path.unlink(missing_ok=True)
+        self._listing.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
-__all__ = ["Entry", "IdIndex", "Staging", "as_entry", "entry_line", "list_bytes", "read_entries"]
+def _dump(items: list, handle: BinaryIO) -> None:
+    """A list of the process's own scratch (str, int, JSON-like locators) as one length-prefixed record."""
+    data = marshal.dumps(items)
+    handle.write(len(data).to_bytes(8, "little") + data)
+
+
+def _marshalled(path: Path) -> Iterator[Any]:
+    """The items of the records ``_dump`` wrote to ``path``, one record in memory at a time (a record is read whole:
+    ``marshal.load`` on a file reads it a few bytes at a time)."""
+    with open(path, "rb") as handle:
+        while header := handle.read(8):
+            yield from marshal.loads(handle.read(int.from_bytes(header, "little")))
+
+
+__all__ = ["Entry", "ListingIndex", "Staging", "entry_line", "list_bytes", "read_entries"]
