@@ -4,6 +4,11 @@ The fingerprint covers what changes the bytes of a shard (encoders and their
 configs, precision, image sizing, T5 length, latent mode, shard size, key
 format), not the source listing: a source that grew keeps every planned unit
 as it is and gets new units for its new samples only.
+
+plan.json describes units, not samples: each unit's sample ids (and the
+source's locator of each) are in a file of their own beside it
+(``unit_lists``), read by the unit that needs them; counts come from
+plan.json. Planning reads the listing once with bounded memory.
 """
 
 from __future__ import annotations
