@@ -463,3 +463,25 @@ def test_an_output_with_an_old_plan_json_resumes_and_appends(settings_for, tiny_
     assert "source_ids" not in plan_path(out).read_text()  # converted: the lists in files of their own
     assert sorted(p.name for p in (out / contract.STATE_DIR / contract.PLAN_UNITS_DIR).iterdir()) == [
         f"{unit:06d}.jsonl" for unit in range(4)]
+
+
+def test_buckets_are_asked_a_chunk_of_new_ids_at_a_time(monkeypatch) -> None:
+    """A bucketing run probes its new ids in chunks (retried ids first), never its whole listing at once; the units
+    are those that asking one id at a time gives."""
+    from diffprep.writer import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "LISTING_CHUNK", 3)
+    buckets = {f"n{i}": ("a" if i % 3 else "b") for i in range(8)}
+    first, _, _ = plan_units(["p0", "p1"], shard_size=2)
+    asked: list[list[str]] = []
+
+    def buckets_of(batch: list[str]) -> dict[str, str]:
+        asked.append(batch)
+        return {sid: buckets.get(sid, "b") for sid in batch}
+
+    units, _, _ = plan_units(["p0", "p1", *buckets], shard_size=2, previous=make_plan(first), retry=["p1"],
+                             buckets_of=buckets_of, max_samples=8)
+    assert asked == [["p1", "n0", "n1"], ["n2", "n3", "n4"], ["n5"]]  # the limit: 2 planned + 6 new
+    one_at_a_time, _, _ = plan_units(["p0", "p1", *buckets], shard_size=2, previous=make_plan(first), retry=["p1"],
+                                     bucket_of=lambda sid: buckets.get(sid, "b"), max_samples=8)
+    assert [(u.source_ids, u.bucket) for u in units] == [(u.source_ids, u.bucket) for u in one_at_a_time]

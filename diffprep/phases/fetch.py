@@ -62,9 +62,9 @@ def fetch(
         long = plan_long_videos(source, planned_spec(byte), previous,
                                 output.state.manifests() if previous is not None else {},
                                 workers=settings.image.decode_workers)
-        ids, bucket_of, retry = long.ids, long.bucket_of, long.retry
+        ids, bucket_of, retry, buckets_of = long.ids, long.bucket_of, long.retry, None
     else:
-        ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
+        ids, bucket_of, buckets_of = listing(source), None, _bucketed(settings, encoding, source, byte)
     units, missing, missing_count = plan_units(
         ids,
         shard_size=settings.output.shard_size,
@@ -72,6 +72,7 @@ def fetch(
         previous=previous,
         bucket_of=bucket_of,
         retry=retry,
+        buckets_of=buckets_of,
     )
     retried = dict(previous.retried) if previous is not None else {}
     first_new = len(previous.units) if previous is not None else 0
@@ -160,20 +161,10 @@ def listing(source: Source) -> Iterable[str | tuple[str, object]]:
     return list_entries() if list_entries is not None else source.list_ids()
 
 
-def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict,
-              retry: list[str]) -> tuple[Iterable[str | tuple[str, object]], Callable[[str], str | None] | None]:
-    """The source's listing, and for a bucketing encoding (video) the bucket of each id the plan will add."""
-    items = listing(source)
+def _bucketed(settings: Settings, encoding: str, source: Source, byte: dict
+              ) -> Callable[[list[str]], dict[str, str | None]] | None:
+    """For a bucketing encoding (images in buckets, video, audio): the bucket of each of a batch of new ids, from
+    their headers (``plan_units`` asks a chunk at a time, so no listing is held); None for the others."""
     if not get_encoding(encoding).bucketed(byte):
-        return items, None
-    # Video: the new ids are probed for their buckets before they are planned, so this listing is held (a clip
-    # costs a probe that outweighs its id; the plan itself holds no id).
-    items = list(items)
-    planned = {sid for unit in previous.units for sid, _ in unit.entries()} if previous else set()
-    new = [item if isinstance(item, str) else item[0] for item in items]
-    new = [sid for sid in new if sid not in planned]
-    if settings.output.max_samples is not None:
-        new = new[:max(0, settings.output.max_samples - len(planned))]
-    new = retry + new
-    buckets = get_encoding(encoding).probe_buckets(settings, source, new, byte)
-    return items, buckets.get
+        return None
+    return lambda ids: get_encoding(encoding).probe_buckets(settings, source, ids, byte)

@@ -18,7 +18,7 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -260,6 +260,7 @@ def plan_units(
     previous: Plan | None = None,
     bucket_of: Callable[[str], str | None] | None = None,
     retry: Iterable[str] = (),
+    buckets_of: Callable[[list[str]], Mapping[str, str | None]] | None = None,
 ) -> tuple[list[UnitPlan], list[str], int]:
     """Cut the source listing into units, with bounded memory.
 
@@ -275,6 +276,8 @@ def plan_units(
     source order, and an id with no bucket (it cannot be read; the encode phase
     records why) goes to units of their own. ``retry``: planned ids (rejected,
     their inputs changed since) planned again, in new units before the new ids.
+    ``buckets_of``: ``bucket_of`` for a batch of new ids at once (a probe of
+    their files on many threads), asked ``LISTING_CHUNK`` ids at a time.
     Returns the units, a preview of
     planned ids that disappeared from the source, and their count.
     """
@@ -303,21 +306,31 @@ def plan_units(
                                   staging=staging))
             next_unit += 1
 
-        def add(sid: str, at: Any) -> None:
-            bucket = bucket_of(sid) if bucket_of is not None else None
+        def add(sid: str, at: Any, bucket: str | None) -> None:
             current = groups.setdefault(bucket, [])
             current.append((sid, at))
             if len(current) == shard_size:
                 close(bucket, current)
                 current.clear()
 
-        for sid in retry:
-            add(sid, None)  # its locator is not known here: the source looks it up
-        for sid, at in index.new_entries():
-            if max_samples is not None and total >= max_samples:
-                break
-            add(sid, at)
-            total += 1
+        def to_plan() -> Iterator[Entry]:  # the retried ids (their locators are looked up), then the new ones
+            nonlocal total
+            yield from ((sid, None) for sid in retry)
+            for entry in index.new_entries():
+                if max_samples is not None and total >= max_samples:
+                    return
+                yield entry
+                total += 1
+
+        if buckets_of is None:
+            for sid, at in to_plan():
+                add(sid, at, bucket_of(sid) if bucket_of is not None else None)
+        else:
+            entries = to_plan()
+            while chunk := list(itertools.islice(entries, LISTING_CHUNK)):
+                found = buckets_of([sid for sid, _ in chunk])
+                for sid, at in chunk:
+                    add(sid, at, found.get(sid))
         for bucket, current in groups.items():  # the partly filled units, in order of their buckets' first sample
             if current:
                 close(bucket, current)
