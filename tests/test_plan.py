@@ -10,6 +10,8 @@ import pytest
 from diffprep import contract
 from diffprep.writer.plan import MISSING_PREVIEW, Plan, UnitPlan, fingerprint, plan_path, plan_units, read_plan, write_plan
 
+BUCKET = "diffprep-plan"  # created by the admin fixture (conftest.py), for the bucket output's test
+
 
 def ids(n: int, prefix: str = "s") -> list[str]:
     return [f"{prefix}{i:03d}" for i in range(n)]
@@ -485,3 +487,26 @@ def test_buckets_are_asked_a_chunk_of_new_ids_at_a_time(monkeypatch) -> None:
     one_at_a_time, _, _ = plan_units(["p0", "p1", *buckets], shard_size=2, previous=make_plan(first), retry=["p1"],
                                      bucket_of=lambda sid: buckets.get(sid, "b"), max_samples=8)
     assert [(u.source_ids, u.bucket) for u in units] == [(u.source_ids, u.bucket) for u in one_at_a_time]
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_bucket_output_downloads_only_the_lists_of_the_units_read(admin, proxy) -> None:
+    import shutil
+    import uuid
+
+    from diffprep.output import open_output
+
+    url = f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}"
+    output = open_output(url, endpoint_url=proxy.url)
+    units, _, _ = plan_units(ids(10), shard_size=4)
+    output.state.write_plan(make_plan(units))
+    shutil.rmtree(output.local / contract.STATE_DIR)  # another machine: nothing staged
+    proxy.reset()
+
+    plan = open_output(url, endpoint_url=proxy.url).state.plan()
+    assert plan.total_samples == 10 and plan.unit(1).source_ids == ["s004", "s005", "s006", "s007"]
+
+    key = url.removeprefix("s3://") + f"/{contract.STATE_DIR}/"
+    fetched = sorted(r.path.removeprefix("/" + key) for r in proxy.log if r.method == "GET" and r.path.startswith(
+        "/" + key))
+    assert fetched == [contract.PLAN_JSON, contract.plan_unit_path(1)]
