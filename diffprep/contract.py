@@ -194,6 +194,8 @@ SPLITS = ("train", "val", "test")
 STATE_DIR = ".diffprep"
 PLAN_JSON = "plan.json"
 UNITS_DIR = "units"
+# Each planned unit's sample ids (and their locators), one JSON-lines file per unit: plan.json holds units only.
+PLAN_UNITS_DIR = "plan_units"
 UNIT_STATS_DIR = "unit_stats"  # --full-cov: each unit's latent moments (NNNNNN.pt), written before its manifest
 TMP_DIR = "tmp"
 AUDIT_JSON = "audit.json"
@@ -268,6 +270,11 @@ def unit_manifest_name(unit: int) -> str:
 def unit_manifest_path(unit: int) -> str:
     """A unit's manifest, relative to the output: ``.diffprep/units/000042.json``."""
     return f"{STATE_DIR}/{UNITS_DIR}/{unit_manifest_name(unit)}"
+
+
+def plan_unit_path(unit: int) -> str:
+    """A unit's sample list, relative to the state folder: ``plan_units/000042.jsonl``."""
+    return f"{PLAN_UNITS_DIR}/{unit:06d}.jsonl"
 
 
 def lock_file_name(shard: int | None = None) -> str:

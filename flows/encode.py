@@ -133,7 +133,7 @@ class ArtifactEvents(Events):
         self.log("planned %d samples in %d units (fingerprint %s), %d to encode", plan.total_samples,
                  len(plan.units), plan.fingerprint, len(units_left))
         left = set(units_left)
-        rows = [{"unit": u.unit, "shard": u.shard, "samples": len(u.source_ids), "to encode": u.unit in left}
+        rows = [{"unit": u.unit, "shard": u.shard, "samples": u.count, "to encode": u.unit in left}
                 for u in plan.units[:500]]
         self.publish(TableArtifact(key=f"plan-{slug(output.uri)}", table=rows,
                                    description=f"{plan.total_samples} samples in {len(plan.units)} units, "

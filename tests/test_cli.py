@@ -162,13 +162,13 @@ def test_max_samples_and_appends_keep_planned_units(prefect_server, tmp_path, ti
     out = tmp_path / "out"
     assert main(_encode_args(data, tiny_model, out, "--no-finalize", "--max-samples", "5")) == 0
     plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
-    assert [len(u["source_ids"]) for u in plan["units"]] == [4, 1]
+    assert [u["count"] for u in plan["units"]] == [4, 1]
     first = _hashes(out)
 
     write_demo_dataset(data, samples=10)  # the source grows (same first 6 files)
     assert main(_encode_args(data, tiny_model, out, "--no-finalize")) == 0
     plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
-    assert [len(u["source_ids"]) for u in plan["units"]] == [4, 1, 4, 1]
+    assert [u["count"] for u in plan["units"]] == [4, 1, 4, 1]
     after = _hashes(out)
     assert {k: after[k] for k in first} == first
 

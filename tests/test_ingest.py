@@ -358,9 +358,10 @@ def test_datasets_resume_grow_and_keep_their_splits(mlperf, tmp_path, capsys):
     config = _datasets_config(mlperf, tmp_path, {"cc12m": ([0, 1], "train"), "coco": ([2], "val")})
     reference = tmp_path / "reference"
     assert main(_config_args(config, reference)) == 0
-    plan = json.loads((reference / contract.STATE_DIR / contract.PLAN_JSON).read_text())
-    assert [u["source_ids"] for u in plan["units"]] == [["cc12m/data-00000.arrow"], ["cc12m/data-00001.arrow"],
-                                                         ["coco/data-00002.arrow"]]
+    from diffprep.writer.plan import read_plan
+
+    assert [u.source_ids for u in read_plan(reference).units] == [["cc12m/data-00000.arrow"],
+                                                                  ["cc12m/data-00001.arrow"], ["coco/data-00002.arrow"]]
     assert read_split_yaml(reference) == {"000000.tar": "train", "000001.tar": "train", "000002.tar": "val"}
     audit = json.loads((reference / contract.STATE_DIR / contract.AUDIT_JSON).read_text())
     assert audit["rejected_ids"][0]["source_id"] == "cc12m/data-00001.arrow#2"

@@ -446,7 +446,9 @@ def test_t2a_end_to_end_in_energon_shards_rejects_and_decode(tiny_ltx2, tmp_path
     plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
     assert plan["encoding"] == "ltx2_audio" and plan["settings"]["audio"]["durations"] == ["2s", "4s"]
     assert plan["source"]["audio_key"] == "audio" and "video" not in plan["settings"]
-    buckets = {sid: unit.get("bucket") for unit in plan["units"] for sid in unit["source_ids"]}
+    from diffprep.writer.plan import read_plan
+
+    buckets = {sid: unit.bucket for unit in read_plan(out).units for sid in unit.source_ids}
     assert buckets == {"sounds/a.wav": "2s", "d.m4a": "2s", "sounds/b.flac": "4s", "c.mp3": "4s",
                        "short.wav": None, "broken.m4a": None, "silent.mp4": None}
     dataset_yaml = (out / contract.NV_META / "dataset.yaml").read_text()

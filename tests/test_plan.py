@@ -10,6 +10,8 @@ import pytest
 from diffprep import contract
 from diffprep.writer.plan import MISSING_PREVIEW, Plan, UnitPlan, fingerprint, plan_path, plan_units, read_plan, write_plan
 
+BUCKET = "diffprep-plan"  # created by the admin fixture (conftest.py), for the bucket output's test
+
 
 def ids(n: int, prefix: str = "s") -> list[str]:
     return [f"{prefix}{i:03d}" for i in range(n)]
@@ -89,7 +91,7 @@ def test_append_keeps_previous_units_and_plans_new_ids_only() -> None:
         (2, ["s006", "s007", "s008", "s009"]),
         (3, ["s010"]),
     ]
-    assert json.dumps([u.__dict__ for u in units[:2]]) == json.dumps([u.__dict__ for u in first])
+    assert [u.to_json() for u in units[:2]] == [u.to_json() for u in first] and units[:2] == first
     assert (missing, missing_count) == ([], 0)
     assert json.dumps(previous.to_json(), sort_keys=True) == before  # the previous plan is not modified
 
@@ -304,3 +306,207 @@ def test_retried_rejects_go_to_new_units_and_old_units_stay() -> None:
     retried = make_plan(units, retried={"s001": 2, "s005": 2}, retrying=2)
     again = Plan.from_json(json.loads(json.dumps(retried.to_json())))
     assert again.retried == {"s001": 2, "s005": 2} and again.superseded(0, "s001") and not again.superseded(2, "s001")
+
+
+# Each unit's sample list in a file of its own (issue 37): plan.json holds units, not samples
+
+
+def test_plan_json_holds_units_and_each_list_its_samples_with_their_locators(tmp_path: Path) -> None:
+    listing = [(f"row{i}", {"offset": 10 * i}) for i in range(5)] + [("odd \"name\" é", [3, 512])]
+    units, _, _ = plan_units(listing, shard_size=4)
+    path = write_plan(tmp_path / "out", make_plan(units))
+
+    data = json.loads(path.read_text())
+    assert data["units"] == [{"unit": 0, "count": 4, "file": "plan_units/000000.jsonl"},
+                             {"unit": 1, "count": 2, "file": "plan_units/000001.jsonl"}]
+    assert "row0" not in path.read_text()
+    assert (path.parent / "plan_units" / "000001.jsonl").read_text(encoding="utf-8") == (
+        '["row4",{"offset":40}]\n["odd \\"name\\" \\u00e9",[3,512]]\n')
+    loaded = read_plan(tmp_path / "out")
+    assert loaded.total_samples == 6 and [u.count for u in loaded.units] == [4, 2]
+    assert loaded.units[1].source_ids == ["row4", "odd \"name\" é"]
+    assert loaded.units[1].positions == [{"offset": 40}, [3, 512]]
+    assert loaded == make_plan(units)
+    # A source that gives no locators (list_ids): no positions, and each line is the id alone.
+    plain, _, _ = plan_units(["a", "b"], shard_size=4)
+    assert plain[0].positions is None and list(plain[0].entries()) == [("a", None), ("b", None)]
+
+
+def test_a_unit_list_is_written_as_the_unit_fills(tmp_path: Path, monkeypatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    written: dict[str, list[str]] = {}
+
+    def bucket_of(sid: str) -> None:  # called as each new id is planned, in listing order
+        written[sid] = sorted(p.name for p in tmp_path.glob("diffprep-plan-*/plan_units/*.jsonl"))
+
+    units, _, _ = plan_units(ids(12), shard_size=4, bucket_of=bucket_of)
+    assert written["s008"] == ["000000.jsonl", "000001.jsonl"]  # the two full units, before the third is planned
+    assert [u.count for u in units] == [4, 4, 4]
+    del units
+    assert not list(tmp_path.glob("diffprep-plan-*"))  # the staging folder goes with the last unit planned into it
+
+
+def test_planning_with_the_ids_spilled_to_parts_on_disk(monkeypatch) -> None:
+    """Dedup, appends, missing ids and the limit, with the ids written to 4 parts every 3 ids (256 and 200k in a
+    run) and each part checked alone."""
+    from diffprep.writer import plan as plan_module
+    from diffprep.writer.unit_lists import ListingIndex
+
+    monkeypatch.setattr(ListingIndex, "PARTS", 4)
+    monkeypatch.setattr(ListingIndex, "SPILL", 3)
+    monkeypatch.setattr(plan_module, "LISTING_CHUNK", 2)
+    with pytest.raises(ValueError, match=r"'s001' twice"):
+        plan_units(["s000", "s001", "s002", "s003", "s004", "s001"], shard_size=4)
+    with pytest.raises(ValueError, match=r"'s005' twice"):
+        plan_units(["s005", "s005"], shard_size=4)
+    first, _, _ = plan_units(ids(6), shard_size=4)
+    listing = [sid for sid in ids(11) if sid not in ("s001", "s004")] + ["s000"]  # a planned id listed twice: fine
+    units, missing, missing_count = plan_units(listing, shard_size=4, previous=make_plan(first), retry=["s003"])
+    assert as_pairs(units) == [(0, ids(4)), (1, ["s004", "s005"]), (2, ["s003", "s006", "s007", "s008"]),
+                               (3, ["s009", "s010"])]
+    assert (missing, missing_count) == (["s001", "s004"], 2)
+    limited, _, _ = plan_units(ids(20), shard_size=4, max_samples=9, previous=make_plan(first))
+    assert sum(u.count for u in limited) == 9
+
+
+def test_a_resume_writes_only_the_lists_of_new_units(tmp_path: Path) -> None:
+    from diffprep.output import Output
+
+    output = Output(tmp_path / "out")
+    first, _, _ = plan_units(ids(6), shard_size=4)
+    output.state.write_plan(make_plan(first))
+    lists = output.state.root / contract.PLAN_UNITS_DIR
+    before = {p.name: p.stat().st_ino for p in lists.iterdir()}
+
+    previous = output.state.plan()
+    units, _, _ = plan_units(ids(9), shard_size=4, previous=previous)
+    output.state.write_plan(make_plan(units))
+
+    after = {p.name: p.stat().st_ino for p in lists.iterdir()}
+    assert {name: after[name] for name in before} == before  # not rewritten
+    assert sorted(after) == ["000000.jsonl", "000001.jsonl", "000002.jsonl"]
+    assert as_pairs(output.state.plan().units) == [(0, ids(4)), (1, ["s004", "s005"]), (2, ["s006", "s007", "s008"])]
+
+
+def test_a_broken_state_folder_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    from diffprep.errors import DiffprepError, LinkInOutputError
+
+    units, _, _ = plan_units(ids(6), shard_size=4)
+    path = write_plan(tmp_path / "out", make_plan(units))
+    (path.parent / "plan_units" / "000001.jsonl").unlink()
+    plan = read_plan(tmp_path / "out")
+    assert plan.total_samples == 6  # plan.json alone answers counts
+    with pytest.raises(DiffprepError, match=r"unit 1's sample list .* is missing.*--on-existing new-dir"):
+        plan.unit(1).source_ids
+    (path.parent / "plan_units" / "000000.jsonl").write_text('"s000"\n')
+    with pytest.raises(DiffprepError, match="holds 1 samples, plan.json plans 4"):
+        read_plan(tmp_path / "out").unit(0).source_ids
+    data = json.loads(path.read_text())
+    data["units"][0]["file"] = "../../elsewhere.jsonl"
+    path.write_text(json.dumps(data))
+    with pytest.raises(DiffprepError, match="not written by diffprep"):
+        read_plan(tmp_path / "out")
+    # A link where a list goes: nothing is written through it.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "linked" / contract.STATE_DIR).mkdir(parents=True)
+    (tmp_path / "linked" / contract.STATE_DIR / contract.PLAN_UNITS_DIR).symlink_to(elsewhere)
+    with pytest.raises(LinkInOutputError):
+        write_plan(tmp_path / "linked", make_plan(plan_units(ids(2), shard_size=4)[0]))
+    assert not list(elsewhere.iterdir())
+
+
+def old_form(out: Path) -> None:
+    """Rewrite an output's plan as versions before issue 37 wrote it: every unit's ids inline, no lists."""
+    import shutil
+
+    path = plan_path(out)
+    data = json.loads(path.read_text())
+    plan = read_plan(out)
+    data["units"] = [{"unit": u.unit, "source_ids": u.source_ids, **({"bucket": u.bucket} if u.bucket else {})}
+                     for u in plan.units]
+    shutil.rmtree(path.parent / contract.PLAN_UNITS_DIR)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def test_a_plan_json_of_an_earlier_version_is_read_and_converted(tmp_path: Path) -> None:
+    units, _, _ = plan_units(ids(6), shard_size=4)
+    write_plan(tmp_path / "out", make_plan(units))
+    old_form(tmp_path / "out")
+    old = read_plan(tmp_path / "out")
+    assert as_pairs(old.units) == [(0, ids(4)), (1, ["s004", "s005"])] and old.total_samples == 6
+
+    grown, _, _ = plan_units(ids(8), shard_size=4, previous=old)
+    write_plan(tmp_path / "out", make_plan(grown))
+    assert "source_ids" not in plan_path(tmp_path / "out").read_text()
+    assert as_pairs(read_plan(tmp_path / "out").units) == [(0, ids(4)), (1, ["s004", "s005"]), (2, ["s006", "s007"])]
+
+
+def test_an_output_with_an_old_plan_json_resumes_and_appends(settings_for, tiny_model, demo_data, tmp_path) -> None:
+    from diffprep.phases.pipeline import run
+
+    out = tmp_path / "out"
+    settings = settings_for(out, demo_data, tiny_model, output={"shard_size": 5})
+    first = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked"))
+    shards = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    planned = as_pairs(read_plan(out).units)
+    old_form(out)
+    images, captions = demo_data / "images", demo_data / "captions"
+    (images / "zzz.png").write_bytes((images / "00001.png").read_bytes())
+    (captions / "zzz.txt").write_text("a new sample")
+
+    again = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked"))
+
+    assert (first.samples, again.action, again.samples) == (12, "resume", 13)
+    assert {name: (out / name).read_bytes() for name in shards} == shards  # old shards untouched
+    assert as_pairs(read_plan(out).units) == [*planned, (3, ["zzz.png"])]
+    assert "source_ids" not in plan_path(out).read_text()  # converted: the lists in files of their own
+    assert sorted(p.name for p in (out / contract.STATE_DIR / contract.PLAN_UNITS_DIR).iterdir()) == [
+        f"{unit:06d}.jsonl" for unit in range(4)]
+
+
+def test_buckets_are_asked_a_chunk_of_new_ids_at_a_time(monkeypatch) -> None:
+    """A bucketing run probes its new ids in chunks (retried ids first), never its whole listing at once; the units
+    are those that asking one id at a time gives."""
+    from diffprep.writer import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "LISTING_CHUNK", 3)
+    buckets = {f"n{i}": ("a" if i % 3 else "b") for i in range(8)}
+    first, _, _ = plan_units(["p0", "p1"], shard_size=2)
+    asked: list[list[str]] = []
+
+    def buckets_of(batch: list[str]) -> dict[str, str]:
+        asked.append(batch)
+        return {sid: buckets.get(sid, "b") for sid in batch}
+
+    units, _, _ = plan_units(["p0", "p1", *buckets], shard_size=2, previous=make_plan(first), retry=["p1"],
+                             buckets_of=buckets_of, max_samples=8)
+    assert asked == [["p1", "n0", "n1"], ["n2", "n3", "n4"], ["n5"]]  # the limit: 2 planned + 6 new
+    one_at_a_time, _, _ = plan_units(["p0", "p1", *buckets], shard_size=2, previous=make_plan(first), retry=["p1"],
+                                     bucket_of=lambda sid: buckets.get(sid, "b"), max_samples=8)
+    assert [(u.source_ids, u.bucket) for u in units] == [(u.source_ids, u.bucket) for u in one_at_a_time]
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_bucket_output_downloads_only_the_lists_of_the_units_read(admin, proxy) -> None:
+    import shutil
+    import uuid
+
+    from diffprep.output import open_output
+
+    url = f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}"
+    output = open_output(url, endpoint_url=proxy.url)
+    units, _, _ = plan_units(ids(10), shard_size=4)
+    output.state.write_plan(make_plan(units))
+    shutil.rmtree(output.local / contract.STATE_DIR)  # another machine: nothing staged
+    proxy.reset()
+
+    plan = open_output(url, endpoint_url=proxy.url).state.plan()
+    assert plan.total_samples == 10 and plan.unit(1).source_ids == ["s004", "s005", "s006", "s007"]
+
+    key = url.removeprefix("s3://") + f"/{contract.STATE_DIR}/"
+    fetched = sorted(r.path.removeprefix("/" + key) for r in proxy.log if r.method == "GET" and r.path.startswith(
+        "/" + key))
+    assert fetched == [contract.PLAN_JSON, contract.plan_unit_path(1)]

@@ -296,9 +296,10 @@ def test_primus_ingest_config_runs(mlcommons, tmp_path: Path, monkeypatch: pytes
     out = tmp_path / "data" / "mlperf_flux1"
 
     # One unit per file across the datasets, in the config's order: cc12m's two, then coco's one.
-    plan = json.loads((out / contract.STATE_DIR / contract.PLAN_JSON).read_text())
-    assert [u["source_ids"] for u in plan["units"]] == [["cc12m/cc12m-0000.arrow"], ["cc12m/cc12m-0001.arrow"],
-                                                         ["coco/coco-0000.arrow"]]
+    from diffprep.writer.plan import read_plan
+
+    assert [u.source_ids for u in read_plan(out).units] == [["cc12m/cc12m-0000.arrow"], ["cc12m/cc12m-0001.arrow"],
+                                                            ["coco/coco-0000.arrow"]]
     assert read_split_yaml(out) == {"000000.tar": "train", "000001.tar": "train", "000002.tar": "val"}
     info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text())
     assert info["shard_counts"] == {"000000.tar": 3, "000001.tar": 2, "000002.tar": 2}

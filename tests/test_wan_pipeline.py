@@ -84,7 +84,7 @@ def test_clips_end_to_end_equal_diffusers_and_load_one_bucket_per_batch(tiny_wan
     assert result.validation["ok"]
 
     # One bucket per shard, as planned; the short clip in a unit of its own, named with its frame count.
-    assert [(len(u["source_ids"]), u.get("bucket")) for u in plan["units"]] == [
+    assert [(u["count"], u.get("bucket")) for u in plan["units"]] == [
         (2, "32x24x5"), (1, "32x24x5"), (1, "24x32x5"), (1, "24x24x5"), (1, None)]
     assert not (out / contract.shard_name(4)).exists()  # the short clip's unit: every sample rejected, no tar
     for unit in plan["units"][:4]:

@@ -197,7 +197,7 @@ def project_buckets(plan: Plan, left: set[int], *, measured: Any, samples: int, 
             continue
         name = unit.bucket or "unbucketed"
         entry = buckets.setdefault(name, {"samples": 0, "seconds": 0.0, "bytes": 0})
-        n = len(unit.source_ids)
+        n = unit.count
         entry["samples"] += n
         largest_unit[name] = max(largest_unit.get(name, 0), n)
         if unit.bucket:

@@ -175,6 +175,9 @@ class Output:
     def sync_manifests(self) -> None:
         """Make the working copy of the unit manifests equal to the output's."""
 
+    def pull_file(self, relative: str) -> None:
+        """Make the working copy of one file of the output (a unit's sample list) equal to the output's."""
+
     def publish_file(self, relative: str) -> None:
         """A file just written in the working folder, made part of the output (a bucket uploads it)."""
 

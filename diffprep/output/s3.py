@@ -231,6 +231,13 @@ class S3Output(Output):
         self._pull(objects, [n for n in objects if n.startswith(folder) and n.endswith(".json")],
                    self._staged_manifests())
 
+    def pull_file(self, relative: str) -> None:
+        """One HEAD (no listing: a unit task reads its own list), a download when the staged copy differs."""
+        head = self._head(relative)
+        if head is not None:
+            info = ObjectInfo(relative, head["ContentLength"], head.get("ETag", "").strip('"'))
+            self._pull({relative: info}, [relative], [])
+
     def _staged_manifests(self) -> list[Path]:
         units = self.local / contract.STATE_DIR / contract.UNITS_DIR
         return list(units.glob("*.json")) if units.is_dir() else []

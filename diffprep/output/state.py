@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from diffprep import contract
-from diffprep.writer.plan import Plan, read_plan
+from diffprep.writer.plan import Plan, read_plan, write_unit_lists
 from diffprep.writer.shards import UnitManifest, json_file_bytes, read_manifest, read_manifests
 
 
@@ -34,6 +34,8 @@ class StateOwner(Protocol):
     def sync_state(self) -> None: ...
 
     def sync_manifests(self) -> None: ...
+
+    def pull_file(self, relative: str) -> None: ...
 
     def writable(self, relative: str) -> Path: ...
 
@@ -92,8 +94,13 @@ class StateStore:
         return None if data is None else json.loads(data)
 
     def plan(self) -> Plan | None:
+        """plan.json; each unit's sample list is read when the unit is first used (a bucket's, downloaded then:
+        a worker fetches only its units' lists)."""
         self.ensure_current()
-        return read_plan(self.path(contract.PLAN_JSON))
+        return read_plan(self.path(contract.PLAN_JSON), pull=self._pull_state_file)
+
+    def _pull_state_file(self, relative: str) -> None:
+        self.output.pull_file(self._rel(relative))
 
     def manifests(self) -> dict[int, UnitManifest]:
         """Every unit manifest in the state, by unit (committed or not: see ``Output.committed_units``)."""
@@ -124,6 +131,9 @@ class StateStore:
         return self.write_bytes(relative, json_file_bytes(value))
 
     def write_plan(self, plan: Plan) -> Path:
+        """The units' sample lists this state does not hold yet (a resume's and an append's old ones stay as they
+        are), then plan.json, which names them."""
+        write_unit_lists(plan, self.root, self.write_bytes)
         return self.write_json(contract.PLAN_JSON, plan.to_json())
 
     @contextlib.contextmanager

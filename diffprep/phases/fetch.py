@@ -62,9 +62,9 @@ def fetch(
         long = plan_long_videos(source, planned_spec(byte), previous,
                                 output.state.manifests() if previous is not None else {},
                                 workers=settings.image.decode_workers)
-        ids, bucket_of, retry = long.ids, long.bucket_of, long.retry
+        ids, bucket_of, retry, buckets_of = long.ids, long.bucket_of, long.retry, None
     else:
-        ids, bucket_of = _bucketed(settings, encoding, source, previous, byte, retry)
+        ids, bucket_of, buckets_of = listing(source), None, _bucketed(settings, encoding, source, byte)
     units, missing, missing_count = plan_units(
         ids,
         shard_size=settings.output.shard_size,
@@ -72,11 +72,13 @@ def fetch(
         previous=previous,
         bucket_of=bucket_of,
         retry=retry,
+        buckets_of=buckets_of,
     )
     retried = dict(previous.retried) if previous is not None else {}
     first_new = len(previous.units) if previous is not None else 0
     again = set(retry)
-    retried |= {sid: unit.unit for unit in units[first_new:] for sid in unit.source_ids if sid in again}
+    if again:  # the new units' lists, streamed (none kept in memory) only when something was retried
+        retried |= {sid: unit.unit for unit in units[first_new:] for sid, _ in unit.entries() if sid in again}
     gone: dict[str, int] = {}
     if long is not None and long.resplit:
         gone = given_way(previous, units[first_new:], long.resplit, again)
@@ -152,17 +154,17 @@ def changed_inputs(output: Output, previous: Plan, source: Source) -> list[int]:
     return sorted(m.unit for m in manifests if any(changed(sid, stamp) for sid, stamp in m.stamps.items()))
 
 
-def _bucketed(settings: Settings, encoding: str, source: Source, previous: Plan | None, byte: dict,
-              retry: list[str]) -> tuple[Iterable[str], Callable[[str], str | None] | None]:
-    """The source's ids, and for a bucketing encoding (video) the bucket of each id the plan will add."""
-    ids: Iterable[str] = source.list_ids()
+def listing(source: Source) -> Iterable[str | tuple[str, object]]:
+    """The source's listing, read once: ``(id, at)`` pairs where the source gives each sample's locator
+    (``list_entries``: its unit then reads it without listing the source again), else its ids."""
+    list_entries = getattr(source, "list_entries", None)
+    return list_entries() if list_entries is not None else source.list_ids()
+
+
+def _bucketed(settings: Settings, encoding: str, source: Source, byte: dict
+              ) -> Callable[[list[str]], dict[str, str | None]] | None:
+    """For a bucketing encoding (images in buckets, video, audio): the bucket of each of a batch of new ids, from
+    their headers (``plan_units`` asks a chunk at a time, so no listing is held); None for the others."""
     if not get_encoding(encoding).bucketed(byte):
-        return ids, None
-    ids = list(ids)
-    planned = {sid for unit in previous.units for sid in unit.source_ids} if previous else set()
-    new = [sid for sid in ids if sid not in planned]
-    if settings.output.max_samples is not None:
-        new = new[:max(0, settings.output.max_samples - len(planned))]
-    new = retry + new
-    buckets = get_encoding(encoding).probe_buckets(settings, source, new, byte)
-    return ids, buckets.get
+        return None
+    return lambda ids: get_encoding(encoding).probe_buckets(settings, source, ids, byte)

@@ -186,7 +186,7 @@ def project_run(output: Output, plan: Plan, units_left: Sequence[int] | None, se
                 batch_size: int, workers: int) -> tuple[int, float, int]:
     """Samples left to write, the seconds they take at ``seconds`` per batch, and the free bytes of the output."""
     remaining_units = set(units_left) if units_left is not None else {u.unit for u in plan.units}
-    remaining = sum(len(u.source_ids) for u in plan.units if u.unit in remaining_units)
+    remaining = sum(u.count for u in plan.units if u.unit in remaining_units)
     projected_seconds = seconds * math.ceil(remaining / batch_size) / max(1, workers)
     return remaining, projected_seconds, shutil.disk_usage(output.local).free
 
