@@ -173,7 +173,10 @@ def test_a_run_opens_its_metadata_source_once_for_all_its_units(tmp_path: Path):
     assert result.samples == 40 and result.units == 8
     # The plan phase opens it, the sanity check and the 8 units share one: not one per unit.
     assert MetadataSource.opened - opened == 2
-    assert MetadataSource.indexed - indexed <= 1  # a plan without positions: its rows looked up by id, once
+    # The plan kept each row's offset (list_entries) with its unit: the units read their rows there, and no
+    # process built the index of every id.
+    assert MetadataSource.indexed - indexed == 0
+    assert all(unit.positions is not None and len(unit.positions) == 5 for unit in as_output(out).state.plan().units)
 
     # A unit task reads the plan once per process, and again only when plan.json is another file (a new plan).
     output = as_output(out)
