@@ -302,4 +302,4 @@ def test_a_tampered_shard_of_the_same_size_is_found_in_one_process_and_in_two(ou
     assert len(one.problems) == 1, one.problems
     assert one.problems[0].startswith("unit 000001: shard 000001.tar has sha256 ")
     assert "(same size): the shard changed after it was committed; re-encode that unit" in one.problems[0]
-    assert two.to_json() == one.to_json()
+    assert two.to_json() == one.to_json()  # read by two threads: the same report
