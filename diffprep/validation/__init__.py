@@ -2,7 +2,9 @@
 
 The checks (``checks.py``) are functions of an immutable description of the
 dataset (``dataset.py``); each returns its findings as ``Check``s, nothing is
-only logged. This module runs them in order and is the only one that writes:
+only logged. Every shard's headers, count and digest are checked; of its
+samples, one drawn from every shard is loaded and judged by default, every one
+with ``full`` (``loading.py``: in processes with ``workers``, the same report). This module runs them in order and is the only one that writes:
 ``.diffprep/validation.json``, and when every check passed the per-channel
 latent statistics (``.diffprep/latent_stats.pt``): the units' saved moments
 merged (with the full covariance after ``--full-cov``), checked against the
