@@ -144,6 +144,9 @@ def validate_dataset(
     if inspector is not None and checks and all(check.ok for check in checks):
         passed_checks, passed_summary, files = inspector.passed()
         unit_checks, unit_summary, unit_files = _unit_stats(output, files, full)
+        if not full and contract.LATENT_STATS in unit_files:  # those written cover every sample, not the loaded
+            passed_checks, passed_summary = _of_every_sample(passed_checks, passed_summary,
+                                                             unit_files[contract.LATENT_STATS])
         files |= unit_files
         passed_checks += unit_checks
         passed_summary = _with_units_stats(passed_summary, unit_summary)
@@ -163,6 +166,26 @@ def _unit_stats(output: Output, files: dict[str, bytes], every_sample: bool
     if plan is None:
         return [], {}, {}
     return finalized_stats(output, plan, files.get(contract.LATENT_STATS) if every_sample else None)
+
+
+def _of_every_sample(checks: list[Check], summary: dict[str, Any], data: bytes
+                     ) -> tuple[list[Check], dict[str, Any]]:
+    """The latent statistics check and summary of a validation that loaded some samples only, where the units
+    saved their moments: the file written is the units' merge over every sample, and the report says its mean and
+    std, not those of the loaded samples."""
+    import io
+
+    import torch
+
+    stats = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if "mean" not in stats:  # audio only: kept as the loaded samples' (the summary names its own field)
+        return checks, summary
+    line = {"mean": [float(v) for v in stats["mean"]], "std": [float(v) for v in stats["std"]],
+            "count": int(stats["count"]), "samples": int(stats["samples"])}
+    detail = (f"per-channel mean/std of every sample (the units' moments merged) saved to "
+              f"{contract.STATE_DIR}/{contract.LATENT_STATS}")
+    checks = [Check(c.name, c.ok, detail) if c.name == "latent stats" else c for c in checks]
+    return checks, summary | {"latent_stats": line}
 
 
 def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> ValidationReport:
