@@ -255,6 +255,7 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     from diffprep.validation import main
 
     assert main([str(out), "--full", "--max-load", "1"]) == 2  # one or the other
+    assert main([str(out), "--workers", "2"]) == 2  # processes that load every sample: with --full only
 
 
 def test_a_bad_sample_is_found_when_drawn_and_always_by_full_in_one_process_or_two(tmp_path: Path) -> None:
@@ -284,3 +285,13 @@ def test_a_bad_sample_is_found_when_drawn_and_always_by_full_in_one_process_or_t
     assert full.summary["loaded"]["samples"] == 12
     # Read by two processes, inspected here in the one-process loader's order: the same report.
     assert validate_dataset(out, previews=0, full=True, workers=2).to_json() == full.to_json()
+
+
+def test_the_validate_flow_loads_one_sample_per_shard_or_every_one_with_full(prefect_server, tmp_path: Path) -> None:
+    from diffprep.flows.validate import validate_dataset_flow
+
+    out, _ = make_dataset(tmp_path)
+    assert validate_dataset_flow(str(out))["summary"]["loaded"] == {
+        "samples": 3, "how": "one drawn from each shard (--full: every sample)"}
+    full = validate_dataset_flow(str(out), full=True)
+    assert full["ok"] and full["summary"]["loaded"] == {"samples": 6, "how": "every sample, through Energon's loader"}

@@ -72,7 +72,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.max_load:
         argv += ["--max-load", str(args.max_load)]
     if args.full:
-        argv += ["--full", "--workers", str(args.workers)]
+        argv += ["--full"]
+    if args.workers != 1:
+        argv += ["--workers", str(args.workers)]
     if args.s3_endpoint_url:
         argv += ["--s3-endpoint-url", args.s3_endpoint_url]
     if args.s3_profile:

@@ -82,8 +82,9 @@ def validate_dataset(
         raise ConfigError(f"max_load must be >= 1 (or None for every sample), got {max_load}")
     if max_load is not None and full:
         raise ConfigError("full loads every sample and max_load limits them per split: pass one of them")
-    if workers < 1:
-        raise ConfigError(f"workers must be >= 1, got {workers}")
+    if workers < 1 or (workers > 1 and not full):
+        raise ConfigError(f"workers ({workers}) is the number of processes that load every sample: pass it with "
+                          "full (--full), 1 or more")
     if previews < 0:
         raise ConfigError(f"previews must be >= 0 (0: none), got {previews}")
     if expected is not None:
