@@ -4,7 +4,8 @@ The checks (``checks.py``) are functions of an immutable description of the
 dataset (``dataset.py``); each returns its findings as ``Check``s, nothing is
 only logged. Every shard's headers, count and digest are checked; of its
 samples, one drawn from every shard is loaded and judged by default, every one
-with ``full`` (``loading.py``: in processes with ``workers``, the same report). This module runs them in order and is the only one that writes:
+with ``full`` (``loading.py``: in processes with ``workers``, the same report).
+This module runs them in order and is the only one that writes:
 ``.diffprep/validation.json``, and when every check passed the per-channel
 latent statistics (``.diffprep/latent_stats.pt``): the units' saved moments
 merged (with the full covariance after ``--full-cov``), checked against the
@@ -67,8 +68,8 @@ def validate_dataset(
     (``diffprep.validation.loading.drawn_index``), every sample with ``full``
     (through Energon's loader, or read by ``workers`` processes for a folder:
     the same report), the first ``max_load`` per split with ``max_load``. The
-    summary's ``loaded`` says which. ``progress(stage, done, total)`` is called as work
-    advances. ``previews`` samples are decoded and compared with their
+    summary's ``loaded`` says which. ``progress(stage, done, total)`` is called
+    as work advances. ``previews`` samples are decoded and compared with their
     sources into ``.diffprep/contact_sheet.png`` (0: none). Raises
     ConfigError only for invalid arguments.
 
