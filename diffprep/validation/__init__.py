@@ -184,6 +184,8 @@ def _of_every_sample(checks: list[Check], summary: dict[str, Any], data: bytes
         return checks, summary
     line = {"mean": [float(v) for v in stats["mean"]], "std": [float(v) for v in stats["std"]],
             "count": int(stats["count"]), "samples": int(stats["samples"])}
+    if "of" in stats:  # a posterior's statistics name the half they are of
+        line["of"] = stats["of"]
     detail = (f"per-channel mean/std of every sample (the units' moments merged) saved to "
               f"{contract.STATE_DIR}/{contract.LATENT_STATS}")
     checks = [Check(c.name, c.ok, detail) if c.name == "latent stats" else c for c in checks]
