@@ -24,6 +24,8 @@ def validate_dataset_flow(
     out_dir: str,
     encoding: Literal[contract.ENCODINGS] | None = None,  # every encoding, a dropdown in the UI
     max_load: Annotated[int, Field(ge=1)] | None = None,
+    full: bool = False,
+    workers: Annotated[int, Field(ge=1)] = 1,
     s3_endpoint_url: str | None = None,
     aws_credentials_block: str | None = None,
 ) -> dict:
@@ -34,13 +36,16 @@ def validate_dataset_flow(
             (validated in place, read back from the bucket).
         encoding: fail unless dataset.yaml declares this encoding; unset: the one it declares.
         max_load: load at most this many samples per split (counts are still checked from the tar headers);
-            unset: every sample.
+            unset: one sample drawn from each shard, or every sample with ``full``.
+        full: load every sample (default: one drawn from each shard; every shard's headers, count and digest are
+            checked either way).
+        workers: with ``full``, load in this many processes (the report is the same).
         s3_endpoint_url: for s3://: the endpoint of a non-AWS store; unset: AWS, or AWS_ENDPOINT_URL.
         aws_credentials_block: for s3://: a saved diffprep S3 credentials block; unset: the AWS chain.
     """
     output = output_of(OutputRef(location=out_dir, endpoint_url=s3_endpoint_url,
                                  credentials_block=aws_credentials_block))
-    report = validate_task(ref_of(output), encoding, max_load)  # publishes the report, passed or failed
+    report = validate_task(ref_of(output), encoding, max_load, full, workers)  # publishes the report, passed or failed
     summary = report.summary
     get_run_logger().info("validation of %s passed: %s samples in %s shards", output.uri, summary.get("samples"),
                           summary.get("shards"))

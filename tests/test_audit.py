@@ -108,7 +108,8 @@ def test_manifest_keys_missing_from_the_tar(out: Path, make_plan, write_unit) ->
     plan = make_plan((3,))
     write_plan(out, plan)
     manifest = write_unit(out, plan, 0)
-    # Rewrite the shard without its last sample; the manifest still lists three keys.
+    # Rewrite the shard without its last sample after the commit; the manifest still lists three keys (and the
+    # committed size and digest: audit trusts a shard only while they are its own, then reads its headers).
     with tarfile.open(out / manifest.shard) as tar:
         members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
     with ShardWriter(out, 0) as writer:
@@ -116,11 +117,14 @@ def test_manifest_keys_missing_from_the_tar(out: Path, make_plan, write_unit) ->
             fields = {m.name.partition(".")[2]: data for m, data in members if m.name.partition(".")[0] == key}
             writer.write(key, fields)
         info = writer.commit()
-    manifest.bytes, manifest.sha256 = info.bytes, info.sha256
-    write_manifest(out, manifest)
+    assert info.bytes != manifest.bytes
 
     report = audit(out, plan)
-    assert report.problems == ["unit 000000: 000000.tar holds 2 samples, the manifest lists 3"]
+    assert report.problems == [
+        f"unit 000000: shard 000000.tar is {info.bytes} bytes, its manifest records {manifest.bytes}: the shard "
+        "changed after it was committed; re-encode that unit",
+        "unit 000000: 000000.tar holds 2 samples, the manifest lists 3",
+    ]
 
 
 def test_sample_with_missing_fields(out: Path, make_plan) -> None:
@@ -129,10 +133,13 @@ def test_sample_with_missing_fields(out: Path, make_plan) -> None:
     with ShardWriter(out, 0) as writer:
         writer.write("000000_000000", {contract.CAPTION: "no tensors", contract.META: {}})
         info = writer.commit()
+    # Committed with another digest (the tar was replaced after its commit): audit reads its headers. (A shard
+    # whose bytes are the committed ones is trusted; validation's field check reads every shard's headers.)
     write_manifest(out, UnitManifest(0, info.name, plan.fingerprint, ["000000_000000"], ["img0000.png"],
-                                     info.count, info.bytes, info.sha256))
+                                     info.count, info.bytes, "0" * 64))
     report = audit(out, plan)
-    assert report.problems == ["unit 000000: samples with missing fields: ['000000_000000']"]
+    assert report.problems[1:] == ["unit 000000: samples with missing fields: ['000000_000000']"]
+    assert "has sha256" in report.problems[0] and "changed after it was committed" in report.problems[0]
 
 
 def test_missing_shard_and_foreign_fingerprint(out: Path, make_plan, write_unit) -> None:
@@ -277,3 +284,22 @@ def test_a_metadata_row_fixed_in_the_file_or_on_disk_is_retried(tmp_path: Path, 
     shutil.copy(images[5], demo_data / "images" / "later.png")
     fixed = run(settings, "preencoded", ask=lambda *a, **k: pytest.fail("asked"))
     assert fixed.retried == 2 and fixed.samples == 5 and sum(fixed.rejects_by_reason.values()) == 1
+
+
+def test_a_tampered_shard_of_the_same_size_is_found_in_one_process_and_in_two(out: Path, make_plan,
+                                                                              write_unit) -> None:
+    plan = make_plan((2, 2, 2))
+    write_plan(out, plan)
+    for unit in range(3):
+        write_unit(out, plan, unit)
+    assert audit(out, plan).problems == []  # every shard trusted: its size and digest are its manifest's
+    shard = out / contract.shard_name(1)
+    data = bytearray(shard.read_bytes())
+    data[data.index(b"caption of ") + 3] ^= 0x01  # the same size, the same members, other bytes
+    shard.write_bytes(bytes(data))
+
+    one, two = audit(out, plan), audit(out, plan, workers=2)
+    assert len(one.problems) == 1, one.problems
+    assert one.problems[0].startswith("unit 000001: shard 000001.tar has sha256 ")
+    assert "(same size): the shard changed after it was committed; re-encode that unit" in one.problems[0]
+    assert two.to_json() == one.to_json()  # read by two threads: the same report

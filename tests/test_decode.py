@@ -263,7 +263,7 @@ def test_sanity_threshold_fails_the_flow_and_its_artifact_shows_the_contact_shee
 
 def test_validate_summary_matches_the_dataset(dataset: Dataset) -> None:
     out = dataset.out
-    report = validate_dataset(out, previews=3)
+    report = validate_dataset(out, previews=3, full=True)  # the field counts below are of every sample
     assert report.ok, report.to_markdown()
     s = report.summary
     manifests = read_manifests(out)

@@ -17,6 +17,7 @@ from diffprep.media.images import ImageSpec, prepare_image
 from diffprep.media.buckets import auto_image_buckets, parse_image_buckets
 from diffprep.phases.pipeline import run
 from diffprep.writer.shards import load_tensor
+from diffprep.validation import validate_dataset
 from flow_runs import shard_samples
 from latent_direct import close32, direct
 
@@ -78,8 +79,7 @@ def test_bucketed_run_one_bucket_per_shard_validated_and_loaded_by_size(settings
     for unit in plan["units"]:
         [metas] = [m for name, m in _members(out).items() if name == contract.shard_name(unit["unit"])]
         assert {"x".join(map(str, m["bucket"])) for m in metas} == {unit["bucket"]}
-    validation = json.loads((out / contract.STATE_DIR / "validation.json").read_text())
-    per_bucket = validation["summary"]["samples_per_bucket"]
+    per_bucket = validate_dataset(out, previews=0, full=True).summary["samples_per_bucket"]  # every sample
     assert sum(per_bucket.values()) == 12 and set(per_bucket) <= {"64x32", "32x64", "48x48"}
     # Latent statistics per bucket: each bucket's are those of its own stored latents, taken at once.
     stats = torch.load(out / contract.STATE_DIR / contract.LATENT_STATS, weights_only=True)

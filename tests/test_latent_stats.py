@@ -98,6 +98,10 @@ def test_the_command_reproduces_validation_from_every_stored_latent(tmp_path, de
     # The units' merge: the same numbers as every stored latent's, at once or one by one (to float32 precision).
     assert sorted(saved) == ["count", "mean", "samples", "std"]
     assert close32(saved["mean"], mean) and close32(saved["std"], std)
+    # The run's validation loaded one sample per shard; the statistics it reports are the file's, of all 12.
+    reported = json.loads((out / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())["summary"]
+    assert reported["loaded"]["samples"] == 4 and reported["latent_stats"]["samples"] == 12
+    assert reported["latent_stats"]["mean"] == saved["mean"].tolist()
     for name in ("mean", "std"):
         assert close32(computed[name], saved[name]), name
     assert torch.equal(computed["count"], saved["count"]) and torch.equal(computed["samples"], saved["samples"])

@@ -14,6 +14,7 @@ from diffprep.media.buckets import Bucket
 from diffprep.media.mp4 import mp4_bytes
 from diffprep.media.scenes import detect_shots
 from diffprep.media.windows import SceneSettings, Window, clip_id, parse_clip_id, shot_spans, shot_windows, source_windows
+from diffprep.validation import validate_dataset
 
 COLOURS = [(12, 12, 12), (240, 240, 240), (230, 40, 40), (20, 60, 220)]
 
@@ -342,7 +343,7 @@ def test_long_videos_end_to_end_raw(prefect_server, long_data, tmp_path, monkeyp
     per_bucket: dict[str, int] = {}
     for bucket in planned.values():
         per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
-    assert result.validation["summary"]["samples_per_bucket"] == per_bucket
+    assert validate_dataset(out, previews=0, full=True).summary["samples_per_bucket"] == per_bucket  # every sample
     # Frames no clip takes are counted and named, per source in plan.json and in total in the audit.
     assert plan.scenes["talk.mp4"]["discarded"] == {"chain_tail": 2 + 5 + 5}  # shot 0's tail: an 8-frame clip
     from diffprep import contract
@@ -519,7 +520,7 @@ def test_long_videos_through_the_tiny_wan_encoders(long_data, tiny_wan, tmp_path
     plan = read_plan(out)
     ids = sorted(sid for unit in plan.units for sid in unit.source_ids)
     assert ids == ["game.mkv#0:0-4", "game.mkv#1:12-28", "talk.mp4#0:0-16", "talk.mp4#1:30-46", "talk.mp4#2:75-91"]
-    assert result.validation["summary"]["samples_per_bucket"] == {"32x24x17": 4, "32x24x5": 1}
+    assert validate_dataset(out, previews=0, full=True).summary["samples_per_bucket"] == {"32x24x17": 4, "32x24x5": 1}
 
 
 def test_the_plan_names_its_short_shots_and_asks_before_encoding(tmp_path):

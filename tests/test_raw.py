@@ -33,6 +33,7 @@ from diffprep.writer.plan import write_plan
 from diffprep.encodings.raw import BATCH_SIZE, RawImageWriter, image_bytes, raw_fields
 from diffprep.writer.shards import read_manifests
 from diffprep.tasks.common import slug
+from diffprep.validation import validate_dataset
 
 
 def pixels(seed: int = 0, size: int = 32) -> torch.Tensor:
@@ -186,7 +187,9 @@ def test_raw_cli_end_to_end_is_reproducible_and_validates(prefect_server, tmp_pa
     assert sanity["ok"] and sanity["shapes"] == {"webp": [3, 32, 32]} and len(sanity["psnr_db"]) == 4  # unit 0
     assert all(math.isfinite(v) for v in sanity["psnr_db"]) and Path(sanity["contact_sheet"]).is_file()
     validation = json.loads((first / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())
-    assert validation["ok"] and validation["summary"]["images"] == {"WEBP RGB": 11}
+    assert validation["ok"] and validation["summary"]["loaded"]["samples"] == len(list(first.glob("*.tar")))
+    # Counted over the loaded samples: --full loads every one (the run's own validation one per shard).
+    assert validate_dataset(first, previews=0, full=True).summary["images"] == {"WEBP RGB": 11}
     assert sum(v["samples"] for v in validation["summary"]["splits"].values()) == 11
     assert [p["psnr_db"] > 15 for p in validation["summary"]["previews"]["samples"]] == [True] * 4
 

@@ -33,6 +33,7 @@ from diffprep.media.video import ClipSpec
 from diffprep.media.images import psnr
 from diffprep.phases.pipeline import run
 from diffprep.writer.plan import read_plan
+from diffprep.validation import validate_dataset
 from flow_runs import shard_samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,9 @@ def test_raw_video_end_to_end_as_the_wan_pipeline_prepares_clips(prefect_server,
     assert result.samples == 6 and not result.rejected and result.validation["ok"]
     summary = result.validation["summary"]
     assert summary["encoding"] == "raw_video"
-    assert summary["samples_per_bucket"] == {"24x24x5": 1, "24x32x5": 1, "32x24x1": 2, "32x24x5": 2}
+    # Counted over the loaded samples: --full loads every one (the run's own validation one per shard).
+    assert validate_dataset(out, previews=0, full=True).summary["samples_per_bucket"] == {
+        "24x24x5": 1, "24x32x5": 1, "32x24x1": 2, "32x24x5": 2}
     plan = read_plan(out)
     assert plan.encoding == "raw_video" and all(u.bucket for u in plan.units)
 

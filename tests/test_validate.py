@@ -53,7 +53,9 @@ def pickle_bomb_pth(marker: Path) -> bytes:
 def test_good_dataset_passes_and_saves_latent_stats(tmp_path: Path) -> None:
     out, written = make_dataset(tmp_path)
     progress = []
-    report = validate_dataset(out, progress=lambda stage, done, total: progress.append((stage, done, total)))
+    # --full: the counts and statistics below are those of every sample (the default loads one per shard).
+    report = validate_dataset(out, full=True,
+                              progress=lambda stage, done, total: progress.append((stage, done, total)))
 
     assert report.ok, report.to_markdown()
     assert failed(report) == {}
@@ -74,6 +76,12 @@ def test_good_dataset_passes_and_saves_latent_stats(tmp_path: Path) -> None:
     assert close32(stats["mean"], channels.mean(dim=1)) and close32(stats["std"], channels.std(dim=1, correction=0))
     assert int(stats["samples"]) == 6 and int(stats["count"]) == 6 * 16
 
+    drawn = validate_dataset(out)  # by default: one sample drawn from each shard, every shard's headers read
+    assert drawn.ok, drawn.to_markdown()
+    assert {split: v["loaded"] for split, v in drawn.summary["splits"].items()} == {"train": 1, "val": 1, "test": 1}
+    assert drawn.summary["loaded"] == {"samples": 3, "how": "one drawn from each shard (--full: every sample)"}
+    assert "| loaded | 3 samples: one drawn from each shard (--full: every sample) |" in drawn.to_markdown()
+
 
 def test_expected_shapes_from_argument_and_plan(tmp_path: Path) -> None:
     out, _ = make_dataset(tmp_path)
@@ -83,7 +91,7 @@ def test_expected_shapes_from_argument_and_plan(tmp_path: Path) -> None:
 
     report = validate_dataset(out, expected=good | {"prompt_embeds": [512, 32]})
     assert list(failed(report)) == ["shapes and dtypes"]
-    assert "000000_000000 prompt_embeds has shape 8x32, expected 512x32" in failed(report)["shapes and dtypes"]
+    assert "_000000 prompt_embeds has shape 8x32, expected 512x32" in failed(report)["shapes and dtypes"]
 
     (out / contract.STATE_DIR / contract.PLAN_JSON).write_text(json.dumps({"expected": good | {"dtype": "float16"}}))
     report = validate_dataset(out)
@@ -99,7 +107,7 @@ def test_inconsistent_shapes_without_a_plan_fail(tmp_path: Path) -> None:
     write_unit(out, 0, overrides={1: {contract.POOLED_PROMPT_EMBEDS: torch.zeros(8, dtype=torch.bfloat16)}})
     write_unit(out, 1, overrides={0: {contract.LATENTS: torch.zeros(16, 6, 2, dtype=torch.bfloat16)}})
     finalize(out, encoding=contract.ENCODING_PREENCODED, train_split=1.0)
-    report = validate_dataset(out)
+    report = validate_dataset(out, full=True)  # the first sample's shapes are the expected ones: every one loaded
     # Latent height and width may vary; the pooled embedding may not.
     assert list(failed(report)) == ["shapes and dtypes"]
     assert "000000_000001 pooled_prompt_embeds has shape 8, expected 16" in failed(report)["shapes and dtypes"]
@@ -124,7 +132,8 @@ def test_corrupted_shard_fails(tmp_path: Path, how: str) -> None:
     assert "000001.tar is" in problems["manifests"] and "modified or corrupted" in problems["manifests"]
     if how == "truncate":
         assert "000001.tar: cannot read the tar headers (unexpected end of data)" in problems["shard counts"]
-        assert any(name.startswith("load ") for name in problems), problems
+        # Its samples past the cut do not load (the default loads only the drawn one, here before the cut).
+        assert any(name.startswith("load ") for name in failed(validate_dataset(out, full=True))), problems
     assert not (out / contract.STATE_DIR / contract.LATENT_STATS).exists()
     assert json.loads((out / contract.STATE_DIR / contract.VALIDATION_JSON).read_text())["ok"] is False
 
@@ -208,7 +217,7 @@ def test_raw_dataset(tmp_path: Path) -> None:
     write_raw_unit(out, 0, [png_bytes((255, 0, 0)), png_bytes((0, 255, 0))])
     write_raw_unit(out, 1, [b"not an image"])
     finalize(out, encoding=contract.ENCODING_RAW, train_split=1.0)
-    report = validate_dataset(out)
+    report = validate_dataset(out, full=True)  # the image count below is of every sample
     assert list(failed(report)) == ["images"]
     assert "000001_000000 png does not decode" in failed(report)["images"]
     assert report.summary["images"] == {"PNG RGB": 2}
@@ -243,3 +252,46 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     assert [c["name"] for c in report["checks"] if not c["ok"]][0] == "shard files"
 
     assert run_cli(str(out), "--max-load", "0").returncode == 2
+    from diffprep.validation import main
+
+    assert main([str(out), "--full", "--max-load", "1"]) == 2  # one or the other
+    assert main([str(out), "--workers", "2"]) == 2  # processes that load every sample: with --full only
+
+
+def test_a_bad_sample_is_found_when_drawn_and_always_by_full_in_one_process_or_two(tmp_path: Path) -> None:
+    from diffprep.validation.loading import drawn_index
+
+    out = tmp_path / "out"
+    drawn = [drawn_index(contract.shard_name(unit), 4) for unit in (0, 1)]
+    missed = (drawn[0] + 1) % 4  # a sample of shard 0 that the default does not load
+
+    def nan_latents() -> torch.Tensor:
+        latents = torch.zeros(16, 4, 4, dtype=torch.bfloat16)
+        latents[0, 0, 0] = float("nan")
+        return latents
+
+    write_unit(out, 0, 4, overrides={missed: {contract.LATENTS: nan_latents()}})
+    write_unit(out, 1, 4, overrides={drawn[1]: {contract.LATENTS: nan_latents()}})
+    write_unit(out, 2, 4)
+    finalize(out, encoding=contract.ENCODING_PREENCODED, train_split=1.0)
+
+    default = validate_dataset(out, previews=0)
+    assert failed(default) == {"finite values": f"000001_{drawn[1]:06d} latents has 1 NaN/Inf values"}
+    assert default.summary["loaded"]["samples"] == 3
+
+    full = validate_dataset(out, previews=0, full=True)
+    assert failed(full) == {"finite values": f"000000_{missed:06d} latents has 1 NaN/Inf values\n"
+                                             f"000001_{drawn[1]:06d} latents has 1 NaN/Inf values"}
+    assert full.summary["loaded"]["samples"] == 12
+    # Read by two processes, inspected here in the one-process loader's order: the same report.
+    assert validate_dataset(out, previews=0, full=True, workers=2).to_json() == full.to_json()
+
+
+def test_the_validate_flow_loads_one_sample_per_shard_or_every_one_with_full(prefect_server, tmp_path: Path) -> None:
+    from diffprep.flows.validate import validate_dataset_flow
+
+    out, _ = make_dataset(tmp_path)
+    assert validate_dataset_flow(str(out))["summary"]["loaded"] == {
+        "samples": 3, "how": "one drawn from each shard (--full: every sample)"}
+    full = validate_dataset_flow(str(out), full=True)
+    assert full["ok"] and full["summary"]["loaded"] == {"samples": 6, "how": "every sample, through Energon's loader"}

@@ -71,6 +71,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         argv += ["--encoding", args.encoding]
     if args.max_load:
         argv += ["--max-load", str(args.max_load)]
+    if args.full:
+        argv += ["--full"]
+    if args.workers != 1:
+        argv += ["--workers", str(args.workers)]
     if args.s3_endpoint_url:
         argv += ["--s3-endpoint-url", args.s3_endpoint_url]
     if args.s3_profile:
@@ -171,6 +175,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     validate.add_argument("out")
     validate.add_argument("--encoding", choices=contract.ENCODINGS, default=None)
     validate.add_argument("--max-load", type=int, default=None, help="load at most N samples per split")
+    validate.add_argument("--full", action="store_true", help="load every sample (default: one drawn from each "
+                          "shard; every shard's headers, count and digest are checked either way)")
+    validate.add_argument("--workers", type=int, default=1, help="with --full: load in N processes (same report)")
     _s3_arguments(validate)
     validate.set_defaults(func=cmd_validate)
 

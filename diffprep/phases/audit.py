@@ -22,6 +22,8 @@ from diffprep.writer.layouts import Layout
 from diffprep.run.long_videos import discarded_frames
 from diffprep.output import Output, as_output
 from diffprep.writer.plan import Plan
+from diffprep.writer.shards import UnitManifest
+from diffprep.run.manifests import Manifests, ShardFacts, output_shard_facts
 
 REJECT_PREVIEW = 1000
 
@@ -133,14 +135,19 @@ def record_answer(output: Output, report: AuditReport, answer: str) -> None:
     })
 
 
-def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | None = None) -> AuditReport:
+def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | None = None,
+          workers: int = 1) -> AuditReport:
     """Reconcile the plan, the manifests and the tars; write ``.diffprep/audit.json``.
 
-    The tars are read where they are (a bucket prefix's from the bucket); the
+    The manifests are read one at a time (``diffprep.run.manifests.Manifests``): nothing here holds more
+    than one unit's ids besides the counts and the first ``REJECT_PREVIEW`` rejects. A shard whose size and
+    sha256 are its manifest's is trusted to hold the manifest's keys (the writer committed both together);
+    its tar headers are parsed only where they differ, to say what changed. ``workers`` > 1 reads and hashes
+    the shards in that many threads. The tars are read where they are (a bucket prefix's from the bucket); the
     manifests from the output's state.
     """
     output = as_output(output)
-    manifests = output.state.manifests()
+    manifests = Manifests(output)
     required = get_encoding(plan.encoding).required_fields(plan.expected)
     fields = sorted(Layout.of_plan(plan.settings).member_names(required))  # the names the plan's layout writes
     wanted = [u for u in plan.units if units is None or u.unit in units]
@@ -152,6 +159,7 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     digest = hashlib.sha256()
     files_layout, audited = unit_files_layout(plan), []  # a layout whose units write files (LTX, GAE)
     encoding = get_encoding(plan.encoding)
+    facts = _shard_facts_in_pool(output, manifests, wanted, workers) if files_layout is None else {}
     for unit in wanted:
         manifest = manifests.get(unit.unit)
         if manifest is None:
@@ -182,22 +190,10 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
             if manifest.count:
                 problems.append(f"unit {unit.unit:06d}: the manifest counts {manifest.count} samples but names no "
                                 "shard")
-        elif output.size(manifest.shard) is None:
-            problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} is missing")
         else:
-            try:
-                in_tar = output.shard_keys(manifest.shard)
-            except Exception as exc:  # noqa: BLE001 - a damaged tar is a problem to report
-                problems.append(f"unit {unit.unit:06d}: shard {manifest.shard} cannot be read: {exc}")
-            else:
-                if list(in_tar) != list(manifest.keys):
-                    problems.append(
-                        f"unit {unit.unit:06d}: {manifest.shard} holds {len(in_tar)} samples, the manifest "
-                        f"lists {len(manifest.keys)}"
-                    )
-                incomplete = [k for k, exts in in_tar.items() if sorted(exts) != fields]
-                if incomplete:
-                    problems.append(f"unit {unit.unit:06d}: samples with missing fields: {incomplete[:5]}")
+            found = facts.get(manifest.shard) or output_shard_facts(output, manifest.shard, manifest.bytes,
+                                                                     manifest.sha256)
+            problems += _shard_problems(unit.unit, manifest, found, fields)
         written += manifest.count
         for reject in manifest.rejects:
             if plan.superseded(unit.unit, reject.source_id):
@@ -227,3 +223,51 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     )
     output.state.write_json(contract.AUDIT_JSON, report.to_json())
     return report
+
+
+def _shard_problems(unit: int, manifest: UnitManifest, found: ShardFacts, fields: list[str]) -> list[str]:
+    """What is wrong with a committed unit's shard: missing, other bytes than committed, other keys or fields."""
+    if found.size is None:
+        return [f"unit {unit:06d}: shard {manifest.shard} is missing"]
+    if found.trusted(manifest):
+        return []
+    problems = []
+    if found.size != manifest.bytes:
+        problems.append(f"unit {unit:06d}: shard {manifest.shard} is {found.size} bytes, its manifest records "
+                        f"{manifest.bytes}: the shard changed after it was committed; re-encode that unit")
+    else:
+        problems.append(f"unit {unit:06d}: shard {manifest.shard} has sha256 {found.sha256[:12]}…, its manifest "
+                        f"records {manifest.sha256[:12]}… (same size): the shard changed after it was committed; "
+                        "re-encode that unit")
+    if found.keys is None:
+        return problems + [f"unit {unit:06d}: shard {manifest.shard} cannot be read: {found.error}"]
+    if list(found.keys) != list(manifest.keys):
+        problems.append(f"unit {unit:06d}: {manifest.shard} holds {len(found.keys)} samples, the manifest "
+                        f"lists {len(manifest.keys)}")
+    incomplete = [k for k, exts in found.keys.items() if sorted(exts) != fields]
+    if incomplete:
+        problems.append(f"unit {unit:06d}: samples with missing fields: {incomplete[:5]}")
+    return problems
+
+
+def _shard_facts_in_pool(output: Output, manifests: Manifests, wanted: list, workers: int) -> dict[str, ShardFacts]:
+    """Shard -> its facts, read by ``workers`` threads ({} with one: audit reads each shard as it reaches its unit).
+
+    Threads, not processes: what a trusted shard costs is reading and hashing its bytes, and both run outside
+    the GIL (hashlib releases it for large blocks), without a process's start-up (seconds: it imports this
+    package again). Holds one small record per shard, never a sample id.
+    """
+    if workers <= 1:
+        return {}
+    jobs = []  # (shard, size, sha256): one manifest read at a time
+    for unit in wanted:
+        manifest = manifests.get(unit.unit)
+        if manifest is not None and manifest.has_shard:
+            jobs.append((manifest.shard, manifest.bytes, manifest.sha256))
+    if len(jobs) < 2:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="audit") as pool:
+        found = pool.map(lambda job: output_shard_facts(output, *job), jobs)
+        return {job[0]: facts for job, facts in zip(jobs, found)}

@@ -43,6 +43,8 @@ class ValidationReport:
         for split, info in s.get("splits", {}).items():
             lines.append(f"| {split} | shards {info.get('shards')}, samples {info.get('samples')}, "
                          f"loaded {info.get('loaded', 0)} |")
+        if "loaded" in s:
+            lines.append(f"| loaded | {s['loaded']['samples']} samples: {s['loaded']['how']} |")
         if "expected" in s:
             lines.append(f"| expected ({s['expected'].get('source')}) | "
                          f"{ {k: v for k, v in s['expected'].items() if k != 'source'} } |")

@@ -31,7 +31,7 @@ import hashlib
 import json
 import os
 import sqlite3
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -44,6 +44,7 @@ from diffprep.run.failpoints import failpoint
 from diffprep.writer.layouts import Layout
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
 from diffprep.output import Output, as_output
+from diffprep.run.manifests import Manifests
 from diffprep.writer.shards import UnitManifest
 
 Progress = Callable[[str, int, int], None]
@@ -249,7 +250,7 @@ def committed_shards(output: Output | str | os.PathLike) -> tuple[dict[str, Unit
     entries = output.entries()  # a bucket: listed now, and the sizes below come from this listing
     shards: dict[str, UnitManifest] = {}
     empty: list[str] = []
-    for unit, manifest in sorted(output.state.manifests().items()):
+    for unit, manifest in Manifests(output).items():  # one manifest at a time; only the kept ones stay
         if not manifest.has_shard:  # every sample rejected: the unit wrote no shard
             continue
         path = f"{output.uri}/{manifest.shard}"
@@ -267,13 +268,19 @@ def committed_shards(output: Output | str | os.PathLike) -> tuple[dict[str, Unit
         if manifest.count == 0:
             empty.append(manifest.shard)
         else:
-            shards[manifest.shard] = manifest
+            shards[manifest.shard] = _without_ids(manifest)
     ours = set(shards) | set(empty)
     foreign = sorted(
         name for name in entries
         if name.endswith((".tar", ".tgz")) and name not in ours and output.size(name) is not None
     )
     return shards, empty, foreign
+
+
+def _without_ids(manifest: UnitManifest) -> UnitManifest:
+    """The manifest without its per-sample lists (keys, source ids, rejects): finalize keeps one per shard and
+    needs only its shard, count, size and digest, so that 100k shards of 1000 samples do not hold 100M ids."""
+    return replace(manifest, keys=[], source_ids=[], rejects=[], stamps=None)
 
 
 def preview_replace_split(

@@ -2,7 +2,10 @@
 
 The checks (``checks.py``) are functions of an immutable description of the
 dataset (``dataset.py``); each returns its findings as ``Check``s, nothing is
-only logged. This module runs them in order and is the only one that writes:
+only logged. Every shard's headers, count and digest are checked; of its
+samples, one drawn from every shard is loaded and judged by default, every one
+with ``full`` (``loading.py``: in processes with ``workers``, the same report).
+This module runs them in order and is the only one that writes:
 ``.diffprep/validation.json``, and when every check passed the per-channel
 latent statistics (``.diffprep/latent_stats.pt``): the units' saved moments
 merged (with the full covariance after ``--full-cov``), checked against the
@@ -38,6 +41,7 @@ from diffprep.output import Output, OutputRef, as_output
 from diffprep.validation.ownership import refuse_links
 from diffprep.validation.checks import Progress, check_layout_files, check_loading, check_shards, check_splits
 from diffprep.validation.dataset import normalize_expected, read_dataset
+from diffprep.validation.loading import check_drawn, load_in_processes
 from diffprep.report.validation import ValidationReport
 
 
@@ -49,6 +53,8 @@ def validate_dataset(
     max_load: int | None = None,
     progress: Progress | None = None,
     previews: int = 4,
+    full: bool = False,
+    workers: int = 1,
 ) -> ValidationReport:
     """Check a finalized output; never raises for a problem in the data, reports it.
 
@@ -57,9 +63,13 @@ def validate_dataset(
     shapes with None for a free dimension, or None for any latent size;
     ``dtype``: e.g. ``"bfloat16"``) defaults to ``plan.json``'s ``expected``,
     else to the first sample's shapes (latent height and width free).
-    ``max_load`` limits the samples loaded per split; counts are still checked
-    from the tar headers. ``progress(stage, done, total)`` is called as work
-    advances. ``previews`` samples are decoded and compared with their
+    Every shard's structure and count are checked from its tar headers and
+    index; of its samples, one drawn from every shard is loaded by default
+    (``diffprep.validation.loading.drawn_index``), every sample with ``full``
+    (through Energon's loader, or read by ``workers`` processes for a folder:
+    the same report), the first ``max_load`` per split with ``max_load``. The
+    summary's ``loaded`` says which. ``progress(stage, done, total)`` is called
+    as work advances. ``previews`` samples are decoded and compared with their
     sources into ``.diffprep/contact_sheet.png`` (0: none). Raises
     ConfigError only for invalid arguments.
 
@@ -71,6 +81,11 @@ def validate_dataset(
         get_encoding(encoding)
     if max_load is not None and max_load < 1:
         raise ConfigError(f"max_load must be >= 1 (or None for every sample), got {max_load}")
+    if max_load is not None and full:
+        raise ConfigError("full loads every sample and max_load limits them per split: pass one of them")
+    if workers < 1 or (workers > 1 and not full):
+        raise ConfigError(f"workers ({workers}) is the number of processes that load every sample: pass it with "
+                          "full (--full), 1 or more")
     if previews < 0:
         raise ConfigError(f"previews must be >= 0 (0: none), got {previews}")
     if expected is not None:
@@ -103,11 +118,21 @@ def validate_dataset(
     if dataset.info is not None and dataset.split_of is not None and dataset.encoding is not None:
         encoding_of = get_encoding(dataset.encoding)
         inspector = encoding_of.inspector(dataset.expected)
-        checks += check_loading(dataset, output, encoding_of, inspector, summary.get("splits", {}), max_load,
-                                progress)
+        splits = summary.get("splits", {})
+        if max_load is not None or (full and (workers == 1 or output.remote)):
+            checks += check_loading(dataset, output, encoding_of, inspector, splits, max_load, progress)
+            how = (f"the first {max_load} of each split" if max_load is not None
+                   else "every sample, through Energon's loader")
+        elif full:
+            checks += load_in_processes(dataset, output, encoding_of, inspector, splits, workers, progress)
+            how = "every sample, through Energon's loader"
+        else:
+            checks += check_drawn(dataset, output, encoding_of, inspector, splits, progress)
+            how = "one drawn from each shard (--full: every sample)"
+        summary["loaded"] = {"samples": sum(s.get("loaded", 0) for s in splits.values()), "how": how}
         summary.update(inspector.summary())
 
-    ours = set(dataset.info or {}) | {m.shard for m in dataset.manifests.values() if m.has_shard}
+    ours = set(dataset.info or {}) | set(dataset.committed)
     foreign = sorted(name for name in output.entries() if name.endswith((".tar", ".tgz")) and name not in ours)
     if foreign:
         summary["foreign"] = foreign
@@ -120,7 +145,10 @@ def validate_dataset(
             if output.remote else _previews(output, previews))
     if inspector is not None and checks and all(check.ok for check in checks):
         passed_checks, passed_summary, files = inspector.passed()
-        unit_checks, unit_summary, unit_files = _unit_stats(output, files, max_load)
+        unit_checks, unit_summary, unit_files = _unit_stats(output, files, full)
+        if not full and contract.LATENT_STATS in unit_files:  # those written cover every sample, not the loaded
+            passed_checks, passed_summary = _of_every_sample(passed_checks, passed_summary,
+                                                             unit_files[contract.LATENT_STATS])
         files |= unit_files
         passed_checks += unit_checks
         passed_summary = _with_units_stats(passed_summary, unit_summary)
@@ -130,7 +158,7 @@ def validate_dataset(
     return _report(output, checks, summary)
 
 
-def _unit_stats(output: Output, files: dict[str, bytes], max_load: int | None
+def _unit_stats(output: Output, files: dict[str, bytes], every_sample: bool
                 ) -> tuple[list[Check], dict[str, Any], dict[str, bytes]]:
     """The units' merged latent moments as the statistics file, checked against validation's own pass when it
     loaded every sample (``diffprep.report.latent_stats.finalized_stats``)."""
@@ -139,7 +167,29 @@ def _unit_stats(output: Output, files: dict[str, bytes], max_load: int | None
     plan = output.state.plan()
     if plan is None:
         return [], {}, {}
-    return finalized_stats(output, plan, files.get(contract.LATENT_STATS) if max_load is None else None)
+    return finalized_stats(output, plan, files.get(contract.LATENT_STATS) if every_sample else None)
+
+
+def _of_every_sample(checks: list[Check], summary: dict[str, Any], data: bytes
+                     ) -> tuple[list[Check], dict[str, Any]]:
+    """The latent statistics check and summary of a validation that loaded some samples only, where the units
+    saved their moments: the file written is the units' merge over every sample, and the report says its mean and
+    std, not those of the loaded samples."""
+    import io
+
+    import torch
+
+    stats = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if "mean" not in stats:  # audio only: kept as the loaded samples' (the summary names its own field)
+        return checks, summary
+    line = {"mean": [float(v) for v in stats["mean"]], "std": [float(v) for v in stats["std"]],
+            "count": int(stats["count"]), "samples": int(stats["samples"])}
+    if "of" in stats:  # a posterior's statistics name the half they are of
+        line["of"] = stats["of"]
+    detail = (f"per-channel mean/std of every sample (the units' moments merged) saved to "
+              f"{contract.STATE_DIR}/{contract.LATENT_STATS}")
+    checks = [Check(c.name, c.ok, detail) if c.name == "latent stats" else c for c in checks]
+    return checks, summary | {"latent_stats": line}
 
 
 def _own_folders_stats(output: Output, plan: Any, report: ValidationReport) -> ValidationReport:
@@ -228,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         "--encoding", choices=contract.ENCODINGS, help="fail unless dataset.yaml declares this encoding"
     )
     parser.add_argument("--max-load", type=int, default=None, metavar="N", help="load at most N samples per split")
+    parser.add_argument("--full", action="store_true",
+                        help="load every sample (default: one drawn from each shard; every shard's headers, "
+                             "count and digest are checked either way)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="with --full: load in N processes (a folder; the report is the same)")
     parser.add_argument("--previews", type=int, default=4, metavar="N",
                         help="decode N samples next to their sources into .diffprep/contact_sheet.png (0: none)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
@@ -235,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="for s3://: endpoint of a non-AWS store (default: AWS_ENDPOINT_URL, else AWS)")
     parser.add_argument("--s3-profile", default=None, help="for s3://: AWS profile (default: AWS_PROFILE)")
     args = parser.parse_args(argv)
-    options = {"encoding": args.encoding, "max_load": args.max_load, "previews": args.previews}
+    options = {"encoding": args.encoding, "max_load": args.max_load, "previews": args.previews, "full": args.full,
+               "workers": args.workers}
     try:
         out = OutputRef(location=dataset_root(str(args.out)), endpoint_url=args.s3_endpoint_url,
                         profile=args.s3_profile).open()

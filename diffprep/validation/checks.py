@@ -5,10 +5,13 @@
 - ``check_shards``: every shard and its ``.tar.idx`` present, the index with
   one entry per sample, the tar headers holding the ``.info.json`` count, the
   unit manifest's keys, size and sha256, and every field a sample needs;
-- ``check_loading``: every sample (or ``max_load`` per split) loaded through
-  Energon's own loader with the encoding's task encoder and errors re-raised,
-  each split yielding exactly its ``.info.json`` count; the encoding's
-  inspector judges each loaded sample (shapes, dtypes, finite values);
+- ``check_loading`` (``--full`` in one process, or ``max_load``): every sample (or
+  ``max_load`` per split) loaded through Energon's own loader with the encoding's
+  task encoder and errors re-raised, each split yielding exactly its
+  ``.info.json`` count; the encoding's inspector judges each loaded sample
+  (shapes, dtypes, finite values). By default one sample drawn from each shard is
+  loaded instead, and ``--full`` in processes loads the same as here
+  (``diffprep.validation.loading``);
 - ``check_layout_files``: a trainer layout's files at the top (FastGen's
   negative prompt ``.npy`` files and ``shard_counts.json``).
 
@@ -59,9 +62,9 @@ def check_splits(ds: Dataset) -> tuple[list[Check], dict[str, Any]]:
         problems.add(f"{name} is in {now!r} in split.yaml but recorded in {was!r} in "
                      f"{contract.STATE_DIR}/{contract.SPLITS_JSON}; finalize again "
                      "(do not run energon prepare by hand)")
-    for manifest in ds.manifests.values():
-        if manifest.count and manifest.shard not in ds.info:
-            problems.add(f"{manifest.shard} is committed but not in the dataset; run finalize")
+    for shard, count in ds.committed.items():
+        if count and shard not in ds.info:
+            problems.add(f"{shard} is committed but not in the dataset; run finalize")
     splits = {
         split: {
             "shards": sum(1 for s in ds.split_of.values() if s == split),
@@ -91,6 +94,8 @@ def check_shards(ds: Dataset, output: Output, encoding: Encoding | None,
             findings["shard files"].add(f"{name} is listed in {contract.INFO_JSON} but missing")
         if progress is not None:
             progress("shards", done, len(names))
+    for problem in getattr(ds.manifests, "problems", {}).values():  # manifests that could not be read
+        findings["manifests"].add(problem)
     samples_total = sum(ds.info.values())
     summary = {
         "shards": len(names),
@@ -130,7 +135,7 @@ def _check_shard(ds: Dataset, output: Output, encoding: Encoding | None, name: s
 
     unit = contract.unit_of_shard(name)
     manifest: UnitManifest | None = ds.manifests.get(unit) if unit is not None else None
-    if ds.manifests and manifest is None:
+    if ds.manifests and manifest is None and unit not in getattr(ds.manifests, "problems", {}):
         manifests_check.add(f"{name} has no unit manifest")
     if manifest is not None:
         if manifest.shard != name:
@@ -197,7 +202,7 @@ def check_layout_files(ds: Dataset, output: Output) -> list[Check]:
             problems.add(f"{name} is {array.dtype} {list(array.shape)}, expected float32 {want} (one sample of "
                          f"{field_name}, no batch dimension)")
     if layout.shard_counts:
-        counts = {m.shard: m.count for m in ds.manifests.values() if m.has_shard} or dict(ds.info or {})
+        counts = dict(ds.committed) or dict(ds.info or {})
         tars = {n for n in output.entries() if n.endswith(contract.SHARD_SUFFIX)}
         try:
             with output.open(contract.SHARD_COUNTS_JSON) as stream:

@@ -1,9 +1,11 @@
 """What a finalized dataset declares, read once into an immutable ``Dataset`` the checks look at.
 
 ``read_dataset`` reads ``dataset.yaml``, ``.info.json``, ``split.yaml``,
-``index.sqlite``, the unit manifests, the recorded splits and the expected
-shapes (the argument, else plan.json), and returns the description with the
-metadata check: what could not be read is a finding, never an exception.
+``index.sqlite``, the unit manifests (one at a time: the description keeps
+each shard's count and reads a manifest again when a check asks for it), the
+recorded splits and the expected shapes (the argument, else plan.json), and
+returns the description with the metadata check: what could not be read is a
+finding, never an exception.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +23,7 @@ import yaml
 from diffprep import contract
 from diffprep.report.checks import Check, Findings
 from diffprep.run.energon import read_assignment, read_split_yaml
+from diffprep.run.manifests import Manifests
 from diffprep.errors import ConfigError, DatasetValidationError
 from diffprep.writer.layouts import Layout
 from diffprep.output import Output
@@ -45,11 +49,41 @@ class Dataset:
     encoding: str | None
     info: dict[str, int] | None  # shard -> samples, from .info.json
     split_of: dict[str, str] | None  # shard -> split, from split.yaml
-    manifests: dict[int, UnitManifest] = field(default_factory=dict)
+    # unit -> manifest, each read when it is asked for (``ReadManifests``: at 100k units, never all at once)
+    manifests: Mapping[int, UnitManifest] = field(default_factory=dict)
     expected: dict[str, Any] | None = None
     recorded_splits: dict[str, str] | None = None  # shard -> split, from .diffprep/splits.json
     recorded_splits_problem: str | None = None
     layout: Layout = field(default_factory=Layout)  # the member names, from dataset.yaml's subflavors
+    committed: dict[str, int] = field(default_factory=dict)  # shard -> samples, of every manifest naming a shard
+    layout_subflavors: dict[str, Any] | None = None  # dataset.yaml's subflavors, as Energon hands them to cookers
+
+
+class ReadManifests(Manifests):
+    """The unit manifests read one at a time; one that cannot be read is left out and named in ``problems``
+    (validation reports it under the manifests check instead of stopping)."""
+
+    def __init__(self, output: Output) -> None:
+        super().__init__(output)
+        self.problems: dict[int, str] = {}
+
+    def __getitem__(self, unit: int) -> UnitManifest:
+        try:
+            return super().__getitem__(unit)
+        except (OSError, ValueError, TypeError) as error:
+            self.problems[unit] = (f"cannot read the manifest of unit {unit} in {contract.STATE_DIR}/"
+                                   f"{contract.UNITS_DIR}: {type(error).__name__}: {error}")
+            raise KeyError(unit) from None
+
+    def items(self) -> Iterator[tuple[int, UnitManifest]]:  # type: ignore[override]
+        """(unit, manifest) in unit order, one read at a time, without those that cannot be read."""
+        for unit in self:
+            manifest = self.get(unit)
+            if manifest is not None:
+                yield unit, manifest
+
+    def values(self) -> Iterator[UnitManifest]:  # type: ignore[override]
+        return (manifest for _, manifest in self.items())
 
 
 def normalize_expected(expected: dict[str, Any], where: str) -> dict[str, Any]:
@@ -111,6 +145,7 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
     meta = out / contract.NV_META
     found_encoding = None
     layout = Layout()
+    subflavors_found = None
     dataset_yaml = meta / contract.DATASET_YAML
     try:
         config = yaml.safe_load(dataset_yaml.read_text(encoding="utf-8"))
@@ -118,6 +153,7 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
             problems.add(f"{dataset_yaml} does not declare a CrudeWebdataset: {config!r}")
         else:
             subflavors = config.get("subflavors")
+            subflavors_found = subflavors if isinstance(subflavors, dict) else None
             declared = subflavors.get("encoding") if isinstance(subflavors, dict) else None
             if declared not in contract.ENCODINGS:
                 problems.add(f"{dataset_yaml} has subflavors.encoding {declared!r}, "
@@ -173,10 +209,13 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
         except sqlite3.Error as error:
             problems.add(f"{index}: {error}")
 
-    manifests: dict[int, UnitManifest] = {}
+    manifests: Mapping[int, UnitManifest] = {}
+    committed: dict[str, int] = {}
     try:
-        manifests = output.state.manifests()
-    except (OSError, ValueError, TypeError, KeyError) as error:
+        manifests = ReadManifests(output)
+        # One pass, one manifest at a time: what the split and foreign-file checks need of each (a name and a count).
+        committed = {m.shard: m.count for m in manifests.values() if m.has_shard}
+    except (OSError, ValueError) as error:
         problems.add(f"cannot read the unit manifests in {contract.STATE_DIR}/{contract.UNITS_DIR}: "
                      f"{type(error).__name__}: {error}")
 
@@ -199,8 +238,8 @@ def read_dataset(output: Output, encoding: str | None, expected: dict[str, Any] 
             recorded_problem = f"{output.state.path(contract.SPLITS_JSON)}: {type(error).__name__}: {error}"
 
     dataset = Dataset(output.uri, found_encoding, info, split_of, manifests, expected, recorded, recorded_problem,
-                      layout)
+                      layout, committed, subflavors_found)
     return dataset, problems.check("dataset.yaml, split.yaml, .info.json, index.sqlite present and consistent")
 
 
-__all__ = ["Dataset", "normalize_expected", "read_dataset"]
+__all__ = ["Dataset", "ReadManifests", "normalize_expected", "read_dataset"]

@@ -46,7 +46,9 @@ from diffprep.media.mp4 import mp4_bytes
 from diffprep.media.video import ClipSpec
 from diffprep.report.pictures import CONTACT_SHEET, Preview, frame_grid, frame_strip, png_bytes, write_contact_sheet
 from diffprep.writer.plan import Plan, read_plan
-from diffprep.writer.shards import StoredSample, atomic_write_bytes, load_tensor, read_manifests
+from diffprep.writer.shards import StoredSample, atomic_write_bytes, load_tensor
+from diffprep.output import as_output
+from diffprep.run.manifests import Manifests
 from diffprep.sources import SOURCE_TYPES, open_source
 
 
@@ -96,8 +98,10 @@ def read_samples(out_dir: str | os.PathLike, count: int) -> list[StoredSample]:
     files_layout = unit_files_layout(plan)
     if files_layout is not None:  # the LTX trainer's records, GAE's scene folders
         return [StoredSample(*found) for found in files_layout.stored_samples(out, plan, count)]
-    manifests = [m for _, m in sorted(read_manifests(out).items()) if m.keys]
-    total = sum(len(m.keys) for m in manifests)
+    # Two passes over the manifests, one at a time: their sizes, then the keys of the few that hold a pick.
+    manifests = Manifests(as_output(out))
+    sizes = [(unit, len(m.keys)) for unit, m in manifests.items() if m.keys]
+    total = sum(size for _, size in sizes)
     if not total:
         raise DatasetValidationError(f"{out} has no committed samples (no unit manifest lists any); encode first")
     count = min(count, total)
@@ -105,13 +109,15 @@ def read_samples(out_dir: str | os.PathLike, count: int) -> list[StoredSample]:
     wanted: dict[str, dict[str, dict[str, bytes]]] = {}  # shard -> key -> fields
     picked: list[tuple[str, str]] = []
     start = 0
-    for manifest in manifests:
-        for position in positions:
-            if start <= position < start + len(manifest.keys):
-                key = manifest.keys[position - start]
+    for unit, size in sizes:
+        inside = [position - start for position in positions if start <= position < start + size]
+        if inside:
+            manifest = manifests[unit]
+            for index in inside:
+                key = manifest.keys[index]
                 wanted.setdefault(manifest.shard, {})[key] = {}
                 picked.append((manifest.shard, key))
-        start += len(manifest.keys)
+        start += size
     for shard, samples in wanted.items():
         with tarfile.open(out / shard, mode="r:") as tar:
             for member in tar:

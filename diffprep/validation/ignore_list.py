@@ -27,6 +27,7 @@ from diffprep.encodings import get_encoding
 from diffprep.errors import ConfigError
 from diffprep.writer.layouts import Layout
 from diffprep.output import Output
+from diffprep.run.manifests import Manifests
 from diffprep.writer.shards import atomic_write_bytes
 from diffprep.validation.dataset import normalize_expected
 
@@ -84,11 +85,13 @@ def scan_output(output: Output, progress: Progress | None = None) -> IgnoreScan:
     layout = Layout.of_plan(plan.settings)
     subflavors = {"encoding": plan.encoding, **layout.subflavors()}
     cooker = next((c for c in encoding.task_encoder().cookers if c.is_match(subflavors)), None)
-    keys_of = {m.shard: m.keys for m in output.state.manifests().values() if m.has_shard}
+    manifests = Manifests(output)  # one shard's keys at a time, not every key of the dataset
     shards = sorted(name for name in output.entries() if name.endswith(contract.SHARD_SUFFIX) and "/" not in name)
     scan = IgnoreScan(shards=len(shards))
     for done, shard in enumerate(shards, start=1):
-        _scan_shard(output, shard, keys_of.get(shard), encoding, expected, layout, subflavors, cooker, scan)
+        manifest = manifests.get(contract.unit_of_shard(shard))
+        keys = manifest.keys if manifest is not None and manifest.shard == shard else None
+        _scan_shard(output, shard, keys, encoding, expected, layout, subflavors, cooker, scan)
         if progress is not None:
             progress("shards", done, len(shards))
     return scan

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from diffprep import contract
 from diffprep.report.pictures import CONTACT_SHEET
 from diffprep.writer.plan import Plan
+from diffprep.run.manifests import Manifests
 from diffprep.errors import LinkInOutputError
 from diffprep.writer.links import link_message
 from diffprep.writer.shards import TEMP_SUFFIX, UnitManifest
@@ -126,7 +128,7 @@ def named_by_name(path: str) -> bool:
     return False
 
 
-def data_files(manifests: dict[int, UnitManifest], plan: Plan | None) -> set[str]:
+def data_files(manifests: Mapping[int, UnitManifest], plan: Plan | None) -> set[str]:
     """The shards, their indexes and the layout files that diffprep's manifests list and its plan plans."""
     names: set[str] = set()
     for manifest in manifests.values():
@@ -166,7 +168,7 @@ def read_as_data(path: str, plan: Plan) -> bool:
     return files_layout is not None and files_layout.read_by_trainer(path)
 
 
-def classify(files: list[str], manifests: dict[int, UnitManifest], plan: Plan | None,
+def classify(files: list[str], manifests: Mapping[int, UnitManifest], plan: Plan | None,
              links: list[str] | tuple[str, ...] = ()) -> Ownership:
     """Sort ``files`` (every file of an output; ``links``: those that are symbolic links) by who wrote them (the
     module docstring)."""
@@ -205,7 +207,7 @@ def temp_targets(path: str) -> list[str]:
 def ownership(output: Any) -> Ownership:
     """Who wrote each file of ``output`` (a folder or a bucket prefix), by its manifests and its plan."""
     files, links = output.listing()
-    return classify(files, output.state.manifests(), output.state.plan(), links)
+    return classify(files, Manifests(output), output.state.plan(), links)  # the manifests one at a time
 
 
 def refuse_links(output: Any, plan: Plan | None = None, *, writes: set[str] | None = None) -> None:
