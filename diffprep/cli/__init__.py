@@ -76,6 +76,11 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
                                                                                     shard))}
     ranks = launch.detect_ranks()
     settings = load_settings(config, overrides)
+    if settings.source.caption_set:  # captions over the text encoder's limit: asked before anything starts
+        from diffprep.cli.caption import long_caption_overrides
+
+        overrides = long_caption_overrides(settings, overrides)
+        settings = load_settings(config, overrides)
     check_runnable(settings)  # fail on bad settings before Prefect starts,
     # and on what the settings name that is not there or the encoding refuses (nothing started, nothing written)
     preflight(settings, contract.ENCODING_RAW if raw else contract.ENCODING_PREENCODED)
@@ -384,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "pipeline, and output, finalize; ${VAR} expanded; flags win over it")
     add_ingest_arguments(ingest)
     ingest.set_defaults(func=cmd_ingest)
+
+    from diffprep.cli.caption import add_parser as add_caption_parser
+
+    add_caption_parser(sub)
 
     from diffprep.cli.dataset import add_parsers as add_dataset_parsers
 
