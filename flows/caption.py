@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import Artifact, LinkArtifact, MarkdownArtifact, TableArtifact
 
 from diffprep.captions.pipeline import CaptionAudit, CaptionJob, CaptionSanity
-from diffprep.captions.run import CaptionEvents, CaptionSteps, run_caption, sanity_here, units_here
+from diffprep.captions.run import CaptionEvents, CaptionSteps, ask_here, run_caption, sanity_here, units_here
 from diffprep.captions.sets import CaptionSet, SetPlan
 from diffprep.captions.tokens import tokens_markdown
 from diffprep.config import SourceConfig
@@ -106,7 +106,6 @@ class ArtifactEvents(CaptionEvents):
 def run_caption_recorded(job: CaptionJob) -> dict:
     """The caption run in this process, then recorded as a caption-dataset flow run on the embedded server."""
     from diffprep.flows.recorded import Recorder, ServerStart, retried
-    from diffprep.phases.pipeline import ask_here
     from diffprep.tasks.common import FETCH_RETRY_DELAYS, UNIT_RETRY_DELAYS
 
     logging.getLogger("diffprep").setLevel(logging.INFO)
@@ -142,12 +141,26 @@ def run_caption_recorded(job: CaptionJob) -> dict:
     except BaseException as error:
         diffprep_log.removeHandler(recorder)
         recorder.ended = time.time()
-        server.record(recorder, caption_dataset, parameters, error)
+        server.record(recorder, caption_dataset, parameters, error, tasks_by_name())
         raise
     diffprep_log.removeHandler(recorder)
     recorder.ended = time.time()
-    server.record(recorder, caption_dataset, parameters, None)
+    server.record(recorder, caption_dataset, parameters, None, tasks_by_name())
     return result
+
+
+def tasks_by_name() -> dict[str, Any]:
+    """The flow's tasks by name, for the recording (the phases with several devices are one task: the units')."""
+    from diffprep.tasks.caption import TASKS, caption_units_task
+
+    return {task.name: task for task in (*TASKS, caption_units_task)}
+
+
+def run_command(job: CaptionJob) -> dict:
+    """``diffprep caption``: the flow on the server PREFECT_API_URL names, else here and recorded afterwards."""
+    from prefect.settings import PREFECT_API_URL
+
+    return run_live(job) if PREFECT_API_URL.value() else run_caption_recorded(job)
 
 
 def run_live(job: CaptionJob) -> dict:

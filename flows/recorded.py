@@ -390,14 +390,15 @@ class ServerStart:
         finally:
             self.up.set()
 
-    def record(self, recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> None:
+    def record(self, recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None,
+               tasks: dict[str, Any] | None = None) -> None:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         self.up.wait()
         if self.error is None:
             try:
                 with temporary_settings(updates={PREFECT_API_URL: self.url}):
-                    flow_run = write_flow_run(recorder, flow, parameters, error)
+                    flow_run = write_flow_run(recorder, flow, parameters, error, tasks)
                 log.info("recorded as flow run '%s' (%s) in Prefect: `prefect server start` shows it",
                          flow_run.name, final_state(error).name)
                 return
@@ -453,8 +454,10 @@ def _at(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> Any:
+def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None,
+                   tasks: dict[str, Any] | None = None) -> Any:
     """The run as the flow would have left it on the server: flow run, task runs, artifacts, logs, final state.
+    ``tasks``: the flow's tasks by name (default the encode's; the caption flow passes its own).
 
     The server stamps every state with the time it receives it (the API takes no timestamp), so each state's
     message says when its run really ran; the log lines keep their own times."""
@@ -474,7 +477,7 @@ def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], er
                                                   flow_run_id=flow_run.id))
         ids: list[Any] = []
         for index, task in enumerate(recorder.tasks):
-            task_run = client.create_task_run(TASKS_BY_NAME[task.task], flow_run.id, f"{task.name}-{index}",
+            task_run = client.create_task_run((tasks or TASKS_BY_NAME)[task.task], flow_run.id, f"{task.name}-{index}",
                                               name=task.name, state=Running())
             # A task the run's end cut short (a worker's unit at a Ctrl-C) ended with the run, as the run did.
             ended, ended_error = (task.ended, task.error) if task.ended else (recorder.ended, task.error or error)

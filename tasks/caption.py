@@ -52,6 +52,12 @@ def units_as_tasks(job: CaptionJob, cset: CaptionSet, plan: SetPlan, units: list
         done(caption_unit_task(job, cset, plan, unit))
 
 
+@task(name="caption-units", cache_policy=NO_CACHE, persist_result=False)
+def caption_units_task(job: CaptionJob, cset: CaptionSet, plan: SetPlan, units: list[int]) -> None:
+    """The units shared across ``job.devices`` (diffprep.run.pool): one task for them all."""
+    run.units_here(job, cset, plan, units, lambda result: None)
+
+
 @task(name="caption-audit", cache_policy=NO_CACHE, persist_result=False)
 def audit_task(cset: CaptionSet, plan: SetPlan) -> CaptionAudit:
     return pipeline.audit_set(cset, plan)

@@ -330,24 +330,29 @@ def _worker_unit(job: CaptionJob, cset: CaptionSet, fingerprint: str, captioners
 
 def caption_units(job: CaptionJob, cset: CaptionSet, plan: SetPlan, units: list[int], captioners: Captioners,
                   source: Any, done: Callable[[dict], None]) -> None:
-    """The units in this process, or shared with one process per other device of ``job.devices``."""
+    """The units in this process, or shared (``diffprep.run.pool``) with one process per device of
+    ``job.devices``: this process is the one of its own device when that is listed (as an encode's), else
+    it captions none; each worker takes units once its model is loaded."""
     from diffprep.run.workers import parse_devices
 
     devices = parse_devices(job.devices) if job.devices else [job.device]
     here = partial(caption_unit, job, cset, plan.fingerprint, captioners=captioners, source=source)
-    if len(devices) == 1:
+    if devices == [job.device]:
         for unit in units:
             done(here(unit=unit))
         return
     from diffprep.run.pool import share_units
 
-    def reported(finished: Any) -> None:
-        done(dict(finished.result, worker=finished.worker))
-
-    others = [d for d in devices if d != job.device] if job.device in devices else devices[1:]
-    share_units(units, here=lambda unit: here(unit=unit), here_name=f"this process ({job.device})",
+    others = list(devices)
+    if job.device in others:
+        others.remove(job.device)
+    log.info("captioning %d units on %s: %s", len(units), ", ".join(devices),
+             f"this process ({job.device}) and {len(others)} worker process(es)" if job.device in devices
+             else f"{len(others)} worker processes ({job.device}, --device, is not one of them)")
+    share_units(units, here=(lambda unit: here(unit=unit)) if job.device in devices else None,
+                here_name=f"this process ({job.device})",
                 setups=[(d, partial(worker_setup, job, cset.path, plan.fingerprint, d)) for d in others],
-                done=reported)
+                done=lambda finished: done(dict(finished.result, worker=finished.worker)))
 
 
 # --- audit and written -----------------------------------------------------------------------------------------------

@@ -242,6 +242,13 @@ def cmd_raw(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_caption(args: argparse.Namespace) -> int:
+    from diffprep.cli.caption import run_caption_command
+
+    prefect_defaults()
+    return run_caption_command(args)
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from diffprep.tools.ingest import ingest
     from diffprep.tools.ingest_settings import SECTION, load_ingest
@@ -392,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from diffprep.cli.caption import add_parser as add_caption_parser
 
-    add_caption_parser(sub)
+    add_caption_parser(sub).set_defaults(func=cmd_caption)
 
     from diffprep.cli.dataset import add_parsers as add_dataset_parsers
 

@@ -16,7 +16,8 @@ SOURCE_FLAGS = {flag: target for flag, target in ENCODE_FLAGS.items()
                 if target[0] == "source" and flag not in ("--caption-set", "--caption-index", "--on-long-caption")}
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``caption`` command's parser (``diffprep.cli`` sets its function: ``run_caption_command``)."""
     parser = sub.add_parser("caption", help="caption a source's images and clips with a vision-language model into "
                             "a named caption set beside the data (the caption-dataset flow; see docs/captions.md)")
     add_flags(parser, SOURCE_FLAGS)
@@ -49,7 +50,7 @@ def add_parser(sub: Any) -> None:
                         "directory source (its first caption)")
     parser.add_argument("--on-replace-files", choices=("replace",), default=None, help="existing caption files or "
                         "metadata file are replaced (asked otherwise)")
-    parser.set_defaults(func=cmd_caption)
+    return parser
 
 
 def job_from_args(args: argparse.Namespace) -> Any:
@@ -75,17 +76,13 @@ def job_from_args(args: argparse.Namespace) -> Any:
     return job
 
 
-def cmd_caption(args: argparse.Namespace) -> int:
-    from prefect.settings import PREFECT_API_URL
-
-    from diffprep.cli import prefect_defaults
-    from diffprep.flows.caption import run_caption_recorded, run_live
+def run_caption_command(args: argparse.Namespace) -> int:
+    """The caption flow on the server PREFECT_API_URL names, else here and recorded (as an encode is)."""
+    from diffprep.flows.caption import run_command
     from diffprep.flows.startup import quiet_user_error_tracebacks
 
-    prefect_defaults()
     quiet_user_error_tracebacks()
-    job = job_from_args(args)
-    result = run_live(job) if PREFECT_API_URL.value() else run_caption_recorded(job)
+    result = run_command(job_from_args(args))
     print_caption_summary(result)
     return 0
 
@@ -118,34 +115,34 @@ def long_caption_overrides(settings: Any, overrides: dict[str, dict[str, Any]], 
     from diffprep.errors import ConfigError
     from diffprep.phases.pipeline import ask_here
     from diffprep.run.approvals import ABORT, Question
-    from diffprep.sources.caption_set import read_written_set, set_dir
+    from diffprep.captions.tokens import family_limits
+    from diffprep.sources.caption_set import CaptionIndex, read_written_set, set_dir
 
     source = settings.source
     if not source.caption_set:
         return overrides
-    record = read_written_set(set_dir(source, source.caption_set))
+    path = set_dir(source, source.caption_set)
+    record = read_written_set(path)
     from diffprep.families import family_of_model
 
     model = settings.model
     if not model.model_path:
         return overrides  # a raw run: no text encoder
     family = family_of_model(model.model_path, model.family, revision=model.revision).name
-    stats = (record.get("tokens") or {}).get(family)
-    if stats is None:
+    if family not in (record.get("tokens") or {}):
         log.warning("caption set %s has no %s token counts: captions over the text encoder's limit cannot be told "
                     "apart (re-run `diffprep caption --name %s --count-tokens %s=%s` to count them)",
                     source.caption_set, family, source.caption_set, family, model.model_path)
         return overrides
-    if not stats["over"]:
+    limit = model.t5_max_length if family == "flux" else family_limits()[family]
+    over, longest, first = CaptionIndex(path).over(family, limit, source.caption_index)
+    if not over:
         return overrides
-    limit = stats["limit"]
-    if family == "flux":
-        limit = model.t5_max_length
-    named = "\n".join(f"- `{s['source_id']}`: {s['tokens']} tokens" for s in stats["over_samples"])
-    question = Question(key="captions-too-long", title=f"{stats['over']} captions are longer than {family}'s text "
+    named = "\n".join(f"- `{source_id}`: {tokens} tokens" for source_id, tokens in first)
+    question = Question(key="captions-too-long", title=f"{over} captions are longer than {family}'s text "
                         f"encoder takes", description=(
-                            f"Caption set **{source.caption_set}**: {stats['over']} of {stats['samples']} samples "
-                            f"have a caption over {limit} {family} tokens (the longest {stats['longest']}):\n\n"
+                            f"Caption set **{source.caption_set}**: {over} samples have a caption over {limit} "
+                            f"{family} tokens (the longest {longest}):\n\n"
                             f"{named}\n\n- **truncate**: encode them cut at {limit} tokens (counted in the notes)\n"
                             "- **reject**: leave them out, each a named `caption_too_long` reject\n"
                             "- **abort**: encode nothing (shorter captions: `diffprep caption --max-new-tokens`)"),

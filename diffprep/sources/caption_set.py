@@ -89,6 +89,21 @@ class CaptionIndex:
                                       (source_id,)).fetchone()
         return None if row is None else (json.loads(row[0]), json.loads(row[1]))
 
+    def over(self, family: str, limit: int, index: int = 0, named: int = 20) -> tuple[int, int, list[tuple[str, int]]]:
+        """Captions (the ``index``-th of each sample) over ``limit`` of ``family``'s tokens: how many, the longest,
+        the first ``named`` (source id, tokens); one pass over the index."""
+        count, longest, first = 0, 0, []
+        for source_id, tokens in self._connect().execute("SELECT source_id, tokens FROM captions"):
+            counts = json.loads(tokens).get(family)
+            if not counts:
+                continue
+            longest = max(longest, counts[index])
+            if counts[index] > limit:
+                count += 1
+                if len(first) < named:
+                    first.append((source_id, counts[index]))
+        return count, longest, first
+
     def __getstate__(self) -> dict:  # a worker process opens its own connection
         return {"path": self.path, "_db": None}
 
