@@ -267,8 +267,10 @@ def video_patches(item: CaptionInput, video: dict[str, Any]) -> tuple[Any, Any, 
     new_h, new_w = smart_resize(height, width, factor=factor, min_pixels=shortest, max_pixels=max_pixels)
     mean = np.asarray(video["image_mean"], dtype=np.float32)[:, None, None]
     std = np.asarray(video["image_std"], dtype=np.float32)[:, None, None]
-    frames = [((np.asarray(frame.convert("RGB").resize((new_w, new_h), Image.Resampling.BICUBIC), dtype=np.float32)
-                .transpose(2, 0, 1) * np.float32(video["rescale_factor"])) - mean) / std for frame in item.frames]
+    # Rescaled in float64 and then cast, as transformers' image_transforms.rescale does: the same float32 values.
+    frames = [((np.asarray(frame.convert("RGB").resize((new_w, new_h), Image.Resampling.BICUBIC))
+                .transpose(2, 0, 1).astype(np.float64) * video["rescale_factor"]).astype(np.float32) - mean) / std
+              for frame in item.frames]
     frames += [frames[-1]] * (-len(frames) % temporal)
     grid_t, grid_h, grid_w = len(frames) // temporal, new_h // patch, new_w // patch
     stacked = np.stack(frames).reshape(grid_t, temporal, 3, grid_h // merge, merge, patch, grid_w // merge, merge,
