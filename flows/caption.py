@@ -113,7 +113,9 @@ def run_caption_recorded(job: CaptionJob) -> dict:
     recorder = Recorder()
 
     def units(job: CaptionJob, cset: CaptionSet, plan: SetPlan, left: list[int], done) -> None:
-        if job.devices:  # shared with worker processes: one task for the phase
+        from diffprep.run import launch
+
+        if job.devices or launch.group() is not None:  # shared with worker processes or ranks: one task for them
             with recorder.task("caption-units"):
                 units_here(job, cset, plan, left, done)
             return

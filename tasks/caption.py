@@ -45,7 +45,9 @@ def caption_unit_task(job: CaptionJob, cset: CaptionSet, plan: SetPlan, unit: in
 def units_as_tasks(job: CaptionJob, cset: CaptionSet, plan: SetPlan, units: list[int],
                    done: Callable[[dict], None]) -> None:
     """Each unit its own task run in this process; with several devices, shared as a terminal run shares them."""
-    if job.devices:
+    from diffprep.run import launch
+
+    if job.devices or launch.group() is not None:  # shared with worker processes, or with the other ranks
         run.units_here(job, cset, plan, units, done)
         return
     for unit in units:

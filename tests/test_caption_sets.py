@@ -191,3 +191,28 @@ def test_a_set_that_is_not_written_is_refused_by_name(tmp_path: Path) -> None:
     settings = load_settings(overrides={"source": {"type": "directory", "input_dir": str(data), "caption_set": "nope"}})
     with pytest.raises(DiffprepError, match="diffprep caption --name nope"):
         open_source(settings.source)
+
+
+def test_torchrun_ranks_share_the_units_and_write_the_same_set(tmp_path: Path, standin_url: str) -> None:
+    """`torchrun --nproc_per_node 2 -m diffprep caption ...`: rank 0 plans, checks and writes, rank 1 captions
+    its units (u % 2 == 1); the set is the one a single process writes."""
+    import socket
+    import subprocess
+    import sys
+
+    from user_shell import terminal_env
+
+    one = media_folder(tmp_path / "one")
+    run_caption(job_for(one, standin_url))
+    ranked = media_folder(tmp_path / "ranked")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
+               "-m", "diffprep", "caption", "--input-dir", str(ranked), "--name", "v1", "--server-url", standin_url,
+               "--caption-model", "standin", "--batch-size", "2", "--unit-size", "2", "--instruction", INSTRUCTION]
+    done = subprocess.run(command, env=terminal_env(tmp_path / "prefect-home"), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rank 1: captioned units 000001" in done.stdout and "captioned: 4   rejected: 1" in done.stdout
+    assert set_bytes(ranked / ".captions" / "v1") == set_bytes(one / ".captions" / "v1")

@@ -1,6 +1,6 @@
 """The user path, captions: `diffprep caption` started as a new process in a fresh terminal (tests/user_shell.py)
-over images and a clip without captions, with the tiny random-weight Qwen2.5-VL; then the same name with other
-settings, which asks (and, with no one to answer, changes nothing)."""
+over images and a clip without captions, with the tiny random-weight Qwen2.5-VL (the question before replacing a set
+is tests/test_caption_sets.py's, in this process: a refused command here costs its recording, 30 s on 2 cores)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def term(tmp_path_factory) -> Terminal:
     print(f"\n{__name__}: commands and their seconds\n{term.report()}")
 
 
-def test_caption_a_folder_then_ask_before_replacing_it(term: Terminal) -> None:
+def test_caption_a_folder_with_the_tiny_vlm(term: Terminal) -> None:
     from diffprep.captions.tiny import write_tiny_qwen2_5_vl
 
     media_folder(term.cwd / "data")
@@ -39,9 +39,3 @@ def test_caption_a_folder_then_ask_before_replacing_it(term: Terminal) -> None:
     rows = [json.loads(line) for line in (term.cwd / "data" / "dataset.jsonl").read_text().splitlines()]
     assert [r["media_path"] for r in rows] == ["images/blue.png", "videos/clip.mp4", "images/green.png",
                                                "images/red.png"] and all(r["caption"] for r in rows)
-    units = {p.name: p.read_bytes() for p in (folder / "units").iterdir()}
-
-    # The same name with another instruction: asked; no terminal to answer on, so nothing is replaced.
-    term.run(command + " --instruction 'Name the colour.'").refused(
-        "Caption set 'first' exists with other settings", "--on-existing overwrite")
-    assert {p.name: p.read_bytes() for p in (folder / "units").iterdir()} == units

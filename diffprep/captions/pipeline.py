@@ -333,10 +333,17 @@ def caption_units(job: CaptionJob, cset: CaptionSet, plan: SetPlan, units: list[
     """The units in this process, or shared (``diffprep.run.pool``) with one process per device of
     ``job.devices``: this process is the one of its own device when that is listed (as an encode's), else
     it captions none; each worker takes units once its model is loaded."""
+    from diffprep.run import launch
     from diffprep.run.workers import parse_devices
 
     devices = parse_devices(job.devices) if job.devices else [job.device]
     here = partial(caption_unit, job, cset, plan.fingerprint, captioners=captioners, source=source)
+    group = launch.group()
+    if group is not None:  # rank 0 of a torchrun / srun launch: the units shared with the other ranks
+        group.decide({"set": cset.path, "fingerprint": plan.fingerprint, "settings": settings_digest(job),
+                      "units": units})
+        group.encode(launch.my_units(units, group.ranks), lambda unit: here(unit=unit), done)
+        return
     if devices == [job.device]:
         for unit in units:
             done(here(unit=unit))
@@ -353,6 +360,31 @@ def caption_units(job: CaptionJob, cset: CaptionSet, plan: SetPlan, units: list[
                 here_name=f"this process ({job.device})",
                 setups=[(d, partial(worker_setup, job, cset.path, plan.fingerprint, d)) for d in others],
                 done=lambda finished: done(dict(finished.result, worker=finished.worker)))
+
+
+def settings_digest(job: CaptionJob) -> str:
+    return hashlib.sha256(json.dumps(job.fingerprinted(), sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def follow_rank(job: CaptionJob, group: Any) -> dict[str, Any]:
+    """A rank other than 0 (``diffprep.run.launch``): wait for rank 0's plan, caption this rank's units of it
+    (``u % world_size == rank``), hear how the run ended. Refused when this rank's settings differ from rank 0's."""
+    rank = group.ranks.rank
+    message = group.decide()
+    if message is None:
+        return {"rank": rank, "units": []}
+    if settings_digest(job) != message["settings"]:
+        raise DiffprepError(f"rank {rank} has other captioning settings than rank 0: every rank must run the same "
+                            "command")
+    cset = CaptionSet(message["set"])
+    units = [u for u in message["units"] if u % group.ranks.world_size == rank]
+    captioners = Captioners(job, job.device)
+    source = caption_source(job)
+    group.encode(units, lambda unit: caption_unit(job, cset, message["fingerprint"], unit, captioners, source),
+                 lambda result: log.info("rank %d: unit %06d, %d captioned, %d rejected", rank, result["unit"],
+                                         result["count"], result["rejected"]))
+    group.outcome()
+    return {"rank": rank, "units": units}
 
 
 # --- audit and written -----------------------------------------------------------------------------------------------

@@ -78,11 +78,38 @@ def job_from_args(args: argparse.Namespace) -> Any:
 
 def run_caption_command(args: argparse.Namespace) -> int:
     """The caption flow on the server PREFECT_API_URL names, else here and recorded (as an encode is)."""
+    from diffprep.errors import ConfigError
     from diffprep.flows.caption import run_command
     from diffprep.flows.startup import quiet_user_error_tracebacks
+    from diffprep.run import launch
 
     quiet_user_error_tracebacks()
-    result = run_command(job_from_args(args))
+    job = job_from_args(args)
+    ranks = launch.detect_ranks()
+    if ranks.many:  # torchrun / srun: rank 0 runs the flow, the others caption their units (as encode's ranks)
+        if job.devices:
+            raise ConfigError(f"{ranks.launcher} starts {ranks.world_size} ranks, which share the units themselves: "
+                              "remove --devices")
+        job.device = launch.rank_device(job.device, ranks)
+        group = launch.join(ranks, timeout_s=3600 * 2)
+        try:
+            if ranks.rank != 0:
+                from diffprep.captions.pipeline import follow_rank
+
+                logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s | rank {ranks.rank} | "
+                                    "%(levelname)s | %(name)s - %(message)s")
+                result = follow_rank(job, group)
+            else:
+                result = run_command(job)
+        except BaseException as error:
+            launch.leave(error)  # the other ranks are told, by name
+            raise
+        launch.leave()
+        if ranks.rank != 0:
+            print(f"rank {result['rank']}: captioned units {', '.join(f'{u:06d}' for u in result['units']) or 'none'}")
+            return 0
+    else:
+        result = run_command(job)
     print_caption_summary(result)
     return 0
 
