@@ -216,3 +216,27 @@ def test_torchrun_ranks_share_the_units_and_write_the_same_set(tmp_path: Path, s
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1: captioned units 000001" in done.stdout and "captioned: 4   rejected: 1" in done.stdout
     assert set_bytes(ranked / ".captions" / "v1") == set_bytes(one / ".captions" / "v1")
+
+
+def test_the_flow_on_a_prefect_server_runs_its_tasks_and_shows_the_sanity_sample(
+        prefect_server, tmp_path: Path, standin_url: str) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
+                                                FlowRunFilterId)
+    from prefect.client.schemas.objects import StateType
+
+    from diffprep.flows.caption import caption_dataset, job_to_json
+
+    data = media_folder(tmp_path / "data")
+    state = caption_dataset(job_to_json(job_for(data, standin_url)), return_state=True)
+    assert state.type == StateType.COMPLETED and state.result()["audit"]["captioned"] == 4
+    with get_client(sync_client=True) as client:
+        run_id = state.state_details.flow_run_id
+        artifacts = {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))}
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    assert "data:image/png;base64," in artifacts["caption-sanity-v1"].data  # the sample's frames, shown
+    assert artifacts["caption-audit-v1"].description == "4 captioned, 1 rejected of 5"
+    assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == [  # a task run per phase and per unit
+        "caption-audit", "caption-plan", "caption-prepare", "caption-sanity", "caption-unit", "caption-unit",
+        "caption-unit", "caption-verify", "caption-write"]
