@@ -116,6 +116,7 @@ def test_a_set_with_other_settings_is_replaced_only_when_answered(tmp_path: Path
     with pytest.raises(ApprovalRefused, match="exists with other settings"):
         run_caption(other, ask=ask_here)  # no terminal here: the safe choice, nothing changed
     assert set_bytes(data / ".captions" / "v1") == before
+    assert sorted(p.name for p in (data / ".captions").iterdir()) == ["v1"]  # nothing of the refused run
     # Another name keeps the first set; two instructions: two captions per sample.
     kept = run_caption(job_for(data, standin_url, name="v2", instructions=[INSTRUCTION, "List the colours."]))
     assert kept["action"] == "fresh" and set_bytes(data / ".captions" / "v1") == before

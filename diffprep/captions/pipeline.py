@@ -108,6 +108,12 @@ def plan_set(job: CaptionJob) -> tuple[CaptionSet, SetPlan]:
     return cset, plan
 
 
+def discard_plan(cset: CaptionSet) -> None:
+    """The scratch plan of a run that stops before it writes one (a refused question)."""
+    if os.path.exists(_scratch_plan(cset)):
+        os.remove(_scratch_plan(cset))
+
+
 def _scratch_plan(cset: CaptionSet) -> str:
     return os.path.join(os.path.dirname(cset.path), f".{cset.name}.plan.tmp")
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from diffprep.captions.exports import write_caption_files, write_ltx_metadata
 from diffprep.captions.pipeline import (CaptionAudit, CaptionJob, CaptionSanity, Captioners, SetInspection,
-                                        audit_set, caption_source, caption_units, plan_set, prepare_set,
+                                        audit_set, caption_source, caption_units, discard_plan, plan_set,
+                                        prepare_set,
                                         sanity_check, verify_set, write_set)
 from diffprep.captions.sets import CaptionSet, SetPlan
 from diffprep.errors import DiffprepError
@@ -103,7 +104,11 @@ def run_caption(job: CaptionJob, *, ask: Ask = ask_here, steps: CaptionSteps | N
     inspection = steps.verify(cset, plan)
     answer = None
     if inspection.state == "other":
-        answer = ask(inspection.question(cset, plan), job.on_existing)
+        try:
+            answer = ask(inspection.question(cset, plan), job.on_existing)
+        except BaseException:
+            discard_plan(cset)  # nothing of this run is left beside the sets
+            raise
     units_left = steps.prepare(cset, plan, inspection, answer)
     action = {"fresh": "fresh", "other": "overwrite", "resume": "resume", "written": "reuse"}[inspection.state]
     result: dict[str, Any] = {"set": cset.path, "name": cset.name, "action": action, "fingerprint": plan.fingerprint,

@@ -36,6 +36,7 @@ from diffprep.writer.shards import atomic_write_bytes
 
 SET_VERSION = 1
 PLAN = "plan.jsonl"
+PLAN_OFFSETS = "plan.offsets"  # each unit's line's byte offset in plan.jsonl, 8 bytes little-endian per unit
 UNITS_DIR = "units"
 SANITY_DIR = "sanity"
 CAPTIONS_JSONL = "captions.jsonl"
@@ -99,9 +100,12 @@ class CaptionSet:
         """plan.jsonl from ``units`` (the same ids the fingerprint was made of), then set.json without a digest."""
         os.makedirs(self.file(UNITS_DIR), exist_ok=True)
         temporary = self.file(PLAN + ".tmp")
-        with open(temporary, "w", encoding="utf-8") as f:
+        offsets = self.file(PLAN_OFFSETS + ".tmp")
+        with open(temporary, "wb") as f, open(offsets, "wb") as index:
             for unit, ids in enumerate(units):
-                f.write(json.dumps({"unit": unit, "source_ids": ids}, ensure_ascii=False) + "\n")
+                index.write(f.tell().to_bytes(8, "little"))
+                f.write((json.dumps({"unit": unit, "source_ids": ids}, ensure_ascii=False) + "\n").encode("utf-8"))
+        os.replace(offsets, self.file(PLAN_OFFSETS))
         os.replace(temporary, self.file(PLAN))
         self.write_record({"version": SET_VERSION, "name": plan.name, "fingerprint": plan.fingerprint,
                            "settings": plan.settings, "units": plan.units, "samples": plan.samples,
@@ -117,10 +121,16 @@ class CaptionSet:
                 yield entry["unit"], entry["source_ids"]
 
     def unit_ids(self, unit: int) -> list[str]:
-        for index, ids in self.plan_units():
-            if index == unit:
-                return ids
-        raise DiffprepError(f"caption set {self.name}: unit {unit} is not in its plan ({self.file(PLAN)})")
+        """One unit's ids: its line found through plan.offsets (a worker never reads the whole plan)."""
+        with open(self.file(PLAN_OFFSETS), "rb") as index:
+            index.seek(8 * unit)
+            offset = index.read(8)
+        if unit < 0 or len(offset) != 8:
+            raise DiffprepError(f"caption set {self.name}: unit {unit} is not in its plan ({self.file(PLAN)})")
+        with open(self.file(PLAN), "rb") as f:
+            f.seek(int.from_bytes(offset, "little"))
+            entry = json.loads(f.readline())
+        return entry["source_ids"]
 
     # --- units ---------------------------------------------------------------------------------------------------
 
