@@ -241,3 +241,21 @@ def test_the_flow_on_a_prefect_server_runs_its_tasks_and_shows_the_sanity_sample
     assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == [  # a task run per phase and per unit
         "caption-audit", "caption-plan", "caption-prepare", "caption-sanity", "caption-unit", "caption-unit",
         "caption-unit", "caption-verify", "caption-write"]
+
+
+def test_caption_files_are_written_on_request_and_read_by_the_directory_source(tmp_path: Path,
+                                                                              standin_url: str) -> None:
+    data = media_folder(tmp_path / "data")
+    run_caption(job_for(data, standin_url))
+    assert not (data / "captions").exists()  # not asked for: none written
+    assert run_caption(job_for(data, standin_url, caption_files=True))["caption_files"] == 4
+    listed = {r["source_id"]: r["caption"] for r in map(json.loads, (
+        data / ".captions" / "v1" / CAPTIONS_JSONL).read_text().splitlines())}
+    source = open_source(SourceConfig(type="directory", input_dir=str(data)))
+    read = {s.source_id: s.caption for s in source.read(list(source.list_ids())) if s.reject is None}
+    assert read == listed
+    assert run_caption(job_for(data, standin_url, caption_files=True))["caption_files"] == 4  # the same: not asked
+    (data / "captions" / "red.txt").write_text("my own caption")
+    with pytest.raises(ApprovalRefused, match="caption files: 1 file"):
+        run_caption(job_for(data, standin_url, caption_files=True))
+    assert (data / "captions" / "red.txt").read_text() == "my own caption"

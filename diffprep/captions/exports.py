@@ -78,6 +78,11 @@ def write_ltx_metadata(cset: CaptionSet, path: str, ask: Ask, preset: str | None
     return path
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def write_caption_files(cset: CaptionSet, ask: Ask, preset: str | None = None) -> int:
     """``captions/<stem>.txt`` for every captioned sample of a directory source (its first caption); existing
     caption files are replaced only after ``ask``. Returns how many were written."""
@@ -90,7 +95,8 @@ def write_caption_files(cset: CaptionSet, ask: Ask, preset: str | None = None) -
             raise DiffprepError(f"caption files are the directory source's (images/, videos/, captions/); "
                                 f"{row['source_id']!r} is no file of such a folder")
         planned.append((os.path.join(root, "captions", os.path.splitext(rel)[0] + ".txt"), row["caption"]))
-    existing = [p for p, _ in planned if os.path.exists(p)]
+    # Files that already hold their caption are no replacement (the same command again asks nothing).
+    existing = [p for p, caption in planned if os.path.exists(p) and _read(p) != caption.encode("utf-8")]
     if existing:
         ask(replace_question("caption-files-exist", "caption files", existing, len(existing)), preset)
     for path, caption in planned:
