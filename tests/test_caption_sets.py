@@ -141,7 +141,9 @@ def test_the_ltx_metadata_file_reads_as_the_ltx_trainer_reads_it(tmp_path: Path,
         relative = "videos/clip.mp4" if sample.video is not None else f"images/{sample.source_id.rsplit('/', 1)[-1]}"
         assert sample.caption == listed[relative]
         assert sample.media == (data / relative).read_bytes()
-    # Written again over the existing file: only when answered.
+    # The same file again: nothing to ask. Over a file that differs: only when answered.
+    run_caption(job_for(data, standin_url, ltx_metadata=str(data / "dataset.json")))
+    (data / "dataset.json").write_text("[]")
     with pytest.raises(ApprovalRefused, match="LTX metadata file"):
         run_caption(job_for(data, standin_url, ltx_metadata=str(data / "dataset.json")))
     run_caption(job_for(data, standin_url, ltx_metadata=str(data / "dataset.json"), on_replace_files="replace"))

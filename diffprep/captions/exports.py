@@ -61,8 +61,6 @@ def write_ltx_metadata(cset: CaptionSet, path: str, ask: Ask, preset: str | None
                                 "metadata file")
         rows.append({"caption": row["caption"],
                      "media_path": os.path.relpath(os.path.join(root, row["media_path"]), folder)})
-    if os.path.exists(path):
-        ask(replace_question("ltx-metadata-exists", "LTX metadata file", [path], 1), preset)
     if extension == ".json":
         data = json.dumps(rows, ensure_ascii=False, indent=2) + "\n"
     elif extension == ".jsonl":
@@ -73,6 +71,8 @@ def write_ltx_metadata(cset: CaptionSet, path: str, ask: Ask, preset: str | None
         writer.writeheader()
         writer.writerows(rows)
         data = buffer.getvalue()
+    if os.path.exists(path) and _read(path) != data.encode("utf-8"):  # the same file again is no replacement
+        ask(replace_question("ltx-metadata-exists", "LTX metadata file", [path], 1), preset)
     os.makedirs(folder, exist_ok=True)
     atomic_write_bytes(path, data.encode("utf-8"))
     return path
