@@ -185,6 +185,12 @@ def test_encode_reads_a_caption_set_and_asks_about_long_captions(tmp_path: Path,
     source = open_source(flux.source.model_copy(update={"caption_reject_over": "flux:3"}))
     read = list(source.read(["blue.png", "clip.mp4"]))
     assert [s.reject.reason for s in read] == ["caption_too_long", "caption_too_long"]
+    from diffprep.sources.base import caption_settings
+
+    assert caption_settings(source_cfg := flux.source)["caption_set"]["digest"] == CaptionSet(str(set_path)).record()[
+        "digest"]
+    assert caption_settings(source_cfg.model_copy(update={"caption_reject_over": "flux:3"})) != caption_settings(
+        source_cfg)  # rejecting over-long captions is another dataset: another fingerprint
     assert long_caption_overrides(flux.model_copy(update={"source": flux.source.model_copy(
         update={"on_long_caption": "truncate"})}), {}) == {}
 

@@ -68,7 +68,10 @@ def read_written_set(path: str) -> dict[str, Any]:
 def caption_set_settings(cfg: Any) -> dict[str, Any]:
     """What the chosen caption set adds to an encode's fingerprint: its name, digest and caption index."""
     record = read_written_set(set_dir(cfg, cfg.caption_set))
-    return {"caption_set": {"name": cfg.caption_set, "digest": record["digest"], "index": cfg.caption_index}}
+    chosen = {"name": cfg.caption_set, "digest": record["digest"], "index": cfg.caption_index}
+    if cfg.caption_reject_over:  # over-long captions rejected rather than cut: other samples, another dataset
+        chosen["reject_over"] = cfg.caption_reject_over
+    return {"caption_set": chosen}
 
 
 class CaptionIndex:
