@@ -81,7 +81,7 @@ def test_tiny_captioner_is_the_same_files_for_the_same_seed(tiny_captioner, tmp_
             "preprocessor_config.json", "video_preprocessor_config.json"} <= set(names)
     assert names == sorted(p.name for p in again.iterdir())
     assert all((tiny_captioner / n).read_bytes() == (again / n).read_bytes() for n in names)
-    with pytest.raises(FileExistsError):
+    with pytest.raises(ConfigError, match="already holds a model"):
         write_tiny_qwen2_5_vl(again)
 
 
@@ -130,6 +130,8 @@ def test_a_clip_is_a_video_with_its_frame_times(captioner, samples):
     image = captioner.image_processor(images=[frame], return_tensors="pt")
     assert torch.equal(patches, image["pixel_values"]) and grid.tolist() == image["image_grid_thw"][0].tolist()
     assert seconds == 1.0
+    with pytest.raises(ConfigError, match="one frame for an image"):
+        captioner.inputs([CaptionInput("two-stills", [frame, frame])])
     # The clip's motion reaches the model: its frames reversed give another caption.
     reversed_clip = CaptionInput("clip-r", item.frames[::-1], fps=item.fps)
     assert captioner.caption([reversed_clip]) != captioner.caption([item])
@@ -148,7 +150,8 @@ def test_describe_records_the_model_files_and_settings(captioner, tiny_captioner
     described = captioner.describe()
     assert described["backend"] == "transformers" and described["class"] == "Qwen2_5_VLForConditionalGeneration"
     assert described["model"]["source"] == str(tiny_captioner.resolve())
-    assert "config.json" in described["model"]["files_sha256"] and "model.safetensors" in described["model"]["weight_bytes"]
+    assert "config.json" in described["model"]["files_sha256"]
+    assert "model.safetensors" in described["model"]["weight_bytes"]
     assert CaptionSettings.from_json(described["settings"]) == captioner.settings
     json.dumps(described)
 
@@ -166,8 +169,8 @@ def test_a_hub_model_missing_offline_names_the_ways_out(monkeypatch, tmp_path):
 
 
 def test_settings_refuse_bad_values_naming_them():
-    for bad, match in [({"max_new_tokens": 0}, "max_new_tokens"), ({"fps": 0}, "fps"), ({"instruction": " "}, "instruction"),
-                       ({"server_url": "localhost:8000"}, "http://")]:
+    for bad, match in [({"max_new_tokens": 0}, "max_new_tokens"), ({"fps": 0}, "fps"),
+                       ({"instruction": " "}, "instruction"), ({"server_url": "localhost:8000"}, "http://")]:
         with pytest.raises(ConfigError, match=match):
             CaptionSettings(**bad)
     with pytest.raises(ConfigError, match="unknown field.*temperature"):
@@ -191,8 +194,12 @@ def test_clip_frames_are_sampled_at_fps_and_capped_evenly(tmp_path):
     assert image.fps is None and len(image.frames) == 1 and image.frames[0].mode == "RGB"
 
 
-def test_bad_media_is_a_named_reject(tmp_path):
+def test_bad_media_is_a_named_reject(monkeypatch):
     good = png(picture(40, 30, 0))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # Pillow refuses a 40x30 picture at open: still an image
+    with pytest.raises(RejectError, match="image_too_large"):
+        caption_input("bomb", good, fps=2.0, max_frames=8)
+    monkeypatch.undo()
     for data, reason in [(b"", "empty_file"), (good[: len(good) // 2], "image_truncated"),
                          (b"not a picture nor a clip" * 10, "video_decode_error"),
                          (clip(8, 1)[:400], "video")]:
@@ -211,7 +218,8 @@ def server_settings(server: OpenAIStandin, **more) -> CaptionSettings:
 
 def test_the_server_gets_frames_as_data_urls_greedy_with_max_tokens(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "sk-standin")
-    items = [CaptionInput("i", [picture(32, 24, 1)]), CaptionInput("c", [picture(32, 24, k) for k in range(3)], fps=2.0),
+    items = [CaptionInput("i", [picture(32, 24, 1)]),
+             CaptionInput("c", [picture(32, 24, k) for k in range(3)], fps=2.0),
              CaptionInput("j", [picture(32, 24, 2)])]
     with OpenAIStandin(api_key="sk-standin") as server:
         captioner = load_captioner(server_settings(server))

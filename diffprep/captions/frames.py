@@ -66,8 +66,10 @@ def is_image(path_or_bytes: bytes | str | os.PathLike) -> bool:
     try:
         with Image.open(source):
             return True
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-        # Not an image (or one Pillow refuses before decoding: the image path names it then).
+    except Image.DecompressionBombError:
+        return True  # an image too large to open: the image path names it (image_too_large)
+    except (UnidentifiedImageError, OSError, ValueError):
+        # Not an image Pillow knows; a file named as one goes to the image path, which names what is wrong with it.
         return isinstance(source, Path) and source.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp")
 
 

@@ -24,7 +24,6 @@ batches of 16).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,13 +37,8 @@ __all__ = ["DEFAULT_INSTRUCTION", "DEFAULT_MODEL", "CaptionInput", "CaptionSetti
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 
-# One paragraph, as the peers ask theirs: what is seen, what moves, where, and how it is filmed, with no preamble.
-DEFAULT_INSTRUCTION = (
-    "Describe this video in detail in one paragraph. Say who or what the main subjects are and what they look "
-    "like, what they do and how they move, the setting and the background, the lighting and the colours, and how "
-    "the camera frames them and moves. Describe only what can be seen, in plain prose, without a preamble, lists "
-    "or speculation. If it is a single image, describe it the same way."
-)
+# The curation peers' default captioning prompt (Cosmos-Curate, NeMo Curator; VILA's and Cosmos' papers use it too).
+DEFAULT_INSTRUCTION = "Elaborate on the visual and narrative elements of the video in detail."
 
 
 @dataclass(frozen=True)
@@ -58,7 +52,7 @@ class CaptionSettings:
     fps: float = 2.0  # frames sampled per second of a clip
     max_frames: int = 256  # a clip's frames are capped (evenly spaced) at this
     batch_size: int = 16
-    seed: int = 0
+    seed: int = 0  # greedy decoding draws nothing; recorded, and sent to a server as its request seed
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -86,7 +80,8 @@ class CaptionSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"caption settings: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ConfigError(f"caption settings: unknown field(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
         return cls(**data)
 
 
@@ -147,6 +142,9 @@ class TransformersCaptioner:
     clip tells the model its frames' times (``second_per_grid_ts``), and
     ``mm_token_type_ids`` marks the vision tokens for the 3-D positions, as the
     processor does.
+
+    One ``caption`` call at a time per captioner: generate keeps the batch's
+    position offsets (``rope_deltas``) on the model between its steps.
     """
 
     def __init__(self, settings: CaptionSettings, *, device: str = "cpu", token: str | None = None) -> None:
@@ -190,6 +188,11 @@ class TransformersCaptioner:
         """The model's inputs for ``batch`` (what ``processor(text=..., images=..., videos=...)`` returns)."""
         import torch
 
+        for item in batch:
+            if not item.frames or (not item.is_video and len(item.frames) != 1):
+                raise ConfigError(f"{item.key}: a caption input holds one frame for an image (fps None) or the "
+                                  f"frames of a clip (with its fps), got {len(item.frames)} frames and fps "
+                                  f"{item.fps}; make it with diffprep.captions.frames.caption_input")
         texts: list[str] = []
         images = [item.frames[0] for item in batch if not item.is_video]
         image_inputs = self.image_processor(images=images, return_tensors="pt") if images else {}
@@ -342,6 +345,3 @@ def _video_settings(folder: Any, image_processor: Any) -> dict[str, Any]:
                                 "longest_edge": saved.get("max_pixels", settings["size"]["longest_edge"])}
     return settings
 
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

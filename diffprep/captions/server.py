@@ -12,6 +12,9 @@ batches them):
 Each frame travels as a ``data:image/jpeg;base64,...`` URL (JPEG at quality
 :data:`JPEG_QUALITY`: the same bytes for the same frame with the same Pillow);
 a clip's text says how many frames and at what rate before the instruction.
+A server must accept that many images in one prompt: vLLM takes one unless
+started with ``--limit-mm-per-prompt '{"image": 256}'`` (the captions' ``max_frames``),
+and answers 400 otherwise (its message is passed on).
 
 The API key comes from the ``OPENAI_API_KEY`` environment variable (vLLM's
 ``--api-key``), sent as a bearer token and never written to a message or log.

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from diffprep.errors import ConfigError
+
 __all__ = ["SPECIAL_TOKENS", "write_tiny_qwen2_5_vl"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -71,7 +73,7 @@ def write_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     if (root / "config.json").exists() or (root / "tokenizer.json").exists():
-        raise FileExistsError(f"{root} already holds a model; pass an empty or new folder")
+        raise ConfigError(f"{root} already holds a model; pass an empty or new folder (nothing was written)")
 
     tokenizer = _tokenizer()
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
