@@ -20,7 +20,7 @@ log = logging.getLogger("diffprep.recorded")
 MAX_LOG_LINES = 20_000
 RECORD_UNITS_ENV = "DIFFPREP_RECORD_UNITS"
 RECORD_UNITS = 100
-UNIT_TASK = "encode-unit"
+UNIT_TASKS = ("encode-unit", "caption-unit")  # the flows' task per unit (encode-dataset, caption-dataset)
 
 
 @dataclass
@@ -58,9 +58,11 @@ def _at(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def write_flow_run(recorder: Any, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> Any:
+def write_flow_run(recorder: Any, flow: Any, parameters: dict[str, Any], error: BaseException | None,
+                   tasks: dict[str, Any] | None = None) -> Any:
     """The run as the flow would have left it on the server: flow run, task runs, artifacts, logs, final state
-    (``recorder``: the run's ``flows.recorded.Recorder``).
+    (``recorder``: the run's ``flows.recorded.Recorder``; ``tasks``: the flow's tasks by name, default the
+    encode's; the caption flow passes its own).
 
     The server stamps every state with the time it receives it (the API takes no timestamp), so each state's
     message says when its run really ran; the log lines keep their own times."""
@@ -78,10 +80,10 @@ def write_flow_run(recorder: Any, flow: Any, parameters: dict[str, Any], error: 
             client.create_artifact(ArtifactCreate(key=artifact.key, type=artifact.type,
                                                   description=artifact.description, data=artifact.format(_sync=True),
                                                   flow_run_id=flow_run.id))
-        tasks, where = folded(recorder.tasks, unit_limit())
+        records, where = folded(recorder.tasks, unit_limit())
         ids: list[Any] = []
-        for index, task in enumerate(tasks):
-            task_run = client.create_task_run(TASKS_BY_NAME[task.task], flow_run.id, f"{task.name}-{index}",
+        for index, task in enumerate(records):
+            task_run = client.create_task_run((tasks or TASKS_BY_NAME)[task.task], flow_run.id, f"{task.name}-{index}",
                                               name=task.name, state=Running())
             # A task the run's end cut short (a worker's unit at a Ctrl-C) ended with the run, as the run did.
             ended, ended_error = (task.ended, task.error) if task.ended else (recorder.ended, task.error or error)
@@ -119,7 +121,7 @@ def folded(tasks: list[TaskRecord], limit: int) -> tuple[list[TaskRecord], list[
     """``tasks`` with the units past ``limit`` (failed units: past ``limit`` more) folded into one task run placed
     where the first of them was; returns the task runs to write and, per original task, the index of the one that
     holds it now (the log lines follow their task)."""
-    units = [i for i, task in enumerate(tasks) if task.task == UNIT_TASK]
+    units = [i for i, task in enumerate(tasks) if task.task in UNIT_TASKS]
     if len(units) <= limit:
         return list(tasks), list(range(len(tasks)))
     failed = [i for i in units if tasks[i].error is not None][:limit]
@@ -128,10 +130,10 @@ def folded(tasks: list[TaskRecord], limit: int) -> tuple[list[TaskRecord], list[
     first, last = tasks[rest[0]], tasks[rest[-1]]
     workers = sorted({tasks[i].worker for i in rest if tasks[i].worker})
     span = first.name if first is last else f"{first.name}..{last.name.rsplit('-', 1)[-1]}"
-    summary = TaskRecord(
-        UNIT_TASK, f"{span} ({len(rest)} unit{'s' if len(rest) > 1 else ''}, one task run: {RECORD_UNITS_ENV}={limit})",
-        min(tasks[i].started for i in rest), max(tasks[i].ended for i in rest) if all(tasks[i].ended for i in rest)
-        else 0.0, worker=", ".join(workers))
+    units_named = f"{len(rest)} unit{'s' if len(rest) > 1 else ''}"
+    ended = max(tasks[i].ended for i in rest) if all(tasks[i].ended for i in rest) else 0.0
+    summary = TaskRecord(first.task, f"{span} ({units_named}, one task run: {RECORD_UNITS_ENV}={limit})",
+                         min(tasks[i].started for i in rest), ended, worker=", ".join(workers))
     out: list[TaskRecord] = []
     where: list[int] = []
     summary_at = None

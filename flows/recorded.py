@@ -381,14 +381,15 @@ class ServerStart:
         finally:
             self.up.set()
 
-    def record(self, recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> None:
+    def record(self, recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None,
+               tasks: dict[str, Any] | None = None) -> None:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         self.up.wait()
         if self.error is None:
             try:
                 with temporary_settings(updates={PREFECT_API_URL: self.url}):
-                    flow_run = write_flow_run(recorder, flow, parameters, error)
+                    flow_run = write_flow_run(recorder, flow, parameters, error, tasks)
                 log.info("recorded as flow run '%s' (%s) in Prefect: `prefect server start` shows it",
                          flow_run.name, final_state(error).name)
                 return

@@ -76,6 +76,11 @@ def run_encode(config: str | None, overrides: dict[str, dict[str, Any]], *, raw:
                                                                                     shard))}
     ranks = launch.detect_ranks()
     settings = load_settings(config, overrides)
+    if settings.source.caption_set:  # captions over the text encoder's limit: asked before anything starts
+        from diffprep.cli.caption import long_caption_overrides
+
+        overrides = long_caption_overrides(settings, overrides)
+        settings = load_settings(config, overrides)
     check_runnable(settings)  # fail on bad settings before Prefect starts,
     # and on what the settings name that is not there or the encoding refuses (nothing started, nothing written)
     preflight(settings, contract.ENCODING_RAW if raw else contract.ENCODING_PREENCODED)
@@ -237,6 +242,13 @@ def cmd_raw(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_caption(args: argparse.Namespace) -> int:
+    from diffprep.cli.caption import run_caption_command
+
+    prefect_defaults()
+    return run_caption_command(args)
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from diffprep.tools.ingest import ingest
     from diffprep.tools.ingest_settings import SECTION, load_ingest
@@ -289,6 +301,15 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the embedded default: synthetic data, tiny encoders, embedded Prefect."""
     work = Path(args.workdir)
+    if args.data_only:  # the input alone, for the documentation's examples: a user's own data, made up
+        from diffprep.tools.demo import write_demo_clips, write_demo_dataset
+
+        if args.family == "wan":
+            path = write_demo_clips(work / "demo-clips", samples=args.samples or 10)
+        else:
+            path = write_demo_dataset(work / "demo-data", samples=args.samples or 24)
+        print(f"demo data written to {path}: images/ (or videos/) and captions/, paired by file stem")
+        return 0
     if args.family == "wan":
         return _demo_wan(work, args.samples or 10)
     from diffprep.tools.demo import write_demo_dataset
@@ -392,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_ingest_arguments(ingest)
     ingest.set_defaults(func=cmd_ingest)
 
+    from diffprep.cli.caption import add_parser as add_caption_parser
+
+    add_caption_parser(sub).set_defaults(func=cmd_caption)
+
     from diffprep.cli.dataset import add_parsers as add_dataset_parsers
 
     add_dataset_parsers(sub)
@@ -422,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=None, help="samples to write (default 24 images, 10 clips)")
     demo.add_argument("--family", choices=("flux", "wan"), default="flux",
                       help="flux: images through the tiny Flux set; wan: clips through the tiny Wan set")
+    demo.add_argument("--data-only", action="store_true",
+                      help="write the demo data alone (DIR/demo-data; --family wan: DIR/demo-clips) and stop")
     demo.set_defaults(func=cmd_demo)
 
     automation = sub.add_parser("automation", help="Prefect automations of diffprep (needs PREFECT_API_URL)")

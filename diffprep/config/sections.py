@@ -89,6 +89,24 @@ class SourceConfig(_Section):
         None, description="metadata: the column naming each clip's depth clip (Wan: depth_latent.pth, FastGen's VACE "
         "v2v depth_latent), e.g. depth_path; decoded with the clip's frames, crop and size.",
     )
+    caption_set: str | None = Field(
+        None, description="The captions of a caption set written by `diffprep caption --name NAME` instead of the "
+        "source's own (its name and digest are fingerprinted); see docs/captions.md.",
+    )
+    caption_index: int = Field(0, ge=0, description="With --caption-set: which of a sample's captions (0: the "
+                               "first instruction's).")
+    captions_dir: str | None = Field(
+        None, description="The folder whose .captions/ holds the caption sets; default beside the data (the input "
+        "folder, or the metadata file's folder).",
+    )
+    on_long_caption: Literal["truncate", "reject"] | None = Field(
+        None, description="With --caption-set: captions over the text encoder's limit are cut (truncate) or left "
+        "out as named rejects (reject); unset: asked.",
+    )
+    caption_reject_over: str | None = Field(
+        None, description="With --caption-set: FAMILY:LIMIT, a caption over LIMIT of that family's text-encoder "
+        "tokens is a caption_too_long reject (what the over-long question's answer `reject` sets).",
+    )
     caption_template: str | None = Field(
         None, description="huggingface, imagefolder, cifar10: a caption made from a class label, e.g. 'a photo of "
         "a {label}' ({label}: the class name). Unset: the class name alone. Text captions are kept as they are.",

@@ -27,13 +27,15 @@ SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefold
 
 
 def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneChunking | None = None,
-                planned: Mapping[str, Any] | None = None) -> Source:
+                planned: Mapping[str, Any] | None = None, captions_optional: bool = False) -> Source:
     """Open the source that ``cfg`` describes; a ``SourceError`` says what is missing.
 
     ``token`` is a Hugging Face token, used by the huggingface source only. ``scenes`` is how scenes are sampled
     and chunked (``SceneSpec.from_settings``), which decides a scenes source's ids; the other sources ignore it.
     ``planned`` is a plan's ``describe()`` of the source: what listing found that opening need not find again
     (a metadata file's columns); the other sources ignore it.
+    ``captions_optional``: media without caption files is listed (each still a ``missing_caption`` reject): a
+    caption run's source, or the one under a caption set (``source.caption_set``).
     """
     if cfg.score_columns and cfg.type != "metadata":
         raise SourceError(f"source.score_columns (--score-column {','.join(cfg.score_columns)}) reads the columns of "
@@ -42,10 +44,19 @@ def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneChu
     if cfg.depth_key and cfg.type != "metadata":
         raise SourceError(f"source.depth_key (--depth-column {cfg.depth_key}) names a column of a metadata file "
                           f"(--source-type metadata --metadata-file FILE); the {cfg.type} source has none: remove it")
+    if getattr(cfg, "caption_set", None):  # --caption-set NAME: the captions of a set written by `diffprep caption`
+        from diffprep.sources.caption_set import CaptionSetSource, set_dir
+
+        inner = open_source(cfg.model_copy(update={"caption_set": None}), token=token, scenes=scenes,
+                            captions_optional=True)
+        family, _, limit = (cfg.caption_reject_over or "").partition(":")
+        return CaptionSetSource(inner, set_dir(cfg, cfg.caption_set), cfg.caption_index,
+                                reject_over=(family, int(limit)) if limit else None)
     if cfg.type == "directory":
         if not cfg.input_dir:
             raise SourceError("source.input_dir is not set: give the folder holding images/ and captions/")
-        return DirectorySource(cfg.input_dir, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
+        return DirectorySource(cfg.input_dir, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile,
+                               captions_optional=captions_optional)
     if cfg.type == "imagefolder":
         if not cfg.input_dir:
             raise SourceError("source.input_dir is not set: give the folder of class folders (ImageNet's train/)")

@@ -103,6 +103,10 @@ def caption_settings(cfg: Any) -> dict[str, Any]:
     if cfg.class_names:
         names = json.dumps(read_class_names(cfg.class_names), ensure_ascii=False).encode("utf-8")
         found["class_names_sha256"] = hashlib.sha256(names).hexdigest()
+    if getattr(cfg, "caption_set", None):  # --caption-set: the set's name and digest (a re-captioned set: new data)
+        from diffprep.sources.caption_set import caption_set_settings
+
+        found |= caption_set_settings(cfg)
     return found
 
 

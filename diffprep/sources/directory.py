@@ -161,7 +161,7 @@ def _walk_files(top: str, prefix: str = "") -> Iterator[tuple[str, str]]:
 class _LocalFolder:
     """``images/``, ``videos/`` and ``captions/`` on disk."""
 
-    def __init__(self, input_dir: str) -> None:
+    def __init__(self, input_dir: str, captions_optional: bool = False) -> None:
         self.root = os.path.abspath(os.path.expanduser(input_dir))
         self.captions_root = os.path.join(self.root, CAPTIONS_DIR)
         if not os.path.isdir(self.root):
@@ -169,7 +169,7 @@ class _LocalFolder:
         self.media = [sub for sub in MEDIA_EXTENSIONS if os.path.isdir(os.path.join(self.root, sub))]
         if not self.media:
             raise SourceError(f"source.input_dir {self.root} has no images/ or videos/ folder; {_LAYOUT_HINT}")
-        if not os.path.isdir(self.captions_root):
+        if not os.path.isdir(self.captions_root) and not captions_optional:
             raise SourceError(f"source.input_dir {self.root} has no captions/ folder; {_LAYOUT_HINT}")
         self.extra: dict = {}
         self.others: list[str] = []  # the ids of files that are no sample, found by the listing so far
@@ -359,15 +359,25 @@ class _S3Folder:
 class DirectorySource:
     """``images/`` and ``videos/`` with ``captions/`` paired by file stem, on disk or in a bucket (module docstring)."""
 
-    def __init__(self, input_dir: str, *, s3_endpoint_url: str | None = None, s3_profile: str | None = None) -> None:
+    def __init__(self, input_dir: str, *, s3_endpoint_url: str | None = None, s3_profile: str | None = None,
+                 captions_optional: bool = False) -> None:
+        # captions_optional: media without captions/ (a caption run, or an encode reading a caption set): a
+        # sample without a caption file is still a missing_caption reject, which the caption set answers.
         if is_s3_url(input_dir):
             self._folder: _LocalFolder | _S3Folder = _S3Folder(input_dir, s3_endpoint_url, s3_profile)
         else:
-            self._folder = _LocalFolder(input_dir)
+            self._folder = _LocalFolder(input_dir, captions_optional)
         self.root = self._folder.root
 
     def describe(self) -> dict:
         return {"type": "directory", "input_dir": self.root} | self._folder.extra
+
+    def media_path(self, source_id: str) -> str | None:
+        """A media sample's file (a caption set's ``media_path``); None for an id that is no media file."""
+        if source_id.startswith((CAPTION_ONLY_PREFIX, OTHER_PREFIX)):
+            return None
+        rel = unescape_id(source_id)
+        return self._folder.where(_media_folder(rel), rel)
 
     def list_ids(self) -> Iterator[str]:
         # Every stream is in order, so the merge is lazy.
