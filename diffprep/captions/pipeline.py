@@ -37,7 +37,7 @@ from typing import Any
 from diffprep.captions.sets import AUDIT_JSON, SANITY_DIR, TOKENS_JSON, CaptionSet, SetPlan, fingerprint_of
 from diffprep.captions.tokens import TokenCounter, tokens_markdown
 from diffprep.config import SourceConfig
-from diffprep.errors import ConfigError, DiffprepError, RejectError
+from diffprep.errors import DiffprepError, RejectError
 from diffprep.run.approvals import ABORT, Question
 from diffprep.sources import open_source
 from diffprep.sources.caption_set import SETS_FOLDER
