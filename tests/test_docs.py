@@ -87,7 +87,7 @@ def refused_parser(document: Document):
     for region in FencedCodeBlockLexer(SHELL_LANGUAGES)(document):
         raise ValueError(f"{document.path}, {document.line_column(region.start)}: a ```{region.lexemes['language']} "
                          "block; commands a user types go in ```console blocks (`$ ` lines), which the tests run")
-    for marker in re.finditer(r"<!--\s*check:[^\n]*-->", document.text):
+    for marker in re.finditer(r"^<!--\s*check:[^\n]*-->", document.text, re.M):
         after = document.text[marker.end():].lstrip("\n")
         if not PARSE_ONLY.search(marker.group()) or not after.startswith("```console"):
             raise ValueError(f"{document.path}, {document.line_column(marker.start())}: {marker.group()!r} must be "
