@@ -91,6 +91,17 @@ class Terminal:
         self.history.append(ran)
         return ran
 
+    def shell(self, command: str, timeout: float = 600) -> Ran:
+        """Run ``command`` as the user's shell runs a line they type (bash: `VAR=x cmd`, pipes, globs, `~`, ` \\`
+        continuation lines), a new process in the terminal's folder: the documentation's console blocks
+        (tests/test_docs.py) are run this way."""
+        start = time.monotonic()
+        done = subprocess.run(["bash", "-c", command], env=self.env, cwd=self.cwd, capture_output=True, text=True,
+                              timeout=timeout)
+        ran = Ran(command, done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+        self.history.append(ran)
+        return ran
+
     def report(self) -> str:
         """Each command run so far with its seconds, for the layer's time (printed with ``pytest -s``)."""
         return "\n".join(f"{ran.seconds:6.1f} s  exit {ran.returncode}  {ran.command}" for ran in self.history)

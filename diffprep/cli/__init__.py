@@ -282,6 +282,15 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the embedded default: synthetic data, tiny encoders, embedded Prefect."""
     work = Path(args.workdir)
+    if args.data_only:  # the input alone, for the documentation's examples: a user's own data, made up
+        from diffprep.tools.demo import write_demo_clips, write_demo_dataset
+
+        if args.family == "wan":
+            path = write_demo_clips(work / "demo-clips", samples=args.samples or 10)
+        else:
+            path = write_demo_dataset(work / "demo-data", samples=args.samples or 24)
+        print(f"demo data written to {path}: images/ (or videos/) and captions/, paired by file stem")
+        return 0
     if args.family == "wan":
         return _demo_wan(work, args.samples or 10)
     from diffprep.tools.demo import write_demo_dataset
@@ -413,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=None, help="samples to write (default 24 images, 10 clips)")
     demo.add_argument("--family", choices=("flux", "wan"), default="flux",
                       help="flux: images through the tiny Flux set; wan: clips through the tiny Wan set")
+    demo.add_argument("--data-only", action="store_true",
+                      help="write the demo data alone (DIR/demo-data; --family wan: DIR/demo-clips) and stop")
     demo.set_defaults(func=cmd_demo)
 
     automation = sub.add_parser("automation", help="Prefect automations of diffprep (needs PREFECT_API_URL)")
