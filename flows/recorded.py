@@ -44,12 +44,11 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
 from diffprep.config import Settings
+from diffprep.flows.record_write import MAX_LOG_LINES, TaskRecord, final_state, write_flow_run
 
 # diffprep.phases.pipeline and the tasks (torch, the encoders' libraries: seconds) are imported once the server's process
 # has started, so that its start overlaps those imports.
@@ -58,7 +57,6 @@ log = logging.getLogger("diffprep.recorded")
 
 LIVE_FLOW_ENV = "DIFFPREP_LIVE_FLOW"
 SERVER_NICE = 10  # the embedded server's start competes with the encoders for the cores: it gets what they leave
-MAX_LOG_LINES = 20_000
 CPU_WORKER_NICE = 19  # a CPU worker shares this process's cores: its start and its units get what this one leaves
 POOL_THREAD = "diffprep-pool"  # diffprep.run.pool.THREAD_NAME (the library is imported late here: start-up time)
 
@@ -80,18 +78,6 @@ def wanted(settings: Settings) -> bool:
     uses_api = (settings.auth.hf_credentials_block or settings.auth.aws_credentials_block
                 or settings.workers.deployment)
     return not uses_api and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
-
-
-@dataclass
-class TaskRecord:
-    """One phase or unit as the task run the flow would have made."""
-
-    task: str  # the task's name in ``diffprep.tasks``
-    name: str  # its run's name
-    started: float
-    ended: float = 0.0
-    error: BaseException | None = None
-    worker: str = ""  # a unit's: the process that encoded it (``host:pid/device``), when the units were shared
 
 
 class Recorder(logging.Handler):
@@ -429,77 +415,6 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except OSError:  # refused while it starts; URLError is an OSError
         return False
-
-
-def final_state(error: BaseException | None, ran: str = "") -> Any:
-    """The state a run or task ended in; ``ran`` (when it ran: the server stamps a state with the time it is
-    recorded) leads its message."""
-    from prefect.states import Completed, Crashed, Failed
-
-    lead = f"{ran}; " if ran else ""
-    if error is None:
-        return Completed(message=ran or None)
-    if isinstance(error, KeyboardInterrupt):
-        return Crashed(message=f"{lead}interrupted (Ctrl-C); a re-run resumes from the committed units")
-    return Failed(message=f"{lead}{type(error).__name__}: {error}")
-
-
-def _ran(started: float, ended: float, what: str = "ran") -> str:
-    clock = datetime.fromtimestamp(started).strftime("%H:%M:%S.%f")[:-3]
-    return f"{what} at {clock} for {ended - started:.1f} s (recorded after the run)"
-
-
-def _at(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=timezone.utc)
-
-
-def write_flow_run(recorder: Recorder, flow: Any, parameters: dict[str, Any], error: BaseException | None) -> Any:
-    """The run as the flow would have left it on the server: flow run, task runs, artifacts, logs, final state.
-
-    The server stamps every state with the time it receives it (the API takes no timestamp), so each state's
-    message says when its run really ran; the log lines keep their own times."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import ArtifactCreate, LogCreate
-    from prefect.states import Running
-
-    from diffprep.flows.encode import TASKS_BY_NAME
-
-    with get_client(sync_client=True) as client:
-        flow_run = client.create_flow_run(flow, parameters=parameters, tags=["recorded"], state=Running())
-        # The artifacts first: the client sends an event for each in the background, which has then had the rest
-        # of the recording to go out (sent at exit, they hold it up with a "still processing" warning).
-        for artifact in recorder.artifacts:
-            client.create_artifact(ArtifactCreate(key=artifact.key, type=artifact.type,
-                                                  description=artifact.description, data=artifact.format(_sync=True),
-                                                  flow_run_id=flow_run.id))
-        ids: list[Any] = []
-        for index, task in enumerate(recorder.tasks):
-            task_run = client.create_task_run(TASKS_BY_NAME[task.task], flow_run.id, f"{task.name}-{index}",
-                                              name=task.name, state=Running())
-            # A task the run's end cut short (a worker's unit at a Ctrl-C) ended with the run, as the run did.
-            ended, ended_error = (task.ended, task.error) if task.ended else (recorder.ended, task.error or error)
-            ran = _ran(task.started, ended, f"ran on {task.worker}" if task.worker else "ran")
-            client.set_task_run_state(task_run.id, final_state(ended_error, ran), force=True)
-            ids.append(task_run.id)
-        client.create_logs([LogCreate(name=record.name, level=record.levelno, message=_message(record),
-                                      timestamp=_at(record.created), flow_run_id=flow_run.id,
-                                      task_run_id=ids[task] if task is not None else None)
-                            for record, task in recorder.logs])
-        if recorder.dropped:
-            client.create_logs([LogCreate(name=log.name, level=logging.WARNING, timestamp=_at(recorder.ended),
-                                          message=f"{recorder.dropped} more log lines of this run were not recorded "
-                                                  f"(at most {MAX_LOG_LINES}); the terminal showed them",
-                                          flow_run_id=flow_run.id)])
-        ended = final_state(error, _ran(recorder.started, recorder.ended, "ran without a server"))
-        client.set_flow_run_state(flow_run.id, ended, force=True)
-    return flow_run
-
-
-def _message(record: logging.LogRecord) -> str:
-    message = record.getMessage()
-    if record.exc_info:
-        message += "\n" + logging.Formatter().formatException(record.exc_info)
-    return message
 
 
 __all__ = ["LIVE_FLOW_ENV", "Recorder", "run_recorded", "wanted", "write_flow_run"]

@@ -10,7 +10,8 @@ Sybil parses each page (README.md and every docs/**/*.md) into its examples, in 
 - a console block preceded by the line `<!-- check: parse-only — REASON -->` (a GPU, a cluster, a gated download,
   a real bucket): its `diffprep` commands (also inside `torchrun ... -m diffprep ...`, `srun ... diffprep ...`)
   are parsed by diffprep's own argparse parser and must parse; nothing runs.
-- a ```python block runs in the page's namespace, in the terminal's folder, after the console blocks above it.
+- a ```python block runs in the page's namespace, in the terminal's folder, after the console blocks above it
+  (in this test's process: give it local paths, not hub ids, which resolve in the terminal's cache only).
 - a ```bash / ```sh / ```shell block is refused: a command a user types is a console block, so it runs here.
 
 Hub model ids resolve offline to the tiny sets (`diffprep tiny-model --family …`), written once per session into
@@ -87,7 +88,7 @@ def refused_parser(document: Document):
     for region in FencedCodeBlockLexer(SHELL_LANGUAGES)(document):
         raise ValueError(f"{document.path}, {document.line_column(region.start)}: a ```{region.lexemes['language']} "
                          "block; commands a user types go in ```console blocks (`$ ` lines), which the tests run")
-    for marker in re.finditer(r"<!--\s*check:[^\n]*-->", document.text):
+    for marker in re.finditer(r"^<!--\s*check:[^\n]*-->", document.text, re.M):
         after = document.text[marker.end():].lstrip("\n")
         if not PARSE_ONLY.search(marker.group()) or not after.startswith("```console"):
             raise ValueError(f"{document.path}, {document.line_column(marker.start())}: {marker.group()!r} must be "
@@ -131,6 +132,14 @@ def parse_with_cli(command: str) -> None:
 
 
 def run_console(example) -> None:
+    """Run (or parse) a console block's commands; a failure names the page and the block's line."""
+    try:
+        _run_commands(example)
+    except AssertionError as failure:
+        raise AssertionError(f"{example.path}, line {example.line}:\n{failure}") from None
+
+
+def _run_commands(example) -> None:
     commands, parse_only = example.parsed
     terminal: Terminal = example.namespace["terminal"]
     for command in commands:

@@ -104,7 +104,7 @@ def test_a_torchaudio_that_does_not_load_stops_ltx2_loading_with_the_fix(tmp_pat
     ])
     result = run_fresh(code, tmp_path, PYTHONPATH=str(shadow.parent))
     assert result.returncode == 0, result.stderr
-    first, second = result.stdout.split("See README")[:2]
+    first, second = result.stdout.split("See docs/guides/ltx2.md")[:2]
     assert "does not import beside torch 2." in first and "OSError: Could not load this library" in first
     assert f"{sys.executable} -m diffprep.families.ltx2_torchaudio\n" in first
     assert "ltx.safetensors" not in result.stdout  # the torchaudio check comes before the checkpoint is read

@@ -34,7 +34,7 @@ def project_modules() -> dict[str, Path]:
 # an annotation. The root keeps errors and contract, which every module uses; the face (diffprep/__init__.py,
 # __main__.py) comes last.
 LAYERS = ("root", "config", "sources", "media", "writer", "output", "families", "report", "run", "encodings",
-          "validation", "phases", "tools", "blocks", "tasks", "flows", "cli", "face")
+          "validation", "captions", "phases", "tools", "blocks", "tasks", "flows", "cli", "face")
 
 
 def layer(module: str) -> str:

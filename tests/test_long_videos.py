@@ -174,11 +174,11 @@ def test_a_window_never_crosses_a_shot_and_its_frames_are_its_buckets():
     assert [(w.first, w.last) for w in windows] == [(5, 24)] and discarded == {"short_shot": 5, "not_sampled": 5}
 
 
-README_BUCKETS = "832x480x81;832x480x49;832x480x17"  # the README's long-video example, at --target-fps 16
+README_BUCKETS = "832x480x81;832x480x49;832x480x17"  # docs/video.md's long-video example, at --target-fps 16
 
 
 def test_a_chain_fills_its_tail_with_the_shorter_buckets():
-    """The README example's buckets on a shot of every length from one 17-frame window to 10 s at 16 fps: chaining
+    """The docs' example buckets (docs/video.md, Long videos) on a shot of every length from one 17-frame window to 10 s at 16 fps: chaining
     only each shot's own bucket throws away 31% of the frames; filling each tail with the longest bucket that fits,
     again and again, leaves under 17 frames a shot (9%)."""
     from diffprep.media.buckets import parse_buckets

@@ -67,14 +67,14 @@ def test_a_user_error_is_printed_in_full_once():
         assert "Traceback" not in text
 
 
-def test_readme_deploy_comment_names_every_deployment():
+def test_docs_deploy_comment_names_every_deployment():
     flows = {}
     for path in (REPO / "flows").glob("*.py"):
         for name in re.findall(r'@flow\(name="([\w-]+)"', path.read_text()):
             flows[f"flows/{path.name}"] = name
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())
     deployments = {f"{flows[d['entrypoint'].split(':')[0]]}/{d['name']}" for d in config["deployments"]}
-    readme = (REPO / "README.md").read_text()
-    comment = readme[readme.index("prefect deploy --all    #"):]
+    page = (REPO / "docs" / "scale-out.md").read_text()  # the work pools' commands (Scale-out)
+    comment = page[page.index("prefect deploy --all    #"):]
     comment = comment[:comment.index("```")]
     assert len(deployments) == 5 and {d for d in deployments if d in comment} == deployments, comment

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from diffprep import contract
+from diffprep.flows.record_write import TaskRecord, folded
 from diffprep.tools.demo import write_demo_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,12 +28,13 @@ def _env(home: Path) -> dict[str, str]:
     return env | {"PYTHONPATH": str(REPO), "PREFECT_HOME": str(home)}
 
 
-def _encode(data: Path, model: Path, out: Path, home: Path, *extra: str) -> subprocess.CompletedProcess:
+def _encode(data: Path, model: Path, out: Path, home: Path, *extra: str,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = ["encode", "--source-type", "directory", "--input-dir", str(data), "--model-path", str(model),
             "--output-dir", str(out), "--shard-size", "4", "--batch-size", "2", "--precision", "fp32",
             "--image-size", "64", "--t5-max-length", "16", *extra]
-    return subprocess.run([sys.executable, "-m", "diffprep", *args], env=_env(home), capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-m", "diffprep", *args], env=_env(home) | (env or {}),
+                          capture_output=True, text=True, timeout=600)
 
 
 def _recorded(home: Path) -> dict:
@@ -54,11 +56,12 @@ def _recorded(home: Path) -> dict:
 
 @pytest.mark.slow
 def test_a_run_without_a_server_is_recorded_as_the_flow_run_with_its_tasks_artifacts_and_logs(tiny_model, tmp_path):
-    data = write_demo_dataset(tmp_path / "data", samples=8)
+    data = write_demo_dataset(tmp_path / "data", samples=12)
     home = tmp_path / "prefect"
-    done = _encode(data, tiny_model, tmp_path / "out", home, "--min-psnr", "0")
+    # Past DIFFPREP_RECORD_UNITS units (here 1 of 3), the rest are one task run: the record stays bounded.
+    done = _encode(data, tiny_model, tmp_path / "out", home, "--min-psnr", "0", env={"DIFFPREP_RECORD_UNITS": "1"})
     assert done.returncode == 0, done.stderr
-    assert "samples written: 8" in done.stdout and "validation: passed" in done.stdout
+    assert "samples written: 12" in done.stdout and "validation: passed" in done.stdout
     assert "recorded as flow run" in done.stderr and "not recorded" not in done.stderr, done.stderr
 
     run = _recorded(home)
@@ -68,13 +71,14 @@ def test_a_run_without_a_server_is_recorded_as_the_flow_run_with_its_tasks_artif
     assert given["source"] == {"type": "directory", "input_dir": str(data)}  # the parameters the command gave
     assert [(name, state) for name, state, _ in run["tasks"]] == [
         ("fetch", "COMPLETED"), ("verify-existing", "COMPLETED"), ("prepare-output", "COMPLETED"),
-        ("sanity", "COMPLETED"), ("encode-unit-000000", "COMPLETED"), ("encode-unit-000001", "COMPLETED"),
+        ("sanity", "COMPLETED"), ("encode-unit-000000", "COMPLETED"),
+        ("encode-unit-000001..000002 (2 units, one task run: DIFFPREP_RECORD_UNITS=1)", "COMPLETED"),
         ("audit", "COMPLETED"), ("finalize", "COMPLETED"), ("validate", "COMPLETED")]
     assert all(message.startswith("ran at ") for _, _, message in run["tasks"])
     assert run["artifacts"] == {"plan-out": "table", "sanity-out": "markdown", "progress-out": "progress",
                                 "audit-out": "table", "output-out": "markdown"}
-    assert any(line.startswith("planned 8 samples in 2 units") for line in run["logs"])
-    assert any(line.startswith("unit 000001: 4 written") for line in run["logs"])
+    assert any(line.startswith("planned 12 samples in 3 units") for line in run["logs"])
+    assert any(line.startswith("unit 000002: 4 written") for line in run["logs"])
 
 
 @pytest.mark.slow
@@ -137,3 +141,22 @@ def test_a_run_is_recorded_only_where_no_server_or_api_is_needed(monkeypatch, se
         assert not wanted(settings)
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
         assert not wanted(settings_for(tmp_path / "out", tmp_path / "in", tmp_path / "model"))  # a server someone can open: the live flow, with its UI questions
+
+
+def _task(name: str, started: float, error: BaseException | None = None, worker: str = "") -> TaskRecord:
+    return TaskRecord("encode-unit" if name.startswith("encode-unit") else name, name, started, started + 1, error,
+                      worker)
+
+
+def test_units_past_the_limit_are_one_task_run_and_failed_units_keep_theirs() -> None:
+    phases = [_task("fetch", 0), _task("sanity", 1)]
+    units = [_task(f"encode-unit-{u:06d}", 2 + u, RuntimeError("x") if u == 7 else None, f"w{u % 2}")
+             for u in range(10)]
+    tasks, where = folded(phases + units + [_task("audit", 20)], limit=3)
+    assert [t.name for t in tasks] == [
+        "fetch", "sanity", "encode-unit-000000", "encode-unit-000001", "encode-unit-000002",
+        "encode-unit-000003..000009 (6 units, one task run: DIFFPREP_RECORD_UNITS=3)", "encode-unit-000007", "audit"]
+    summary = tasks[5]
+    assert (summary.started, summary.ended, summary.worker, summary.error) == (5, 12, "w0, w1", None)
+    assert where[2 + 3] == where[2 + 9] == 5 and where[2 + 7] == 6 and where[-1] == 7  # log lines follow their task
+    assert folded(phases + units, limit=10) == (phases + units, list(range(12)))

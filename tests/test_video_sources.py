@@ -286,7 +286,7 @@ def test_metadata_json_jsonl_and_csv_give_the_same_samples(tmp_path: Path) -> No
     assert f"{folder / 'dataset.json'} row 6 column 'caption'" in json_samples["clips/b.webm#6"].reject.detail
     assert source.describe() == {"type": "metadata", "metadata_file": str(folder / "dataset.json"),
                                  "caption_key": "caption", "image_key": None, "video_key": "media_path",
-                                 "s3_endpoint_url": None, "s3_profile": None}
+                                 "s3_endpoint_url": None, "s3_profile": None, "columns": ["caption", "media_path"]}
     jsonl = read_all(metadata(folder / "dataset.jsonl"))
     check_rows(jsonl, folder)
     assert "row 6 (line 11)" in jsonl["clips/b.webm#6"].reject.detail

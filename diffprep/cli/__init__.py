@@ -249,6 +249,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
+    if args.captioner is not None:  # a captioning model instead of an encoder set (diffprep caption)
+        from diffprep.captions.tiny import write_tiny_qwen2_5_vl
+
+        path = write_tiny_qwen2_5_vl(args.path, seed=args.seed)
+        print(f"tiny Qwen2.5-VL captioner written to {path}: pass it as the captions model (random weights: for "
+              "tests and demos only)")
+        return 0
     if args.family == "ltx2":
         from diffprep.families.ltx2_torchaudio import require_torchaudio
 
@@ -415,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--wan-vae", choices=("2.1", "2.2-5b"), default="2.1",
         help="Wan only: 2.1 (16 channels, 8x) or 2.2-5b (48 channels, 16x) VAE structure",
     )  # fmt: skip
+    tiny.add_argument("--captioner", choices=("qwen2.5-vl",), default=None,
+                      help="write a tiny captioning model (Qwen2.5-VL, for diffprep caption) instead of an encoder set")
     tiny.set_defaults(func=cmd_tiny_model)
 
     demo = sub.add_parser("demo", help="run the whole job on synthetic data with the tiny encoders")

@@ -117,7 +117,7 @@ class SourceConfig(_Section):
     )
     scene_format: SceneFormat | None = Field(
         None, description="scenes: the layout of the posed scenes under --input-dir: re10k | dl3dv | scannetpp | "
-        "mvssynth | nerfstudio | colmap (the README's \"Scenes and cameras\" names each one's files).",
+        "mvssynth | nerfstudio | colmap (docs/sources/scenes.md names each one's files).",
     )
     pose_key: Literal["pose", "aligned_pose"] = Field(
         "pose", description="scenes, scannetpp: which camera-to-world of pose_intrinsic_imu.json to read.",

@@ -62,6 +62,10 @@ FAMILY_MODULES: dict[str, tuple[str, ...]] = {
         "transformers.models.diffusion_gemma",
     ),
     "sd-vae": ("diffusers:AutoencoderKL",),
+    # The captioning model (diffprep/captions/models.py), its tokenizer and image processor.
+    "qwen2.5-vl": ("transformers:AutoTokenizer", "transformers:PreTrainedTokenizerBase",
+                   "transformers:Qwen2_5_VLForConditionalGeneration", "transformers:Qwen2VLImageProcessorPil",
+                   "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"),
 }
 
 _LOCK = threading.RLock()

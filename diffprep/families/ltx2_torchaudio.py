@@ -10,7 +10,7 @@ and nothing else. Beside a CPU torch (or a CUDA 12 one), ``import torchaudio``
 raises ``OSError``, and from then on so do transformers (``audio_utils``) and
 diffusers (``loaders.single_file_model``) in every process of that
 environment, whatever it runs. So the right torchaudio goes in before ltx-core
-does (the Makefile, README, LTX-2, "torch and torchaudio"), never after.
+does (the Makefile; docs/guides/ltx2.md, "Install the LTX-2 extra"), never after.
 
 Its compiled extension holds forced alignment, the RNN-T loss, the CUDA CTC
 decoder and faster loops for ``lfilter`` and ``overdrive``; nothing LTX-2 runs
@@ -96,7 +96,7 @@ def mismatch_message(error: BaseException) -> str:
         f"which LTX-2 does not use), or the full {build} build of torchaudio:\n"
         f"    {full}\n"
         "Until then diffusers and transformers fail to import in this environment too (both import torchaudio "
-        "once it is installed). See README, LTX-2, \"torch and torchaudio\"."
+        "once it is installed). See docs/guides/ltx2.md, \"Install the LTX-2 extra\"."
     )
 
 

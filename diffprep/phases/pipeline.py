@@ -21,8 +21,10 @@ on a deployment may then give its infrastructure back while it waits).
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import socket
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -47,7 +49,7 @@ from diffprep.output import Output, OutputRef, ref_of
 from diffprep.validation.ownership import ownership, refuse_links
 from diffprep.writer.plan import Plan, fingerprint
 from diffprep.run.sanity import SanityReport, round_trip_text
-from diffprep.sources import open_source
+from diffprep.sources import Source, open_source
 from diffprep.run.threads import CpuRecord, encoding_device, planned_threads
 from diffprep.run.unit_progress import UnitProgress
 from diffprep.run.units import UnitResult, encode_unit
@@ -135,7 +137,7 @@ def sanity_phase(settings: Settings, output: Output, plan: Plan, units_left: lis
     encoding = get_encoding(plan.encoding)
     loaded = encoding.load(settings, token)
     share_text_encodings(loaded, output, plan)
-    source = open_source(settings.source, token=token, **encoding.source_options(plan.settings))
+    source = opened_source(settings, plan, token)
     spec = encoding.media_spec(settings, plan)
     with planned_threads(CpuRecord.from_json(plan.cpu), encoding_device(settings)):  # it fills the caption cache
         return with_smaller_batches_on_oom(
@@ -161,6 +163,27 @@ def text_scratch(plan: Plan, *, this_host: bool = False) -> str:
     return f"{contract.TEXT_CACHE_DIR}/{plan.fingerprint}" + (f"/{socket.gethostname()}" if this_host else "")
 
 
+# The source this process opened last, for the units (and the sanity check) of one plan: opening a source can read
+# it whole (a metadata file's rows are checked), so a process opens it once, not once per unit (issue #37).
+_OPENED: dict[str, Any] = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def opened_source(settings: Settings, plan: Plan, token: str | None = None) -> Source:
+    """The source of ``settings`` for ``plan``, opened once per process: the one opened before when the source
+    settings, the token and the plan (the same object: a run's) are the same, else a new one (the old dropped).
+    The plan's description of the source spares what listing already found (a metadata file's columns)."""
+    options = get_encoding(plan.encoding).source_options(plan.settings)
+    key = (settings.source.model_dump_json(), hashlib.sha256((token or "").encode()).hexdigest(), repr(options))
+    with _OPENED_LOCK:
+        if _OPENED.get("key") != key or _OPENED["plan"]() is not plan:
+            _OPENED.clear()  # the other settings' source goes
+            _OPENED.update(key=key, plan=weakref.ref(plan),
+                           source=open_source(settings.source, token=token, planned=getattr(plan, "source", None),
+                                              **options))
+        return _OPENED["source"]
+
+
 # The batch size that last fitted, per loaded encoder set: after running out of memory, the next units start there
 # instead of running out of memory again at the full size.
 _WORKING_BATCH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -172,7 +195,7 @@ def encode_one_unit(settings: Settings, output: Output, plan: Plan, unit: int, t
     loaded = encoding.load(settings, token)
     share_text_encodings(loaded, output, plan)
     fields = encoding.sample_fields(settings, loaded)
-    source = open_source(settings.source, token=token, **encoding.source_options(plan.settings))
+    source = opened_source(settings, plan, token)
     spec = encoding.media_spec(settings, plan)
     start = min(_WORKING_BATCH.get(loaded, encoding.batch_size(settings)), encoding.batch_size(settings))
 

@@ -40,6 +40,7 @@ from diffprep.media.video import ClipSpec, PreparedClip
 from diffprep.writer.plan import Plan, UnitPlan
 from diffprep.writer.shards import Reject
 from diffprep.sources import Source, SourceSample
+from diffprep.sources.base import read_planned
 from diffprep.sources.labels import LabeledSample
 
 
@@ -130,7 +131,9 @@ def iter_prepared(
 
         count = 0
         scenes = isinstance(spec, ClipSpec) and spec.scenes is not None
-        samples = read_clips(source, unit.source_ids, spec.scenes) if scenes else source.read(unit.source_ids)
+        # A unit planned with its samples' locators reads them there (getattr: plans written before them have none).
+        samples = (read_clips(source, unit.source_ids, spec.scenes) if scenes
+                   else read_planned(source, unit.source_ids, getattr(unit, "positions", None)))
         for index, sample in enumerate(samples):
             count += 1
             if sample.source_id != unit.source_ids[index]:

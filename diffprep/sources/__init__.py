@@ -9,7 +9,8 @@ does the metadata-file reader, for the file and the media it names.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from diffprep.config import SourceConfig
 from diffprep.errors import SourceError
@@ -25,11 +26,14 @@ if TYPE_CHECKING:  # the scenes package is imported when a scenes source is open
 SOURCE_TYPES = ("directory", "huggingface", "webdataset", "metadata", "imagefolder", "cifar10", "scenes")
 
 
-def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneChunking | None = None) -> Source:
+def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneChunking | None = None,
+                planned: Mapping[str, Any] | None = None) -> Source:
     """Open the source that ``cfg`` describes; a ``SourceError`` says what is missing.
 
     ``token`` is a Hugging Face token, used by the huggingface source only. ``scenes`` is how scenes are sampled
     and chunked (``SceneSpec.from_settings``), which decides a scenes source's ids; the other sources ignore it.
+    ``planned`` is a plan's ``describe()`` of the source: what listing found that opening need not find again
+    (a metadata file's columns); the other sources ignore it.
     """
     if cfg.score_columns and cfg.type != "metadata":
         raise SourceError(f"source.score_columns (--score-column {','.join(cfg.score_columns)}) reads the columns of "
@@ -76,7 +80,8 @@ def open_source(cfg: SourceConfig, *, token: str | None = None, scenes: SceneChu
         return MetadataSource(cfg.metadata_file, caption_key=cfg.caption_key, video_key=cfg.video_key,
                               reference_key=cfg.reference_key, audio_key=cfg.audio_key,
                               score_columns=cfg.score_columns or (), depth_key=cfg.depth_key,
-                              image_key=cfg.image_key, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile)
+                              image_key=cfg.image_key, s3_endpoint_url=cfg.s3_endpoint_url, s3_profile=cfg.s3_profile,
+                              planned=planned)
     if cfg.type == "scenes":
         from diffprep.sources.scenes import SceneSource
 

@@ -146,6 +146,24 @@ class Source(Protocol):
 
     # Optional: ``stamps(ids) -> {id: str}``, a cheap mark of each sample's input files (sizes and mtimes, or
     # ETags; no content read) recorded with a reject, so that a re-run retries it once its inputs changed.
+    # Optional: ``list_entries() -> Iterator[(id, at)]``, the ids with a small JSON-able locator each (where the
+    # sample lies: a row's byte offset, a tar member's); a source offering it reads ``read(ids, at=locators)``
+    # straight from there, and ``read(ids)`` (a plan without locators) by its ids as before. ``read_planned``.
+
+
+def read_planned(source: Source, ids: Sequence[str], positions: Sequence[Any] | None = None) -> Iterator[SourceSample]:
+    """A unit's samples: read at their planned ``positions`` (``list_entries``' locators) when the plan has them and
+    the source takes them, else by id (why: a unit then parses only its own rows or tar members, not the source)."""
+    if positions is not None and callable(getattr(source, "list_entries", None)):
+        return source.read(ids, at=positions)
+    return source.read(ids)
+
+
+def list_planned(source: Source) -> Iterator[tuple[str, Any]]:
+    """Every id with its locator (``list_entries``), or with None for a source that only lists ids."""
+    if callable(getattr(source, "list_entries", None)):
+        return source.list_entries()
+    return ((source_id, None) for source_id in source.list_ids())
 
 
 def file_stamp(path: str) -> str:

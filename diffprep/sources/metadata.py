@@ -64,22 +64,32 @@ in the other sources), a caption that is not text (``invalid_caption``). An
 id no row has any more (the file changed since planning) is ``source_missing``.
 Captions are normalized as in every source (``sources/base.py``).
 
-The file is read whole, once per opened source (the JSON form cannot be
-streamed, and ``read`` looks rows up by id); keep it to a few million rows, or
-use the directory or webdataset source for more.
+Listing (``list_entries``) is one streamed pass that gives each id where its
+row is (byte offset, row number, line, CRC-32 of the row's bytes;
+``sources/metadata_rows.py``); a unit's ``read(ids, at=...)`` parses only its
+own rows there. A row not there as listed, byte for byte (the file changed),
+is looked up by its id, as a plan without positions is: the file read whole
+once per opened source. Opening checks every row and takes the columns (a CSV
+file's header, every key of a JSONL file's rows: one streamed pass holding no
+row, once per file and process), unless it is given the plan's description of
+the source (``planned``), whose columns it takes instead: a unit's process
+then reads nothing but its rows. In a bucket the file is streamed for
+listing and checking, and a unit's rows are read by ranged GETs. A JSON list
+cannot be streamed and is parsed whole on opening: keep it to a few million
+rows, or write JSONL.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
+import logging
 import os
 import posixpath
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 from diffprep.errors import RejectError, SourceError
 from diffprep.sources.base import (
@@ -94,12 +104,23 @@ from diffprep.sources.base import (
     rejected,
     unsupported,
 )
+from diffprep.sources.metadata_rows import (
+    Opener,
+    Record,
+    file_columns,
+    json_records,
+    planned_columns,
+    record_at,
+    records,
+)
 from diffprep.sources.scores import check_score_columns, row_scores
 from diffprep.sources.storage import (
     S3Url,
     StorageUnavailableError,
     is_s3_url,
     object_stamp,
+    open_object,
+    open_ranged,
     parse_s3_url,
     read_object,
     s3_client,
@@ -115,6 +136,8 @@ REFERENCE_COLUMNS = ("reference_video", "ref_media_path")  # the LTX trainer's n
 EXTRA_COLUMNS = (AUDIO_COLUMN, "reference_audio", "video_mask", "audio_mask")
 DUPLICATE_MARK = "#"
 _ABSENT = object()
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,71 +156,6 @@ def _where_row(file: str, row: _Row) -> str:
     return f"{file} row {row.number}" + (f" (line {row.line})" if row.line is not None else "")
 
 
-def _decode(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise SourceError(f"{where}: line {line}: invalid UTF-8 at byte offset {exc.start} ({exc.reason}); "
-                          f"a metadata file must be UTF-8") from None
-
-
-def _parse_json(text: str, where: str) -> Iterator[tuple[int | None, dict]]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SourceError(f"{where}: line {exc.lineno} column {exc.colno}: not valid JSON ({exc.msg})") from None
-    if not isinstance(value, list):
-        raise SourceError(f"{where}: expected a JSON list of objects (one per sample), got a {type(value).__name__}; "
-                          f"a file of one object per line must end in .jsonl")
-    for index, record in enumerate(value):
-        if not isinstance(record, dict):
-            raise SourceError(f"{where}: element {index + 1} of the list is a {type(record).__name__}, not an "
-                              f"object with columns")
-        yield None, record
-
-
-def _parse_jsonl(text: str, where: str) -> Iterator[tuple[int | None, dict]]:
-    # Split on newlines only: str.splitlines() also splits at U+2028 and others, which JSON strings may hold.
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{where}: line {number} column {exc.colno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise SourceError(f"{where}: line {number} is a {type(record).__name__}, not an object with columns")
-        yield number, record
-
-
-def _parse_csv(text: str, where: str) -> tuple[list[str], Iterator[tuple[int | None, dict]]]:
-    reader = csv.DictReader(io.StringIO(text, newline=""), restkey=_ABSENT, restval=_ABSENT)  # type: ignore[arg-type]
-    try:
-        header = reader.fieldnames
-    except csv.Error as exc:
-        raise SourceError(f"{where}: line {reader.line_num}: not valid CSV ({exc})") from None
-    if not header:
-        raise SourceError(f"{where}: the CSV file is empty; its first line must name the columns "
-                          f"(e.g. {MEDIA_COLUMNS[0]},{CAPTION_COLUMN})")
-
-    def rows() -> Iterator[tuple[int | None, dict]]:
-        while True:
-            try:
-                record = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as exc:
-                raise SourceError(f"{where}: line {reader.line_num}: not valid CSV ({exc})") from None
-            line = reader.line_num  # where the record ends (a quoted cell may span lines)
-            if _ABSENT in record:
-                raise SourceError(f"{where}: line {line} has {len(header) + len(record[_ABSENT])} cells, the header "
-                                  f"{len(header)} ({header})")
-            yield line, {name: value for name, value in record.items() if value is not _ABSENT}
-
-    return list(header), rows()
-
-
 def _column(explicit: str | None, setting: str, defaults: Sequence[str], columns: list[str], where: str,
             what: str, flag: str) -> str:
     if explicit:
@@ -214,11 +172,21 @@ def _column(explicit: str | None, setting: str, defaults: Sequence[str], columns
 class MetadataSource:
     """Rows of a JSON / JSONL / CSV metadata file naming media files and captions (see the module docstring)."""
 
+    # How often this process opened a metadata source, checked a whole file on opening (its columns), and looked
+    # rows up by id (the whole file read into an index): what a unit must not cost again
+    # (tests/test_source_positions.py and benchmarks/source_scale.py count them).
+    opened = 0
+    scanned = 0
+    indexed = 0
+
     def __init__(self, metadata_file: str, *, caption_key: str | None = None, video_key: str | None = None,
                  image_key: str | None = None, s3_endpoint_url: str | None = None,
                  s3_profile: str | None = None, reference_key: str | None = None,
                  audio_key: str | None = None, score_columns: Sequence[str] = (),
-                 depth_key: str | None = None) -> None:
+                 depth_key: str | None = None, planned: Mapping[str, Any] | None = None) -> None:
+        """``planned``: the plan's ``describe()`` of this source; when it describes this same file, its columns
+        are taken from it and opening reads nothing of the file (a unit's process, which reads at positions)."""
+        MetadataSource.opened += 1
         self._endpoint_url, self._profile = s3_endpoint_url, s3_profile
         self._client = None
         fmt = posixpath.splitext(metadata_file)[1].lower()
@@ -230,27 +198,41 @@ class MetadataSource:
             self.metadata_file = str(url)
             self._s3_folder: S3Url | None = S3Url(url.bucket, posixpath.dirname(url.key))
             self._local_folder = ""
-            data = self._read_metadata(lambda: read_object(self._s3(), url))
+            # Streamed for listing and checking; read by ranged GETs at a unit's rows (nothing else downloaded).
+            self._open: Opener = lambda: open_object(self._s3(), url)
+            self._open_at: Opener = lambda: open_ranged(self._s3(), url)
+            identity = None  # nothing to key the columns' cache on without a request
         else:
             self.metadata_file = os.path.abspath(os.path.expanduser(metadata_file))
             self._s3_folder = None
             self._local_folder = os.path.dirname(self.metadata_file)
-            data = self._read_metadata(lambda: _read_local(self.metadata_file))
+            path = self.metadata_file
+            self._open = self._open_at = lambda: open(path, "rb")
+            info = self._read_metadata(lambda: os.stat(path))
+            identity = (path, fmt, info.st_size, info.st_mtime_ns)
         where = self.metadata_file
-        text = _decode(data, where)
-        if fmt == ".csv":
-            columns, records = _parse_csv(text, where)
-            records = list(records)
+        self._fmt = fmt
+        self._json: list[Record] | None = None  # a JSON list, parsed whole once (it cannot be streamed)
+        if fmt == ".json":
+            self._json = self._read_metadata(lambda: list(json_records(self._open, where)))
+            columns = list(dict.fromkeys(name for record in self._json for name in record.values))
+            has_records = bool(self._json)
         else:
-            records = list(_parse_json(text, where) if fmt == ".json" else _parse_jsonl(text, where))
-            columns = list(dict.fromkeys(name for _, record in records for name in record))
+            found = planned_columns(planned, self.metadata_file, fmt)
+            if found is None:
+                columns, has_records, scanned = self._read_metadata(lambda: file_columns(identity, fmt, self._open,
+                                                                                           where))
+                MetadataSource.scanned += scanned
+            else:
+                columns, has_records = found
+        self._header = columns if fmt == ".csv" else []
         if audio_key and (video_key or image_key):
             raise SourceError(f"{where}: source.audio_key {audio_key!r} names the audio files of an audio-only run; "
                               "it cannot go with source.video_key or source.image_key")
         # An audio-only file: the audio column named, or `audio` where no media column is there.
         self.audio_only = bool(audio_key) or (not (video_key or image_key) and AUDIO_COLUMN in columns
                                               and not any(c in columns for c in MEDIA_COLUMNS))
-        if records or columns:
+        if has_records or columns:
             self.caption_key = _column(caption_key, "caption_key", (CAPTION_COLUMN,), columns, where, "caption",
                                        "--caption-column")
             if self.audio_only:
@@ -268,33 +250,24 @@ class MetadataSource:
             raise SourceError(f"{where}: source.reference_key {reference_key!r} is not a column; the columns are "
                               f"{columns}")
         self.reference_key = reference_key
-        if depth_key and (records or columns) and depth_key not in columns:
+        if depth_key and (has_records or columns) and depth_key not in columns:
             raise SourceError(f"{where}: source.depth_key {depth_key!r} is not a column; the columns are {columns}")
         self.depth_key = depth_key
         # The trainer's reference columns the file has: an LTX-2 run refuses to leave them out unasked.
         self.reference_columns = [c for c in REFERENCE_COLUMNS if c in columns]
         self.columns = columns
         self.score_columns = list(score_columns)
-        if self.score_columns and (records or columns):
+        if self.score_columns and (has_records or columns):
             check_score_columns(self.score_columns, columns, where)
         # Paths with neither an image nor a video extension are images only in an image column.
         self._column_is_image = not video_key and (bool(image_key) or self.media_key == IMAGE_COLUMN)
 
-        self._rows: list[_Row] = []
-        self._by_id: dict[str, int] = {}
-        self._ids: list[str] = []
-        for number, (line, record) in enumerate(records, start=1):
-            row = _Row(number, line, record.get(self.media_key, _ABSENT), record.get(self.caption_key, _ABSENT),
-                       record.get(self.reference_key, _ABSENT) if self.reference_key else None,
-                       tuple(record.get(c, _ABSENT) for c in self.extra_columns),
-                       tuple(record.get(c, _ABSENT) for c in self.score_columns),
-                       record.get(self.depth_key, _ABSENT) if self.depth_key else None)
-            source_id = self._id_of(row)
-            self._by_id[source_id] = len(self._rows)
-            self._rows.append(row)
-            self._ids.append(source_id)
+        # Rows by id, for a read without positions (a plan written before them) or a row that moved: built on the
+        # first such read, once per opened source.
+        self._index_lock = threading.Lock()
+        self._by_id: dict[str, _Row] | None = None
 
-    def _read_metadata(self, read) -> bytes:
+    def _read_metadata(self, read: Callable[[], T]) -> T:
         try:
             return read()
         except FileNotFoundError:
@@ -304,12 +277,38 @@ class MetadataSource:
         except OSError as exc:
             raise SourceError(f"source.metadata_file {self.metadata_file}: cannot read it ({exc})") from None
 
-    def _id_of(self, row: _Row) -> str:
-        own = f"{DUPLICATE_MARK}{row.number}"
-        if not isinstance(row.media, str) or not row.media:
-            return own
-        base = escape_id(row.media).replace(DUPLICATE_MARK, "%23")
-        return base if base not in self._by_id else base + own
+    def _row_of(self, record: Record) -> _Row:
+        values = record.values
+        return _Row(record.number, record.line, values.get(self.media_key, _ABSENT),
+                    values.get(self.caption_key, _ABSENT),
+                    values.get(self.reference_key, _ABSENT) if self.reference_key else None,
+                    tuple(values.get(c, _ABSENT) for c in self.extra_columns),
+                    tuple(values.get(c, _ABSENT) for c in self.score_columns),
+                    values.get(self.depth_key, _ABSENT) if self.depth_key else None)
+
+    def _records(self) -> Iterator[Record]:
+        return iter(self._json) if self._json is not None else records(self._fmt, self._open, self.metadata_file)
+
+    def _rows(self) -> Iterator[tuple[str, _Row, Record]]:
+        """Every row with its id and record, streamed. (The paths seen so far are held, to tell a repeated one.)"""
+        seen: set[str] = set()
+        for record in self._records():
+            row = self._row_of(record)
+            base = _base_id(row)
+            if base is None or base in seen:
+                yield _own_id(row, base), row, record
+            else:
+                seen.add(base)
+                yield base, row, record
+
+    def _index(self) -> dict[str, _Row]:
+        with self._index_lock:
+            if self._by_id is None:
+                log.info("%s: looking rows up by id (a plan without positions, or rows that moved since planning): "
+                         "the file is read whole once", self.metadata_file)
+                MetadataSource.indexed += 1
+                self._by_id = self._read_metadata(lambda: {source_id: row for source_id, row, _ in self._rows()})
+            return self._by_id
 
     def _s3(self):
         if self._client is None:
@@ -330,19 +329,57 @@ class MetadataSource:
             **({"depth_key": self.depth_key} if self.depth_key else {}),
             "s3_endpoint_url": self._endpoint_url,
             "s3_profile": self._profile,
+            # What opening found in the file, so that a unit's process need not read it again (``planned``).
+            "columns": self.columns,
         }
 
-    def list_ids(self) -> Iterator[str]:
-        return iter(self._ids)
+    def list_entries(self) -> Iterator[tuple[str, Any]]:
+        """Each id with where its row is, ``[byte offset, row number, line, CRC-32 of its bytes]`` (a JSON list:
+        None), streamed."""
+        for source_id, _, record in self._rows():
+            yield source_id, record.position()
 
-    def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
-        for source_id in ids:
-            index = self._by_id.get(source_id)
-            if index is None:
-                yield rejected(source_id, "source_missing",
-                               f"no row of {self.metadata_file} gives this id any more (the file changed)")
-            else:
-                yield self._sample(source_id, self._rows[index])
+    def list_ids(self) -> Iterator[str]:
+        return (source_id for source_id, _ in self.list_entries())
+
+    def read(self, ids: Sequence[str], at: Sequence[Any] | None = None) -> Iterator[SourceSample]:
+        """One sample per id; ``at`` (``list_entries``' positions, parallel to ``ids``) reads each row where it
+        starts, parsing only those rows. A row no longer there as planned, byte for byte (the file changed), is
+        looked up by its id, as without positions: gone, it is ``source_missing``."""
+        if at is not None and len(at) != len(ids):
+            raise SourceError(f"{len(at)} positions for {len(ids)} ids of {self.metadata_file}: the unit's plan is "
+                              "damaged; plan the run again")
+        positions = at if at is not None else [None] * len(ids)
+        wanted = any(pos is not None for pos in positions) and self._json is None
+        stream = self._read_metadata(self._open_at) if wanted else None
+        try:
+            for source_id, pos in zip(ids, positions):
+                row = self._row_at(stream, source_id, pos) if stream is not None and pos is not None else None
+                if row is None:
+                    row = self._index().get(source_id)
+                if row is None:
+                    yield rejected(source_id, "source_missing",
+                                   f"no row of {self.metadata_file} gives this id any more (the file changed)")
+                else:
+                    yield self._sample(source_id, row)
+        finally:
+            if stream is not None:
+                stream.close()
+
+    def _row_at(self, stream: BinaryIO, source_id: str, pos: Any) -> _Row | None:
+        """The row at ``pos`` when it still gives ``source_id``, else None (also when it cannot be read there: the
+        lookup by id then says why)."""
+        try:
+            record = record_at(self._fmt, stream, self.metadata_file, pos, self._header)
+        except StorageUnavailableError:
+            raise  # the store, not the file: the unit fails and its task can run again
+        except OSError:
+            return None
+        if record is None:
+            return None
+        row = self._row_of(record)
+        base = _base_id(row)
+        return row if source_id in (base, _own_id(row, base)) else None
 
     def _sample(self, source_id: str, row: _Row) -> SourceSample:
         where = _where_row(self.metadata_file, row)
@@ -409,10 +446,9 @@ class MetadataSource:
         return {source_id: self._stamp(source_id) for source_id in ids}
 
     def _stamp(self, source_id: str) -> str:
-        index = self._by_id.get(source_id)
-        if index is None:
+        row = self._index().get(source_id)
+        if row is None:
             return "-"
-        row = self._rows[index]
         values = json.dumps([_plain(v) for v in (row.media, row.caption, row.reference, *row.extras, *row.scores,
                                                  *((row.depth,) if self.depth_key else ()))],
                             sort_keys=True, default=str)
@@ -458,6 +494,18 @@ class MetadataSource:
             raise reject(missing, f"{where}: {media!r} is not a file ({location})") from None
         except OSError as exc:
             raise reject("source_read_error", f"{where}: {location}: {exc}") from None
+
+
+def _base_id(row: _Row) -> str | None:
+    """The id of the row's path (escaped; ``#`` as ``%23``), None for a row without one."""
+    if not isinstance(row.media, str) or not row.media:
+        return None
+    return escape_id(row.media).replace(DUPLICATE_MARK, "%23")
+
+
+def _own_id(row: _Row, base: str | None) -> str:
+    """The id of a row whose path an earlier row has (``base#<row>``), or that has none (``#<row>``)."""
+    return (base or "") + f"{DUPLICATE_MARK}{row.number}"
 
 
 def _plain(value: Any) -> Any:

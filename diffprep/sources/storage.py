@@ -384,6 +384,61 @@ class ObjectReader(io.RawIOBase):
         super().close()
 
 
+class RangedObject(io.RawIOBase):
+    """One object, seekable: each read is a ranged GET of what is asked from where the stream is (why: a unit's
+    rows of a large metadata file in a bucket, read at their offsets without downloading the rest of it)."""
+
+    def __init__(self, client: BaseClient, url: S3Url) -> None:
+        super().__init__()
+        self.url = url
+        self._client = client
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            offset += self._position
+        elif whence != io.SEEK_SET:
+            raise io.UnsupportedOperation("a ranged object seeks from its start or where it is")
+        self._position = max(0, offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        if not len(buffer):
+            return 0
+        request = {"Bucket": self.url.bucket, "Key": self.url.key,
+                   "Range": f"bytes={self._position}-{self._position + len(buffer) - 1}"}
+        try:
+            response = self._client.get_object(**request)
+            data = response["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return 0  # at or past the end
+            raise storage_error(exc, self.url, "GetObject", self._client) from None
+        except IncompleteReadError:  # the body broke off: the store, not the object
+            raise StorageUnavailableError(f"{self.url}: a ranged read at byte {self._position} broke off; run "
+                                          "again later") from None
+        except BotoCoreError as exc:
+            raise storage_error(exc, self.url, "GetObject", self._client) from None
+        count = min(len(data), len(buffer))
+        buffer[:count] = data[:count]
+        self._position += count
+        return count
+
+
+def open_ranged(client: BaseClient, url: S3Url, buffer: int = 256 * 1024) -> io.BufferedReader:
+    """A seekable stream of the object that reads only where it is read, ``buffer`` bytes a GET."""
+    return io.BufferedReader(RangedObject(client, url), buffer)
+
+
 def open_object(client: BaseClient, url: S3Url) -> io.BufferedReader:
     """A buffered, forward-only stream of the object (``tarfile.open(fileobj=..., mode="r|*")`` reads it)."""
     return io.BufferedReader(ObjectReader(client, url), READ_BUFFER)

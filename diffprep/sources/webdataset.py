@@ -17,14 +17,18 @@ adjacent (a sample id must be unique); a repeated extension is a
 
 Ids are ``<shard path relative to the glob's fixed folder>/<key>`` (the fixed
 folder of ``s3://bucket/shards/*.tar`` is ``s3://bucket/shards/``), so the same
-tars give the same ids on disk and in a bucket. ``read`` goes through each
-needed shard once and keeps only the requested samples. Listing a local shard
-reads its tar headers only (seeking past the data); an object in a bucket is a
-forward-only stream, so listing downloads each shard once (about one shard's
-bytes per shard, never held in memory or written to disk) and reading
-downloads each needed shard again. Ranged GETs of the headers alone would save
-that for shards of large members; for the small image members of a source
-shard the reads are mostly the data anyway.
+tars give the same ids on disk and in a bucket. Listing (``list_entries``)
+gives each id the byte span of its members in its shard, and reads several
+shards at once (threads), in the shards' order. ``read`` goes through each
+needed shard once and keeps only the requested samples; given the spans, it
+reads a shard only from the unit's first member to its last (in a bucket:
+ranged GETs of that part; without spans, each needed shard is downloaded
+again). Listing a local shard reads its tar headers only (seeking past the
+data); an object in a bucket is listed as a forward-only stream, so listing
+downloads each shard once (never held in memory or written to disk). Ranged
+GETs of the headers alone would save that for shards of large members; for
+the small image members of a source shard the reads are mostly the data
+anyway.
 
 Member names are never used as file paths (nothing is extracted); a key with a
 ``..`` component or an absolute path is still listed, and read as an
@@ -48,13 +52,19 @@ the json member's caption, text or prompt field.
 from __future__ import annotations
 
 import glob
+import io
 import json
+import logging
 import os
 import re
 import tarfile
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
 
 import braceexpand
 
@@ -72,6 +82,8 @@ from diffprep.sources.base import (
     unsupported,
 )
 from diffprep.sources.storage import (
+    READ_BUFFER,
+    RangedObject,
     S3Url,
     StorageUnavailableError,
     glob_objects,
@@ -88,6 +100,9 @@ CAPTION_EXTENSIONS = ("txt", "caption")
 # unsupported_format (a photo.heic member), not missing_image.
 _NOT_MEDIA = frozenset({*CAPTION_EXTENSIONS, "json", "cls", "cls2", "id", "key", "url", "meta"})
 JSON_CAPTION_FIELDS = ("caption", "text", "prompt")
+# Shards listed at once (threads: a local shard's listing waits on its headers' reads, a bucket's on the network).
+LIST_WORKERS = min(8, os.cpu_count() or 1)
+log = logging.getLogger(__name__)
 
 # Copied from webdataset.tariterators (base_plus_ext and tar_file_iterator's
 # skip_meta) so that listing does not import webdataset, which imports torch;
@@ -153,6 +168,14 @@ class _LocalShards:
         with tarfile.open(self.where(shard), "r:*") as tar:
             yield tar
 
+    @contextmanager
+    def open_span(self, shard: str, start: int, end: int) -> Iterator[tuple[tarfile.TarFile, int]]:
+        """The tar positioned at ``start`` (a member's header), and the offset where the span ends in it."""
+        with self.open_tar(shard) as tar:
+            if start > 0:  # opening read the shard's first member: go back to the span's first header
+                tar.firstmember, tar.offset = None, start
+            yield tar, end
+
 
 class _S3Shards:
     """Tar objects in a bucket, each read as one forward-only GET stream (nothing is written to disk)."""
@@ -191,6 +214,16 @@ class _S3Shards:
         stream = open_object(self._client, self._folder.join(unescape_id(shard)))
         with stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
             yield tar
+
+    @contextmanager
+    def open_span(self, shard: str, start: int, end: int) -> Iterator[tuple[tarfile.TarFile, int]]:
+        """The span's bytes as a tar stream of their own (ranged GETs from ``start``; its offsets count from
+        there), and the offset where the span ends in it."""
+        raw = RangedObject(self._client, self._folder.join(unescape_id(shard)))
+        raw.seek(start)
+        stream = io.BufferedReader(raw, max(1, min(READ_BUFFER, end - start)))
+        with stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            yield tar, end - start
 
 
 @dataclass
@@ -239,20 +272,39 @@ class WebDatasetSource:
             "caption_key": self.caption_key,
         } | self._store.extra
 
-    def list_ids(self) -> Iterator[str]:
-        for shard in self.shards:
-            seen: set[str] = set()
+    def list_entries(self) -> Iterator[tuple[str, list[int]]]:
+        """Each id with ``[start, end]``: the byte offsets of its first member's header and past its last member
+        in its shard. Shards are listed ``LIST_WORKERS`` at a time in threads (their headers, or in a bucket their
+        streams), each held whole only while it is yielded; the order is the shards' own."""
+        with ThreadPoolExecutor(max_workers=LIST_WORKERS, thread_name_prefix="diffprep-list") as pool:
+            shards = iter(self.shards)
+            window = deque(pool.submit(self._list_shard, shard) for shard in islice(shards, 2 * LIST_WORKERS))
             try:
-                with self._store.open_tar(shard) as tar:
-                    for member in _regular_members(tar):
-                        split = split_member_name(member.name)
-                        if split is not None and split[0] not in seen:
-                            seen.add(split[0])
-                            yield f"{shard}/{escape_id(split[0])}"
-            except StorageUnavailableError:
-                raise  # the store, not the shard: running again can help
-            except (OSError, tarfile.TarError) as exc:
-                raise SourceError(f"cannot list shard {self._store.where(shard)}: {exc}") from exc
+                while window:
+                    entries = window.popleft().result()
+                    window.extend(pool.submit(self._list_shard, shard) for shard in islice(shards, 1))
+                    yield from entries
+            finally:
+                for future in window:
+                    future.cancel()
+
+    def list_ids(self) -> Iterator[str]:
+        return (source_id for source_id, _ in self.list_entries())
+
+    def _list_shard(self, shard: str) -> list[tuple[str, list[int]]]:
+        spans: dict[str, list[int]] = {}  # key -> [first header, end of its last member], in first-seen order
+        try:
+            with self._store.open_tar(shard) as tar:
+                for member in _regular_members(tar):
+                    split = split_member_name(member.name)
+                    if split is not None:
+                        end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                        spans.setdefault(split[0], [member.offset, end])[1] = end
+        except StorageUnavailableError:
+            raise  # the store, not the shard: running again can help
+        except (OSError, tarfile.TarError) as exc:
+            raise SourceError(f"cannot list shard {self._store.where(shard)}: {exc}") from exc
+        return [(f"{shard}/{escape_id(key)}", span) for key, span in spans.items()]
 
     def _split_id(self, source_id: str, cache: dict[str, bool]) -> tuple[str | None, str]:
         """``(shard, key)`` of an id; shard is None when no prefix of the id is a shard any more.
@@ -271,7 +323,13 @@ class WebDatasetSource:
             start = slash + 1
         return None, ""
 
-    def read(self, ids: Sequence[str]) -> Iterator[SourceSample]:
+    def read(self, ids: Sequence[str], at: Sequence[Any] | None = None) -> Iterator[SourceSample]:
+        """One sample per id; each needed shard read once. With ``at`` (``list_entries``' spans, parallel to
+        ``ids``) a local shard is read from the first span's start to the last one's end only; where the members
+        are not all found there (the shard changed since planning), the whole shard is read, as without."""
+        if at is not None and len(at) != len(ids):
+            raise SourceError(f"{len(at)} positions for {len(ids)} ids under {self.base}: the unit's plan is damaged; "
+                              "plan the run again")
         cache: dict[str, bool] = {}
         located = [self._split_id(source_id, cache) for source_id in ids]
         last_use = {shard: pos for pos, (shard, _) in enumerate(located)}
@@ -280,7 +338,8 @@ class WebDatasetSource:
         for shard in dict.fromkeys(s for s, _ in located):  # shards in order of first use
             if shard is not None:
                 wanted = {key for s, key in located if s == shard and not is_unsafe_key(key)}
-                collected[shard] = self._collect(shard, wanted)
+                span = self._span([at[i] for i, (s, _) in enumerate(located) if s == shard]) if at else None
+                collected[shard] = self._collect(shard, wanted, span)
             # Yield every id whose shard has been read; drop a shard's samples after its last id.
             while pos < len(ids) and located[pos][0] in collected:
                 shard_of_id = located[pos][0]
@@ -289,12 +348,41 @@ class WebDatasetSource:
                     del collected[shard_of_id]
                 pos += 1
 
-    def _collect(self, shard: str, wanted: set[str]) -> _ShardRead:
-        """Members of the wanted keys in one pass over the shard, and what stopped the pass, if anything."""
+    def _span(self, positions: list[Any]) -> tuple[int, int] | None:
+        """The byte range of a shard holding these spans; None when one is missing or not a span."""
+        try:
+            spans = [(int(start), int(end)) for start, end in positions]
+        except (TypeError, ValueError):
+            return None
+        return min(start for start, _ in spans), max(end for _, end in spans)
+
+    def _collect(self, shard: str, wanted: set[str], span: tuple[int, int] | None = None) -> _ShardRead:
+        """Members of the wanted keys in one pass over the shard (or its ``span``), and what stopped the pass."""
+        if span is not None:
+            result = self._collect_pass(shard, wanted, span)
+            if result.error is None and not result.missing and wanted <= result.found.keys():
+                return result
+            log.info("%s: the members planned at bytes %d-%d are not all there any more: reading the whole shard",
+                     self._store.where(shard), *span)
+        return self._collect_pass(shard, wanted, None)
+
+    @contextmanager
+    def _open(self, shard: str, span: tuple[int, int] | None) -> Iterator[tuple[tarfile.TarFile, int | None]]:
+        """The shard's tar from its start (no end), or from its span's start (and where the span ends in it)."""
+        if span is None:
+            with self._store.open_tar(shard) as tar:
+                yield tar, None
+        else:
+            with self._store.open_span(shard, *span) as opened:
+                yield opened
+
+    def _collect_pass(self, shard: str, wanted: set[str], span: tuple[int, int] | None) -> _ShardRead:
         result = _ShardRead()
         try:
-            with self._store.open_tar(shard) as tar:
+            with self._open(shard, span) as (tar, end):
                 for member in _regular_members(tar):
+                    if end is not None and member.offset >= end:
+                        break
                     split = split_member_name(member.name)
                     if split is None or split[0] not in wanted:
                         continue
