@@ -235,3 +235,17 @@ def test_default_model_offline_and_not_cached_is_one_error_line(prefect_server, 
     assert "Traceback" not in run.stderr and "LocalEntryNotFoundError" not in run.stderr, run.stderr
     assert len((run.stdout + run.stderr).splitlines()) < 40, run.stdout + run.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("samples", [3, 6, 8, 10, 24])
+def test_a_small_demo_still_fills_its_three_splits(samples):
+    """`diffprep demo --samples 8` planned one shard of 8 for train, val and test, and stopped: a demo's shards are
+    as many as its splits need (the default demos' sizes unchanged)."""
+    from diffprep.cli import demo_shard_size
+    from diffprep.run.energon import planned_split
+
+    for most in (8, 4):  # the Flux demo's shard size, the Wan demo's
+        shards = -(-samples // demo_shard_size(samples, most))
+        counts, _warning = planned_split(shards, 0.8)  # raises ConfigError when train, val and test cannot all fill
+        assert all(counts[split] > 0 for split in ("train", "val", "test")), (samples, most, counts)
+    assert demo_shard_size(24, 8) == 8 and demo_shard_size(10, 4) == 4

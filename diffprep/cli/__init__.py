@@ -286,6 +286,15 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo_shard_size(samples: int, most: int) -> int:
+    """Samples per shard of a demo of ``samples`` (at most ``most``): small enough that its train_split 0.8 gets a
+    shard in each of train, val and test (`diffprep demo --samples 8` wrote one shard, and finalize refused it)."""
+    size = most
+    while size > 1 and -(-samples // size) < 3:
+        size -= 1
+    return size
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the embedded default: synthetic data, tiny encoders, embedded Prefect."""
     work = Path(args.workdir)
@@ -310,7 +319,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     write_demo_dataset(data, samples=args.samples or 24)
     overrides = {
         "source": {"type": "directory", "input_dir": str(data)},
-        "output": {"output_dir": str(work / "demo-out"), "shard_size": 8, "on_existing": "resume"},
+        "output": {"output_dir": str(work / "demo-out"), "shard_size": demo_shard_size(args.samples or 24, 8),
+                   "on_existing": "resume"},
         # min_psnr 0: random weights cannot reconstruct an image, whatever the settings.
         "model": {"model_path": str(model), "precision": "fp32", "batch_size": 4, "t5_max_length": 32,
                   "min_psnr": 0.0},
@@ -333,7 +343,8 @@ def _demo_wan(work: Path, samples: int) -> int:
     write_demo_clips(data, samples=samples)
     overrides = {
         "source": {"type": "directory", "input_dir": str(data)},
-        "output": {"output_dir": str(work / "demo-wan-out"), "shard_size": 4, "on_existing": "resume",
+        "output": {"output_dir": str(work / "demo-wan-out"), "shard_size": demo_shard_size(samples, 4),
+                   "on_existing": "resume",
                    "accept_rejects": 0.25},
         "model": {"model_path": str(model), "precision": "fp32", "batch_size": 2, "t5_max_length": 32,
                   "min_psnr": 0.0},
