@@ -97,6 +97,8 @@ def state_file(relative: str) -> bool:
         return folder in STATE_FILES
     if folder == contract.UNITS_DIR:
         return _MANIFEST_RE.fullmatch(rest) is not None
+    if folder == contract.MEMBERS_DIR:  # a shard's members as written (diffprep.writer.shards.write_members)
+        return _MANIFEST_RE.fullmatch(rest) is not None
     if folder == contract.UNIT_STATS_DIR:  # --full-cov: a unit's latent moments
         return re.fullmatch(r"\d{6,}\.pt", rest) is not None
     if folder == contract.SANITY_DIR:
