@@ -7,21 +7,24 @@ what prepare wrote, are one phase.)
 each new shard a split, writes ``.nv-meta/dataset.yaml`` (a
 ``CrudeWebdataset`` with subflavor ``encoding``), and runs Energon's prepare
 through its Python API, which writes ``.info.json``, ``split.yaml``,
-``index.sqlite`` and a ``.tar.idx`` next to every shard.
+``index.sqlite`` and a ``.tar.idx`` next to every shard. A local output's
+metadata is built from the shard writer's member records instead
+(``diffprep.run.energon_index``: the same files, without reading every tar).
 
 Splits are assigned by whole shard and recorded in ``.diffprep/splits.json``.
 Energon's own ratio split reshuffles every shard whenever shards are added,
 which leaks held-out data into train; here a recorded shard never changes
 split. New shards fill the splits towards the target ratios
-(train = ``train_split``, val = test = half the rest each) and are passed to
-prepare as exact name patterns. Only ``replace_split=True`` reassigns
+(train = ``train_split``, val = test = half the rest each); ``split.yaml``
+lists each split's shards (a bucket's prepare gets them as exact name
+patterns). Only ``replace_split=True`` reassigns
 everything; callers must get the user's approval for that first
 (``preview_replace_split`` says which shards would move).
 
-Energon's Python API overwrites existing metadata without asking (only the
-``energon prepare`` CLI wants ``--force-overwrite``), rebuilding the index
-and every ``.tar.idx`` from the tar headers, so re-finalizing after an append
-simply runs prepare again over all committed shards.
+Both ways overwrite existing metadata without asking (only the ``energon
+prepare`` CLI wants ``--force-overwrite``), rebuilding the index and every
+``.tar.idx``, so re-finalizing after an append simply indexes all committed
+shards again: from their records, without reading the tars, on a local output.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import yaml
 
 from diffprep import contract
 from diffprep.run.approvals import ABORT, Question
+from diffprep.run.energon_index import build_index
 from diffprep.run.failpoints import failpoint
 from diffprep.writer.layouts import Layout
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
@@ -397,7 +401,10 @@ def finalize(
     write_dataset_yaml(output, encoding, layout)
     failpoint("finalize")
     with output.energon_access() as path:  # Energon writes .nv-meta there; the working copy follows
-        parts = _run_prepare(path, splits, workers, progress)
+        if isinstance(path, Path):  # local: from the writer's records, in shard order (diffprep.run.energon_index)
+            parts = build_index(path, splits, manifests, progress)
+        else:  # a bucket: Energon reads it through its Multi-Storage Client
+            parts = _run_prepare(path, splits, workers, progress)
 
     info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text(encoding="utf-8"))
     counted = info.get("shard_counts", {})
