@@ -15,10 +15,16 @@ from test_energon import write_unit
 
 from diffprep import contract
 from diffprep.errors import DatasetValidationError
-from diffprep.run.energon import _exact_names_pattern, finalize, read_split_yaml
+from diffprep.run.energon import _run_prepare, finalize, read_split_yaml
 from diffprep.writer.shards import ShardWriter, UnitManifest, members_path, read_members, write_manifest
 
 LONG_FIELD = "a" * 120 + ".txt"  # a member name over tar's 100 bytes: a GNU long-name header before it
+
+
+def exact_names_pattern(names: list[str]) -> str:
+    """A split pattern matching exactly these shard names after Energon's brace expansion (which strips
+    backslashes, hence ``[.]``): what finalize gave prepare before it wrote split.yaml itself."""
+    return "^(?:" + "|".join(name.removesuffix(".tar") for name in names) + ")[.]tar$"
 
 
 def rows(index: Path) -> dict[str, list[tuple]]:
@@ -46,14 +52,15 @@ def test_index_from_records_is_what_energon_prepare_writes(tmp_path: Path) -> No
     members_path(out, "000003.tar").unlink()  # a shard written before records existed: its tar is read
     stale = json.loads(members_path(out, "000004.tar").read_text())
     members_path(out, "000004.tar").write_text(json.dumps(stale | {"sha256": "0" * 64}))  # another write's record
-    reference = tmp_path / "reference"
+    reference, bucket_way = tmp_path / "reference", tmp_path / "bucket-way"
     shutil.copytree(out, reference)
+    shutil.copytree(out, bucket_way)
 
     result = finalize(out, encoding=contract.ENCODING_PREENCODED, train_split=0.5)
 
     names = sorted(name for shards in result.splits.values() for name in shards)
     BaseWebdatasetFactory.prepare_dataset(
-        reference, names, split_parts_patterns=[(s, _exact_names_pattern(n)) for s, n in result.splits.items()],
+        reference, names, split_parts_patterns=[(s, exact_names_pattern(n)) for s, n in result.splits.items()],
         split_config=contract.SPLIT_YAML, shuffle_seed=None, workers=1,
     )
     for name in names:
@@ -64,6 +71,10 @@ def test_index_from_records_is_what_energon_prepare_writes(tmp_path: Path) -> No
     assert (meta / contract.INFO_JSON).read_text() == (expected / contract.INFO_JSON).read_text()
     assert (meta / contract.SPLIT_YAML).read_text() == (expected / contract.SPLIT_YAML).read_text()
     assert read_split_yaml(out) == {s: split for split, shards in result.splits.items() for s in shards}
+    # A bucket's finalize: Energon's prepare with patterns that match nothing, then diffprep's split.yaml.
+    assert _run_prepare(bucket_way, result.splits, 1, None) == set(result.parts)
+    for name in (contract.INFO_JSON, contract.SPLIT_YAML):
+        assert (bucket_way / contract.NV_META / name).read_text() == (expected / name).read_text(), name
     assert (meta / contract.INDEX_UUID).is_file()
     assert LONG_FIELD in result.parts and contract.LATENTS in result.parts
 

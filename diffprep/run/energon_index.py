@@ -196,13 +196,14 @@ def write_info(root: Path, counts: dict[str, int]) -> None:
             yaml.dump(info, handle)
 
 
-def write_split_yaml(root: Path, splits: dict[str, list[str]]) -> None:
+def write_split_yaml(root: Any, splits: dict[str, list[str]]) -> None:
     """``split.yaml`` in Energon's ``WebdatasetSplits`` format, each split's shards listed (brace-collapsed with
-    Energon's ``collapse``, in the given order) as prepare writes them: linear in the shards."""
+    Energon's ``collapse``, in the given order) as prepare writes them: linear in the shards. ``root``: a local
+    ``Path`` or Energon's ``EPath`` of a bucket."""
     from megatron.energon.bracecollapse import collapse
     from megatron.energon.flavors.webdataset.structs import WebdatasetSplits
     from megatron.energon.typed_converter import to_json_object
 
     config = WebdatasetSplits(split_parts={split: collapse(names, keep_order=True) for split, names in splits.items()})
-    with open(root / contract.NV_META / contract.SPLIT_YAML, "w") as handle:
+    with (root / contract.NV_META / contract.SPLIT_YAML).open("w") as handle:
         yaml.dump(to_json_object(config), handle, sort_keys=False)
