@@ -16,7 +16,15 @@ from test_energon import write_unit
 from diffprep import contract
 from diffprep.errors import DatasetValidationError
 from diffprep.run.energon import _run_prepare, finalize, read_split_yaml
-from diffprep.writer.shards import ShardWriter, UnitManifest, members_path, read_members, write_manifest
+from diffprep.run.energon_index import record_rows
+from diffprep.writer.shards import (
+    ShardMembers,
+    ShardWriter,
+    UnitManifest,
+    members_path,
+    read_members,
+    write_manifest,
+)
 
 LONG_FIELD = "a" * 120 + ".txt"  # a member name over tar's 100 bytes: a GNU long-name header before it
 
@@ -120,3 +128,14 @@ def test_a_sample_key_in_two_shards_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DatasetValidationError, match="two shards hold the sample key '000000_000000' .*000001.tar"):
         finalize(out, encoding=contract.ENCODING_PREENCODED, train_split=1.0)
     assert not (out / contract.NV_META / contract.INDEX_SQLITE).exists()
+
+
+@pytest.mark.parametrize("name", ["000001_000002.latents.pth", "k.", ".hidden", "nodot", "a.b.c", "x/y.z", "x.y/z",
+                                  "a/.b", "a\n.b\n", "dir/sub/k.txt", "__meta__.txt", "k.__x__/y"])
+def test_record_rows_split_names_as_energon_does(name: str) -> None:
+    from megatron.energon.flavors.webdataset.config import skip_meta_re, split_name_re
+
+    samples, parts, _, _ = record_rows(ShardMembers("000000.tar", 2048, "0" * 64, 1536, [(name, 0, 512, 7)]), 0)
+    match = None if skip_meta_re.match(name) else split_name_re.match(name)
+    assert [(s.sample_key, p.part_name) for s, p in zip(samples, parts)] == (
+        [(match.group(1), match.group(2))] if match else [])
