@@ -25,6 +25,7 @@ tests/test_energon_index.py compares them. Energon is imported inside the functi
 from __future__ import annotations
 
 import array
+import gc
 import json
 import os
 import tarfile
@@ -173,6 +174,10 @@ def build_index(root: Path, splits: dict[str, list[str]], manifests: dict[str, U
     counts: dict[str, int] = {}
     found: set[str] = set()
     writer = SqliteIndexWriter(EPath(meta / contract.INDEX_SQLITE))
+    collecting = gc.isenabled()
+    # Six row objects per sample, freed by reference counting shard by shard: the cyclic collector's passes over
+    # them found nothing and were a third of the time (1.2 of 3.2 s at 100 shards of 1000).
+    gc.disable()
     try:
         for index, name in enumerate(names):
             samples, parts, counts[name], names_here = _shard_items(root, name, index, shard_to_idx, manifests[name])
@@ -192,6 +197,9 @@ def build_index(root: Path, splits: dict[str, list[str]], manifests: dict[str, U
         writer.close()
         (meta / contract.INDEX_SQLITE).unlink(missing_ok=True)  # as prepare does: no index of part of the shards
         raise
+    finally:
+        if collecting:
+            gc.enable()
     writer.close()
     (meta / contract.INDEX_UUID).write_text(str(uuid.uuid4()))
     write_info(root, counts)
