@@ -139,3 +139,13 @@ def test_record_rows_split_names_as_energon_does(name: str) -> None:
     match = None if skip_meta_re.match(name) else split_name_re.match(name)
     assert [(s.sample_key, p.part_name) for s, p in zip(samples, parts)] == (
         [(match.group(1), match.group(2))] if match else [])
+
+
+def test_member_records_are_diffprep_s_files(tmp_path: Path) -> None:
+    from diffprep.output import Output
+    from diffprep.validation.ownership import ownership
+
+    out = tmp_path / "out"
+    write_unit(out, 0)
+    owned = ownership(Output(out))
+    assert ".diffprep/members/000000.json" in owned.ours and owned.foreign == ()
