@@ -198,6 +198,9 @@ UNITS_DIR = "units"
 PLAN_UNITS_DIR = "plan_units"
 UNIT_STATS_DIR = "unit_stats"  # --full-cov: each unit's latent moments (NNNNNN.pt), written before its manifest
 TMP_DIR = "tmp"
+# Each shard's tar members as its writer wrote them (name, header and data offsets, size; NNNNNN.json): finalize
+# builds Energon's index from them instead of reading every tar again.
+MEMBERS_DIR = "members"
 AUDIT_JSON = "audit.json"
 # The answer given to the rejects question, for the rejects it was asked about (their digest): it holds for them on
 # later runs; other rejects are asked about again.

@@ -1,15 +1,13 @@
-"""Split assignment, finalize through real Energon prepare, and loading with diffprep's cookers."""
+"""Split assignment, finalize (Energon's metadata: tests/test_energon_index.py), and loading with diffprep's cookers."""
 
 from __future__ import annotations
 
 import io
 import json
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import braceexpand
 import pytest
 import torch
 import yaml
@@ -20,7 +18,6 @@ from PIL import Image
 from diffprep import contract
 from diffprep.writer.cooker import FluxPreencodedSample, FluxPreencodedTaskEncoder, FluxRawTaskEncoder
 from diffprep.run.energon import (
-    _exact_names_pattern,
     assign_splits,
     finalize,
     planned_split,
@@ -173,19 +170,6 @@ def test_assign_splits_rejects_bad_ratio(train_split: float) -> None:
 def test_assign_splits_rejects_unknown_recorded_split() -> None:
     with pytest.raises(ConfigError, match="'validation'"):
         assign_splits(names(3), {"000000.tar": "validation"}, 0.8, seed=42)
-
-
-def test_split_pattern_matches_exactly_after_energon_brace_expansion() -> None:
-    pattern = _exact_names_pattern(["000001.tar", "000003.tar"])
-    regexes = [re.compile(p) for p in braceexpand.braceexpand(pattern)]  # what Energon prepare does
-
-    def matches(name: str) -> bool:
-        return any(r.match(name) for r in regexes)
-
-    assert matches("000001.tar") and matches("000003.tar")
-    assert not any(matches(n) for n in ["000002.tar", "0000010.tar", "000001xtar", "000001.tar.idx", "x000001.tar"])
-    with pytest.raises(ValueError, match="not a diffprep shard name"):
-        _exact_names_pattern(["shard-{1..2}.tar"])
 
 
 # -- finalize -----------------------------------------------------------------------------------

@@ -56,10 +56,11 @@ VALIDATION = f"{contract.STATE_DIR}/{contract.VALIDATION_JSON}"
 # Computed from the stored latents: checked by check_derived, not by a recorded digest.
 DERIVED_STATS = f"{contract.STATE_DIR}/{contract.LATENT_STATS}"
 DERIVED_UNITS = f"{contract.STATE_DIR}/{contract.UNIT_STATS_DIR}/"
+DERIVED_MEMBERS = f"{contract.STATE_DIR}/{contract.MEMBERS_DIR}/"  # the shard writer's member records
 
 
 def derived(name: str) -> bool:
-    return name == DERIVED_STATS or name.startswith(DERIVED_UNITS)
+    return name == DERIVED_STATS or name.startswith((DERIVED_UNITS, DERIVED_MEMBERS))
 
 
 def normalized_digests(files: dict[str, bytes], replace: dict[str, str]) -> dict[str, str]:
@@ -146,10 +147,11 @@ def check(scenario: str, digests: dict[str, str]) -> None:
     assert not changed, f"{scenario}: files whose bytes changed against the {name} record: {changed}"
 
 
-def check_derived(files: dict[str, bytes]) -> None:
+def check_derived(files: dict[str, bytes], members: bool = True) -> None:
     """Each unit's saved moments are those of its shard's latents, recomputed in key order (to the byte, with the
     run's fingerprint), and latent_stats.pt is their merge in unit order (to the byte), equal to the statistics
-    computed at once from every stored latent (to float32 precision: the file is float32)."""
+    computed at once from every stored latent (to float32 precision: the file is float32). ``members``: the shard
+    writer's member records are there (a folder output; a bucket's stay in its local staging folder)."""
     from diffprep.report.latent_stats import UnitStats, merge_units
     from diffprep.writer.layouts import Layout
     from diffprep.writer.plan import Plan
@@ -167,6 +169,11 @@ def check_derived(files: dict[str, bytes]) -> None:
             for member in archive.getmembers():
                 key, field = member.name.split(".", 1)
                 samples.setdefault(key, {})[field] = archive.extractfile(member).read()
+            if members:  # the writer's record of the members, for finalize's Energon index
+                record = json.loads(files[f"{DERIVED_MEMBERS}{manifest.unit:06d}.json"])
+                written = [[m.name, m.offset, m.offset_data, m.size] for m in archive.getmembers()]
+                assert record["members"] == written and record["end"] == archive.offset, manifest.shard
+                assert (record["sha256"], record["bytes"]) == (manifest.sha256, manifest.bytes), manifest.shard
         assert sorted(samples) == sorted(manifest.keys), manifest.shard
         moments = UnitStats()
         for key in manifest.keys:
@@ -217,4 +224,4 @@ def test_demo_dataset_to_a_bucket_is_byte_identical(prefect_server, tiny_model, 
     replace = {str(tmp_path): "<tmp>", str(tiny_model): "<model>", url: "<url>", proxy.url: "<endpoint>",
                result["fingerprint"]: "<fingerprint>", **machine(files[".diffprep/plan.json"])}
     check("demo-bucket", normalized_digests(files, replace))
-    check_derived(files)
+    check_derived(files, members=False)

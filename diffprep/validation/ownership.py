@@ -101,6 +101,8 @@ def state_file(relative: str) -> bool:
         return _MANIFEST_RE.fullmatch(rest) is not None
     if folder == contract.PLAN_UNITS_DIR:  # each planned unit's sample list
         return re.fullmatch(r"\d{6,}\.jsonl", rest) is not None
+    if folder == contract.MEMBERS_DIR:  # a shard's members as written (diffprep.writer.shards.write_members)
+        return _MANIFEST_RE.fullmatch(rest) is not None
     if folder == contract.UNIT_STATS_DIR:  # --full-cov: a unit's latent moments
         return re.fullmatch(r"\d{6,}\.pt", rest) is not None
     if folder == contract.SANITY_DIR:

@@ -185,6 +185,8 @@ class ShardWriter:
         # Plain USTAR-compatible headers; GNU format keeps long names if a caller ever needs them.
         self._tar = tarfile.open(fileobj=self._hashing, mode="w|", format=tarfile.GNU_FORMAT)
         self._keys: list[str] = []
+        # (name, header offset, data offset, size) of every member, for finalize's Energon index (write_members).
+        self._members: list[tuple[str, int, int, int]] = []
         self._done = False
 
     @property
@@ -197,6 +199,7 @@ class ShardWriter:
             raise ValueError(f"sample key {key!r} must be non-empty and contain no dots or slashes")
         if self._keys and key <= self._keys[-1]:
             raise ValueError(f"sample keys must be written in increasing order: {key!r} after {self._keys[-1]!r}")
+        start = self._tar.offset
         for ext in sorted(fields):
             data = field_bytes(fields[ext])
             info = tarfile.TarInfo(f"{key}.{ext}")
@@ -206,6 +209,11 @@ class ShardWriter:
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             self._tar.addfile(info, io.BytesIO(data))
+            # The stream's offset is now past the member's data and its padding: where the data started follows.
+            end = self._tar.offset
+            data_at = end - -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            self._members.append((info.name, start, data_at, info.size))
+            start = end
         self._keys.append(key)
 
     def commit(self) -> ShardInfo:
@@ -214,6 +222,7 @@ class ShardWriter:
         if not self._keys:
             self.abort()
             return ShardInfo("", 0, 0, hashlib.sha256().hexdigest())
+        end = self._tar.offset  # past the last member, before the end-of-archive blocks
         self._tar.close()
         self._handle.flush()
         os.fsync(self._handle.fileno())
@@ -222,7 +231,9 @@ class ShardWriter:
         os.replace(self._tmp, final)
         fsync_dir(self.out_dir)
         self._done = True
-        return ShardInfo(self.name, len(self._keys), self._hashing.size, self._hashing.sha256.hexdigest())
+        info = ShardInfo(self.name, len(self._keys), self._hashing.size, self._hashing.sha256.hexdigest())
+        write_members(self.out_dir, ShardMembers(info.name, info.bytes, info.sha256, end, self._members))
+        return info
 
     def abort(self) -> None:
         if self._done:
@@ -293,6 +304,58 @@ class BackgroundShardWriter(ShardWriter):
     def abort(self) -> None:
         self._stop()
         super().abort()
+
+
+MEMBERS_VERSION = 1
+
+
+@dataclass
+class ShardMembers:
+    """A shard's tar members as its writer wrote them (``.diffprep/members/NNNNNN.json``).
+
+    The writer knows every member's offsets as it writes them; finalize turns them into Energon's index
+    (``diffprep.run.energon_index``) instead of reading every tar's headers again. ``sha256`` and ``bytes`` tie the
+    record to one write of the shard: a record whose digest is not the manifest's is ignored (that tar is read).
+    """
+
+    shard: str
+    bytes: int
+    sha256: str
+    end: int  # the offset past the last member (where the end-of-archive blocks start)
+    members: list[tuple[str, int, int, int]]  # (name, header offset, data offset, size), in tar order
+
+    def to_json(self) -> dict:
+        return {"version": MEMBERS_VERSION, "shard": self.shard, "bytes": self.bytes, "sha256": self.sha256,
+                "end": self.end, "members": [list(member) for member in self.members]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ShardMembers":
+        return cls(data["shard"], data["bytes"], data["sha256"], data["end"],
+                   [(name, int(at), int(data_at), int(size)) for name, at, data_at, size in data["members"]])
+
+
+def members_path(out_dir: str | os.PathLike, shard: str) -> Path:
+    return Path(out_dir) / contract.STATE_DIR / contract.MEMBERS_DIR / (shard.removesuffix(contract.SHARD_SUFFIX)
+                                                                         + ".json")
+
+
+def write_members(out_dir: str | os.PathLike, record: ShardMembers) -> None:
+    path = no_link_below(Path(out_dir), members_path(out_dir, record.shard))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(record.to_json(), separators=(",", ":")).encode("utf-8"))
+
+
+def read_members(out_dir: str | os.PathLike, shard: str) -> ShardMembers | None:
+    """The writer's record of a shard, or None when there is none (written before records existed) or it does not
+    parse (a partial copy): the caller then reads the tar."""
+    path = members_path(out_dir, shard)
+    try:
+        data = json.loads(path.read_bytes())
+        if data.get("version") != MEMBERS_VERSION:
+            return None
+        return ShardMembers.from_json(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass
