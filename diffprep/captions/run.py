@@ -17,22 +17,9 @@ from diffprep.captions.pipeline import (CaptionAudit, CaptionJob, CaptionSanity,
                                         sanity_check, verify_set, write_set)
 from diffprep.captions.sets import CaptionSet, SetPlan
 from diffprep.errors import DiffprepError
-from diffprep.run.approvals import ABORT, Question, ask_terminal
+from diffprep.run.approvals import Ask, ask_here
 
 log = logging.getLogger("diffprep.captions")
-
-Ask = Callable[..., str]  # (question, preset) -> the answer, as diffprep.phases.pipeline.Ask
-
-
-def ask_here(question: Question, preset: str | None = None, *, release: bool = False) -> str:
-    """The answer from ``preset``, else from the terminal; with neither, the safe choice (abort) is taken."""
-    if preset is not None:
-        return question.check(preset)
-    answer = ask_terminal(question)
-    if answer is None:
-        raise question.refused(f"no terminal and no Prefect server to ask on: took the safe choice ({ABORT})")
-    return question.check(answer)
-
 
 # The loaded captioners of this process, by job and device: the sanity check's are the units' (a flow's tasks run
 # in this process too).

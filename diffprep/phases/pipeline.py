@@ -29,12 +29,12 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from diffprep import contract
-from diffprep.run.approvals import ABORT, Question, ask_terminal
+from diffprep.run.approvals import Ask, ask_here
 from diffprep.phases.audit import AuditReport, answered_before, audit, record_answer, rejects_accepted, rejects_question
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
 from diffprep.families.hub import resolve_token
@@ -58,20 +58,6 @@ from diffprep.run.workers import parse_devices, units_for_shard
 
 log = logging.getLogger("diffprep.pipeline")
 T = TypeVar("T")
-
-
-class Ask(Protocol):
-    def __call__(self, question: Question, preset: str | None = None, *, release: bool = False) -> str: ...
-
-
-def ask_here(question: Question, preset: str | None = None, *, release: bool = False) -> str:
-    """The answer from ``preset``, else from the terminal; with neither, the safe choice (abort) is taken."""
-    if preset is not None:
-        return question.check(preset)
-    answer = ask_terminal(question)
-    if answer is None:
-        raise question.refused(f"no terminal and no Prefect server to ask on: took the safe choice ({ABORT})")
-    return question.check(answer)
 
 
 def settings_output(settings: Settings) -> OutputRef:

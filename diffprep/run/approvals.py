@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from diffprep.errors import DiffprepError
 
@@ -66,3 +66,20 @@ def ask_terminal(question: Question, stdin: TextIO | None = None, stdout: TextIO
         if answer in question.choices:
             return answer
         print(f"  '{answer}' is not one of {', '.join(question.choices)}", file=stdout)
+
+
+class Ask(Protocol):
+    """How a run asks its questions: ``preset`` is an answer given ahead (a flag); ``release=True`` marks a question
+    asked after work was done (a flow run on a deployment may give its infrastructure back while it waits)."""
+
+    def __call__(self, question: Question, preset: str | None = None, *, release: bool = False) -> str: ...
+
+
+def ask_here(question: Question, preset: str | None = None, *, release: bool = False) -> str:
+    """The answer from ``preset``, else from the terminal; with neither, the safe choice (abort) is taken."""
+    if preset is not None:
+        return question.check(preset)
+    answer = ask_terminal(question)
+    if answer is None:
+        raise question.refused(f"no terminal and no Prefect server to ask on: took the safe choice ({ABORT})")
+    return question.check(answer)
