@@ -5,22 +5,18 @@ is tests/test_caption_sets.py's, in this process: a refused command here costs i
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
-
 from test_caption_sets import media_folder
-from user_shell import Terminal, recorded
+from user_shell import Terminal, module_terminal, recorded
 
 pytestmark = [pytest.mark.user_path, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def term(tmp_path_factory) -> Terminal:
-    root = tmp_path_factory.mktemp("user-captions")
-    term = Terminal(root / "work", root / "prefect-home")
-    yield term
-    print(f"\n{__name__}: commands and their seconds\n{term.report()}")
+def term(tmp_path_factory) -> Iterator[Terminal]:
+    yield from module_terminal(tmp_path_factory, "user-captions", __name__)
 
 
 def test_caption_a_folder_with_the_tiny_vlm(term: Terminal) -> None:

@@ -13,11 +13,22 @@ user's path (or a README that says something else).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from user_shell import (Ran, Terminal, decode, finalize, ignore_list, latent_stats, recorded, validate, written)
+from user_shell import (
+    Ran,
+    Terminal,
+    decode,
+    finalize,
+    ignore_list,
+    latent_stats,
+    module_terminal,
+    recorded,
+    validate,
+    written,
+)
 
 pytestmark = [pytest.mark.user_path, pytest.mark.slow]
 
@@ -26,12 +37,8 @@ LTX_BUCKET = "64x64x9"  # LTX-2: sides multiples of 32, F = 8k + 1
 
 
 @pytest.fixture(scope="module")
-def term(tmp_path_factory) -> Terminal:
-    """One terminal for the module: its working folder holds the inputs and outputs, its PREFECT_HOME is new."""
-    root = tmp_path_factory.mktemp("user-clips")
-    term = Terminal(root / "work", root / "prefect-home")
-    yield term
-    print(f"\n{__name__}: commands and their seconds\n{term.report()}")
+def term(tmp_path_factory) -> Iterator[Terminal]:
+    yield from module_terminal(tmp_path_factory, "user-clips", __name__)
 
 
 @pytest.fixture(scope="module")

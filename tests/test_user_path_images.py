@@ -16,13 +16,24 @@ from __future__ import annotations
 import json
 import shutil
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from class_folders import write_class_folders
-from user_shell import (REPO, Ran, Terminal, decode, finalize, ignore_list, latent_stats, recorded, validate,
-                        written)
+from user_shell import (
+    REPO,
+    Ran,
+    Terminal,
+    decode,
+    finalize,
+    ignore_list,
+    latent_stats,
+    module_terminal,
+    recorded,
+    validate,
+    written,
+)
 
 pytestmark = [pytest.mark.user_path, pytest.mark.slow]
 
@@ -31,12 +42,8 @@ SYNSETS = {"n01440764": 2, "n01443537": 2, "n01484850": 2}
 
 
 @pytest.fixture(scope="module")
-def term(tmp_path_factory) -> Terminal:
-    """One terminal for the module: its working folder holds the inputs and outputs, its PREFECT_HOME is new."""
-    root = tmp_path_factory.mktemp("user-images")
-    term = Terminal(root / "work", root / "prefect-home")
-    yield term
-    print(f"\n{__name__}: commands and their seconds\n{term.report()}")
+def term(tmp_path_factory) -> Iterator[Terminal]:
+    yield from module_terminal(tmp_path_factory, "user-images", __name__)
 
 
 @pytest.fixture(scope="module")

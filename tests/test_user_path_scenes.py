@@ -13,23 +13,30 @@ user's path (or a README that says something else).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from scene_render import render
-from user_shell import (Ran, Terminal, decode, finalize, ignore_list, latent_stats, recorded, validate, written)
+from user_shell import (
+    Ran,
+    Terminal,
+    decode,
+    finalize,
+    ignore_list,
+    latent_stats,
+    module_terminal,
+    recorded,
+    validate,
+    written,
+)
 
 pytestmark = [pytest.mark.user_path, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def term(tmp_path_factory) -> Terminal:
-    """One terminal for the module: its working folder holds the inputs and outputs, its PREFECT_HOME is new."""
-    root = tmp_path_factory.mktemp("user-scenes")
-    term = Terminal(root / "work", root / "prefect-home")
-    yield term
-    print(f"\n{__name__}: commands and their seconds\n{term.report()}")
+def term(tmp_path_factory) -> Iterator[Terminal]:
+    yield from module_terminal(tmp_path_factory, "user-scenes", __name__)
 
 
 # --- the datasets, each written once ------------------------------------------------------------------------------

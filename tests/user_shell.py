@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,15 @@ class Terminal:
     def report(self) -> str:
         """Each command run so far with its seconds, for the layer's time (printed with ``pytest -s``)."""
         return "\n".join(f"{ran.seconds:6.1f} s  exit {ran.returncode}  {ran.command}" for ran in self.history)
+
+
+def module_terminal(tmp_path_factory, name: str, module: str) -> Iterator[Terminal]:
+    """A test module's one terminal (its ``term`` fixture yields from this): its working folder holds the inputs and
+    outputs, its PREFECT_HOME is new; the commands and their seconds are printed at the end (``pytest -s``)."""
+    root = tmp_path_factory.mktemp(name)
+    term = Terminal(root / "work", root / "prefect-home")
+    yield term
+    print(f"\n{module}: commands and their seconds\n{term.report()}")
 
 
 def recorded(ran: Ran) -> Ran:
