@@ -17,18 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from user_shell import (
-    Ran,
-    Terminal,
-    decode,
-    finalize,
-    ignore_list,
-    latent_stats,
-    module_terminal,
-    recorded,
-    validate,
-    written,
-)
+
+from user_shell import (Ran, Terminal, decode, finalize, ignore_list, latent_stats, module_terminal, recorded, validate,
+                        written)
 
 pytestmark = [pytest.mark.user_path, pytest.mark.slow]
 

@@ -20,20 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from class_folders import write_class_folders
-from user_shell import (
-    REPO,
-    Ran,
-    Terminal,
-    decode,
-    finalize,
-    ignore_list,
-    latent_stats,
-    module_terminal,
-    recorded,
-    validate,
-    written,
-)
+from user_shell import (REPO, Ran, Terminal, decode, finalize, ignore_list, latent_stats, module_terminal, recorded,
+                        validate, written)
 
 pytestmark = [pytest.mark.user_path, pytest.mark.slow]
 

@@ -17,19 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from scene_render import render
-from user_shell import (
-    Ran,
-    Terminal,
-    decode,
-    finalize,
-    ignore_list,
-    latent_stats,
-    module_terminal,
-    recorded,
-    validate,
-    written,
-)
+from user_shell import (Ran, Terminal, decode, finalize, ignore_list, latent_stats, module_terminal, recorded, validate,
+                        written)
 
 pytestmark = [pytest.mark.user_path, pytest.mark.slow]
 
