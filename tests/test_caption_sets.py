@@ -192,7 +192,20 @@ def test_encode_reads_a_caption_set_and_asks_about_long_captions(tmp_path: Path,
     assert caption_settings(source_cfg.model_copy(update={"caption_reject_over": "flux:3"})) != caption_settings(
         source_cfg)  # rejecting over-long captions is another dataset: another fingerprint
     assert long_caption_overrides(flux.model_copy(update={"source": flux.source.model_copy(
-        update={"on_long_caption": "truncate"})}), {}) == {}
+        update={"on_long_caption": "truncate"})}), {}) == {"source": {"on_long_caption": "truncate"}}
+
+    # A flow run (a deployment, the UI) asks through the run's own ``ask`` before it plans: nothing is cut unasked.
+    asked = []
+
+    def ask(question, preset=None, *, release=False):
+        asked.append(question.key)
+        return "abort"
+
+    plan_json = tmp_path / "out" / contract.STATE_DIR / contract.PLAN_JSON
+    before = plan_json.read_bytes()
+    with pytest.raises(DiffprepError, match="over 3 flux tokens: aborted, nothing encoded"):
+        run(flux, contract.ENCODING_PREENCODED, ask=ask)
+    assert asked == ["captions-too-long"] and plan_json.read_bytes() == before  # asked before anything was planned
 
 
 def test_a_set_that_is_not_written_is_refused_by_name(tmp_path: Path) -> None:

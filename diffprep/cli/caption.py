@@ -136,47 +136,14 @@ def print_caption_summary(result: dict) -> None:
 
 def long_caption_overrides(settings: Any, overrides: dict[str, dict[str, Any]], ask: Any = None
                            ) -> dict[str, dict[str, Any]]:
-    """Before an encode with ``--caption-set``: captions over the family's text-encoder limit are a question
-    (truncate / reject / abort; ``--on-long-caption`` answers it ahead), never a silent truncation. ``reject``
-    becomes ``source.caption_reject_over``; the overrides are returned (unchanged without a set or long captions)."""
-    from diffprep.errors import ConfigError
-    from diffprep.phases.pipeline import ask_here
-    from diffprep.run.approvals import ABORT, Question
-    from diffprep.captions.tokens import family_limits
-    from diffprep.sources.caption_set import CaptionIndex, read_written_set, set_dir
+    """Before an encode with ``--caption-set``, on the terminal: the over-long captions' question
+    (``diffprep.captions.long_captions``), its answer kept in the overrides so that the run does not ask again."""
+    from diffprep.captions.long_captions import long_caption_answer
 
-    source = settings.source
-    if not source.caption_set:
+    answer = long_caption_answer(settings, ask)
+    if answer is None:
         return overrides
-    path = set_dir(source, source.caption_set)
-    record = read_written_set(path)
-    from diffprep.families import family_of_model
-
-    model = settings.model
-    if not model.model_path:
-        return overrides  # a raw run: no text encoder
-    family = family_of_model(model.model_path, model.family, revision=model.revision).name
-    if family not in (record.get("tokens") or {}):
-        log.warning("caption set %s has no %s token counts: captions over the text encoder's limit cannot be told "
-                    "apart (re-run `diffprep caption --name %s --count-tokens %s=%s` to count them)",
-                    source.caption_set, family, source.caption_set, family, model.model_path)
-        return overrides
-    limit = model.t5_max_length if family == "flux" else family_limits()[family]
-    over, longest, first = CaptionIndex(path).over(family, limit, source.caption_index)
-    if not over:
-        return overrides
-    named = "\n".join(f"- `{source_id}`: {tokens} tokens" for source_id, tokens in first)
-    question = Question(key="captions-too-long", title=f"{over} captions are longer than {family}'s text "
-                        f"encoder takes", description=(
-                            f"Caption set **{source.caption_set}**: {over} samples have a caption over {limit} "
-                            f"{family} tokens (the longest {longest}):\n\n"
-                            f"{named}\n\n- **truncate**: encode them cut at {limit} tokens (counted in the notes)\n"
-                            "- **reject**: leave them out, each a named `caption_too_long` reject\n"
-                            "- **abort**: encode nothing (shorter captions: `diffprep caption --max-new-tokens`)"),
-                        choices=("truncate", "reject", ABORT), preset_hint="--on-long-caption truncate|reject")
-    answer = (ask or ask_here)(question, source.on_long_caption)
-    if answer == "reject":
-        return overrides | {"source": overrides.get("source", {}) | {"caption_reject_over": f"{family}:{limit}"}}
-    if answer != "truncate":
-        raise ConfigError(f"--on-long-caption {answer!r}: truncate or reject")
-    return overrides
+    source = overrides.get("source", {}) | {"on_long_caption": answer[0]}
+    if answer[1]:
+        source["caption_reject_over"] = answer[1]
+    return overrides | {"source": source}

@@ -34,6 +34,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from diffprep import contract
+from diffprep.captions.long_captions import settle_long_captions
 from diffprep.run.approvals import Ask, ask_here
 from diffprep.phases.audit import AuditReport, answered_before, audit, record_answer, rejects_accepted, rejects_question
 from diffprep.config import FinalizeConfig, Settings, WorkersConfig
@@ -455,6 +456,7 @@ def run(settings: Settings, encoding: str, *, output: Output | None = None, ask:
     settings is that approval). ``run_id`` names the run in the output's lock.
     """
     started = time.perf_counter()
+    settings = settle_long_captions(settings, ask)  # a caption set's over-long captions: asked before the plan
     steps = steps or Steps.here(resolve_token(settings.auth.hf_token_file))
     events = events or Events()
     output = output or settings_output(settings).open()
