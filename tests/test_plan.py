@@ -332,6 +332,21 @@ def test_plan_json_holds_units_and_each_list_its_samples_with_their_locators(tmp
     assert plain[0].positions is None and list(plain[0].entries()) == [("a", None), ("b", None)]
 
 
+def test_a_process_going_through_every_unit_keeps_a_few_lists_not_every_id(tmp_path: Path) -> None:
+    """The units phase and the audit read every unit's list once in one process: at 1M samples, keeping each list
+    held every id (312 MiB in the units phase of benchmarks/scale.py). Only the last KEPT_LISTS stay."""
+    from diffprep.writer import plan as plan_module
+
+    units, _, _ = plan_units([f"s{i:04d}" for i in range(40)], shard_size=2)
+    write_plan(tmp_path / "out", make_plan(units))
+    loaded = read_plan(tmp_path / "out")
+    for unit in loaded.units:
+        assert unit.source_ids == [f"s{2 * unit.unit:04d}", f"s{2 * unit.unit + 1:04d}"]
+    kept = [u.unit for u in loaded.units if u._ids is not None]
+    assert kept == list(range(20 - plan_module.KEPT_LISTS, 20))
+    assert loaded.units[0].count == 2 and loaded.units[0].source_ids == ["s0000", "s0001"]  # read again when used
+
+
 def test_a_unit_list_is_written_as_the_unit_fills(tmp_path: Path, monkeypatch) -> None:
     import tempfile
 

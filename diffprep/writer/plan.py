@@ -18,6 +18,8 @@ import hashlib
 import itertools
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -33,12 +35,29 @@ from diffprep.writer.unit_lists import Entry, ListingIndex, Staging, list_bytes,
 MISSING_PREVIEW = 20
 
 
+KEPT_LISTS = 8  # the unit lists read from their files that stay in memory, per process
+_kept: OrderedDict[int, "UnitPlan"] = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def _keep(unit: "UnitPlan") -> None:
+    """``unit``'s list is the newest kept; the oldest past ``KEPT_LISTS`` is forgotten."""
+    with _kept_lock:
+        _kept[id(unit)] = unit
+        _kept.move_to_end(id(unit))
+        while len(_kept) > KEPT_LISTS:
+            _, oldest = _kept.popitem(last=False)
+            oldest._forget()
+
+
 class UnitPlan:
     """One unit: its index, its samples (ids, and the locators the source gave them) and, for video, its bucket.
 
     Its sample list lives in a file of its own (``unit_lists``): ``source_ids`` and ``positions`` read it on first
-    use and keep it (a unit's worker reads its own units only); ``entries`` streams it without keeping it, for the
-    loops over a whole plan. ``count`` is plan.json's, read without the list. A unit built from ids in memory (a
+    use and keep it while it is among the ``KEPT_LISTS`` lists read last in this process (a process that goes
+    through every unit, the units phase or the audit, then holds a few lists, never the plan's every id: an
+    older one is read again if it is used again); ``entries`` streams it without keeping it, for the loops over a
+    whole plan. ``count`` is plan.json's, read without the list. A unit built from ids in memory (a
     plan of the tests, one converted from plan.json's old inline form) holds them from the start.
     """
 
@@ -63,20 +82,20 @@ class UnitPlan:
     @property
     def count(self) -> int:
         """How many samples the unit plans (without reading its list)."""
-        return len(self._ids) if self._ids is not None else self._count
+        ids = self._ids
+        return len(ids) if ids is not None else self._count
 
     @property
     def source_ids(self) -> list[str]:
-        if self._ids is None:
-            self._load()
-        return self._ids
+        ids = self._ids
+        return ids if ids is not None else self._load()[0]
 
     @property
     def positions(self) -> list[Any] | None:
         """The source's locator of each sample (``Source.read(ids, at=...)``), parallel to ``source_ids``; None
         when the source gave none, or not one for every sample (a retried reject's is not known)."""
         if self._ids is None:
-            self._load()
+            return self._load()[1]
         return self._positions
 
     def entries(self) -> Iterator[Entry]:
@@ -98,7 +117,7 @@ class UnitPlan:
                 "Plan again into a fresh output (--on-existing new-dir), or restore the state folder from a copy.")
         return self._path
 
-    def _load(self) -> None:
+    def _load(self) -> tuple[list[str], list[Any] | None]:
         ids, positions = [], []
         for sid, at in read_entries(self._list_file()):
             ids.append(sid)
@@ -107,8 +126,14 @@ class UnitPlan:
             raise DiffprepError(f"unit {self.unit}'s sample list {self._path} holds {len(ids)} samples, plan.json "
                                 f"plans {self._count}: the state folder was changed by hand. Plan again into a fresh "
                                 "output (--on-existing new-dir).")
-        self._ids = ids
-        self._positions = positions if all(at is not None for at in positions) and positions else None
+        kept = positions if all(at is not None for at in positions) and positions else None
+        self._ids, self._positions, self._count = ids, kept, len(ids)
+        _keep(self)
+        return ids, kept
+
+    def _forget(self) -> None:
+        """Drop the list read from its file (read again when used again)."""
+        self._ids = self._positions = None
 
     def to_json(self) -> dict[str, Any]:
         """The unit in plan.json: index, count, bucket, the file of its list (relative to the state folder)."""
