@@ -133,11 +133,11 @@ def test_sample_with_missing_fields(out: Path, make_plan) -> None:
     with ShardWriter(out, 0) as writer:
         writer.write("000000_000000", {contract.CAPTION: "no tensors", contract.META: {}})
         info = writer.commit()
-    # Committed with another digest (the tar was replaced after its commit): audit with digests reads its headers. (A shard
+    # Committed with another digest (the tar was replaced after its commit): audit reads its headers. (A shard
     # whose bytes are the committed ones is trusted; validation's field check reads every shard's headers.)
     write_manifest(out, UnitManifest(0, info.name, plan.fingerprint, ["000000_000000"], ["img0000.png"],
                                      info.count, info.bytes, "0" * 64))
-    report = audit(out, plan, digests=True)
+    report = audit(out, plan)
     assert report.problems[1:] == ["unit 000000: samples with missing fields: ['000000_000000']"]
     assert "has sha256" in report.problems[0] and "changed after it was committed" in report.problems[0]
 
@@ -292,15 +292,13 @@ def test_a_tampered_shard_of_the_same_size_is_found_in_one_process_and_in_two(ou
     write_plan(out, plan)
     for unit in range(3):
         write_unit(out, plan, unit)
-    assert audit(out, plan, digests=True).problems == []  # every shard's size and digest are its manifest's
+    assert audit(out, plan).problems == []  # every shard trusted: its size and digest are its manifest's
     shard = out / contract.shard_name(1)
     data = bytearray(shard.read_bytes())
     data[data.index(b"caption of ") + 3] ^= 0x01  # the same size, the same members, other bytes
     shard.write_bytes(bytes(data))
 
-    # Audit trusts the manifest's digest where the size is right (a stat per shard); digests=True reads it.
-    assert audit(out, plan).problems == []
-    one, two = audit(out, plan, digests=True), audit(out, plan, workers=2, digests=True)
+    one, two = audit(out, plan), audit(out, plan, workers=2)
     assert len(one.problems) == 1, one.problems
     assert one.problems[0].startswith("unit 000001: shard 000001.tar has sha256 ")
     assert "(same size): the shard changed after it was committed; re-encode that unit" in one.problems[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from diffprep.run import threads
-from diffprep.writer.plan import Plan, UnitPlan
+from diffprep.writer.plan import Plan, UnitPlan, read_plan, write_plan
 from diffprep.run.threads import CpuRecord, default_threads, planned_threads, record
 
 
@@ -68,11 +68,12 @@ def test_another_cpu_says_so_before_it_writes_once_per_process(caplog) -> None:
     threads._said.clear()
 
 
-def test_plan_json_keeps_the_record_and_reads_older_plans() -> None:
+def test_plan_json_keeps_the_record_and_reads_older_plans(tmp_path) -> None:
     plan = Plan("f", {}, {}, {}, [UnitPlan(0, ["a"])], cpu=record(2).to_json())
     data = plan.to_json()
     assert data["cpu"] == {"capability": torch.backends.cpu.get_cpu_capability(), "threads": 2}
-    assert Plan.from_json(data) == plan
+    write_plan(tmp_path, plan)  # plan.json and its units' lists
+    assert read_plan(tmp_path) == plan
     del data["cpu"]
     older = Plan.from_json(data)
     assert older.cpu is None and CpuRecord.from_json(older.cpu) is None and "cpu" not in older.to_json()

@@ -136,14 +136,14 @@ def record_answer(output: Output, report: AuditReport, answer: str) -> None:
 
 
 def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | None = None,
-          workers: int = 1, digests: bool = False) -> AuditReport:
+          workers: int = 1) -> AuditReport:
     """Reconcile the plan, the manifests and the tars; write ``.diffprep/audit.json``.
 
     The manifests are read one at a time (``diffprep.run.manifests.Manifests``): nothing here holds more
-    than one unit's ids besides the counts and the first ``REJECT_PREVIEW`` rejects. A shard whose size is its
-    manifest's is trusted to hold the manifest's keys (the writer committed both together, the manifest with the
-    shard's sha256); with ``digests`` its sha256 is read and compared too (every byte read). Its tar headers are
-    parsed only where they differ, to say what changed. ``workers`` > 1 reads the shards in that many threads. The tars are read where they are (a bucket prefix's from the bucket); the
+    than one unit's ids besides the counts and the first ``REJECT_PREVIEW`` rejects. A shard whose size and
+    sha256 are its manifest's is trusted to hold the manifest's keys (the writer committed both together);
+    its tar headers are parsed only where they differ, to say what changed. ``workers`` > 1 reads and hashes
+    the shards in that many threads. The tars are read where they are (a bucket prefix's from the bucket); the
     manifests from the output's state.
     """
     output = as_output(output)
@@ -159,7 +159,7 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
     digest = hashlib.sha256()
     files_layout, audited = unit_files_layout(plan), []  # a layout whose units write files (LTX, GAE)
     encoding = get_encoding(plan.encoding)
-    facts = _shard_facts_in_pool(output, manifests, wanted, workers, digests) if files_layout is None else {}
+    facts = _shard_facts_in_pool(output, manifests, wanted, workers) if files_layout is None else {}
     for unit in wanted:
         manifest = manifests.get(unit.unit)
         if manifest is None:
@@ -192,7 +192,7 @@ def audit(output: Output | str | os.PathLike, plan: Plan, *, units: list[int] | 
                                 "shard")
         else:
             found = facts.get(manifest.shard) or output_shard_facts(output, manifest.shard, manifest.bytes,
-                                                                     manifest.sha256, digests)
+                                                                     manifest.sha256)
             problems += _shard_problems(unit.unit, manifest, found, fields)
         written += manifest.count
         for reject in manifest.rejects:
@@ -250,13 +250,12 @@ def _shard_problems(unit: int, manifest: UnitManifest, found: ShardFacts, fields
     return problems
 
 
-def _shard_facts_in_pool(output: Output, manifests: Manifests, wanted: list, workers: int,
-                         digests: bool) -> dict[str, ShardFacts]:
+def _shard_facts_in_pool(output: Output, manifests: Manifests, wanted: list, workers: int) -> dict[str, ShardFacts]:
     """Shard -> its facts, read by ``workers`` threads ({} with one: audit reads each shard as it reaches its unit).
 
-    Threads, not processes: what a shard costs is a stat, or with ``digests`` reading and hashing its bytes, all
-    outside the GIL (hashlib releases it for large blocks), without a process's start-up (seconds: it imports
-    this package again). Holds one small record per shard, never a sample id.
+    Threads, not processes: what a trusted shard costs is reading and hashing its bytes, and both run outside
+    the GIL (hashlib releases it for large blocks), without a process's start-up (seconds: it imports this
+    package again). Holds one small record per shard, never a sample id.
     """
     if workers <= 1:
         return {}
@@ -270,5 +269,5 @@ def _shard_facts_in_pool(output: Output, manifests: Manifests, wanted: list, wor
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="audit") as pool:
-        found = pool.map(lambda job: output_shard_facts(output, *job, digests), jobs)
+        found = pool.map(lambda job: output_shard_facts(output, *job), jobs)
         return {job[0]: facts for job, facts in zip(jobs, found)}

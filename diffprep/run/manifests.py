@@ -5,11 +5,10 @@ finalize and validation used to load all of them into one dict before looking at
 is a read-only mapping unit -> manifest over the state folder that holds only the unit numbers (from the
 file names) and reads a manifest when it is asked for, so a pass over it holds one manifest at a time.
 
-``output_shard_facts`` is what audit needs of a committed shard: its size (a stat). The manifest's digest is
-the record of what the writer committed with it, trusted where the size is the manifest's: re-hashing every
-shard reads every byte of the dataset (hundreds of TB at 100M samples of latents, every object downloaded again
-from a bucket), far more than the tar headers it replaced. With ``digests`` the sha256 is checked too (one read,
-hashed outside the GIL). The tar headers are parsed only where size or digest differ, to say what changed.
+``output_shard_facts`` is what audit needs of a committed shard: its size (a stat), and where the size is right
+its sha256 (one read, hashed outside the GIL, no Python per member). A shard whose size and digest are its
+manifest's holds exactly the bytes the writer committed, and so exactly the manifest's keys and fields: its tar
+headers are parsed only where they are not (to say what changed).
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ class ShardFacts:
     error: str | None = None  # why the headers could not be read
 
     def trusted(self, manifest: UnitManifest) -> bool:
-        """The bytes the writer committed with this manifest (so its keys and fields are the manifest's): its size,
-        and its digest where one was read."""
-        return self.size == manifest.bytes and self.sha256 in (None, manifest.sha256)
+        """The bytes the writer committed with this manifest (so its keys and fields are the manifest's)."""
+        return self.size == manifest.bytes and self.sha256 == manifest.sha256
 
 
 def sha256_of(stream: IO[bytes]) -> str:
@@ -75,17 +73,14 @@ def sha256_of(stream: IO[bytes]) -> str:
     return digest.hexdigest()
 
 
-def shard_facts(path: str, size: int, sha256: str, digests: bool = False) -> ShardFacts:
-    """Size (and with ``digests`` the digest) of the shard at ``path`` against its manifest's ``size`` and
-    ``sha256``; the tar keys only where they differ. A local file (a bucket's shards go through ``Output``: see
-    ``output_shard_facts``)."""
+def shard_facts(path: str, size: int, sha256: str) -> ShardFacts:
+    """Size and digest of the shard at ``path`` against its manifest's ``size`` and ``sha256``; the tar keys only
+    where they differ. A local file (a bucket's shards go through ``Output``: see ``output_shard_facts``)."""
     file = Path(path)
     if not file.is_file():
         return ShardFacts(None)
     found = file.stat().st_size
     digest = None
-    if found == size and not digests:
-        return ShardFacts(found)
     if found == size:
         with open(file, "rb") as stream:
             digest = sha256_of(stream)
@@ -99,16 +94,14 @@ def shard_facts(path: str, size: int, sha256: str, digests: bool = False) -> Sha
 
 
 
-def output_shard_facts(output: Output, name: str, size: int, sha256: str, digests: bool = False) -> ShardFacts:
+def output_shard_facts(output: Output, name: str, size: int, sha256: str) -> ShardFacts:
     """``shard_facts`` for a shard of any output (a bucket's read back from the bucket)."""
     if not output.remote:
-        return shard_facts(str(output.local / name), size, sha256, digests)
+        return shard_facts(str(output.local / name), size, sha256)
     found = output.size(name)
     if found is None:
         return ShardFacts(None)
     digest = None
-    if found == size and not digests:
-        return ShardFacts(found)
     if found == size:
         with output.open(name) as stream:
             digest = sha256_of(stream)
