@@ -194,6 +194,13 @@ def test_encode_reads_a_caption_set_and_asks_about_long_captions(tmp_path: Path,
     assert long_caption_overrides(flux.model_copy(update={"source": flux.source.model_copy(
         update={"on_long_caption": "truncate"})}), {}) == {"source": {"on_long_caption": "truncate"}}
 
+    # A set captioned without --count-tokens: the encode counts its captions with its own tokenizer, and asks.
+    run_caption(job_for(data, standin_url, name="uncounted"))
+    assert "flux" not in (CaptionSet(str(data / ".captions" / "uncounted")).record().get("tokens") or {})
+    uncounted = flux.model_copy(update={"source": flux.source.model_copy(update={"caption_set": "uncounted"})})
+    with pytest.raises(ApprovalRefused, match="4 captions are longer than flux"):
+        long_caption_overrides(uncounted, {})
+
     # A flow run (a deployment, the UI) asks through the run's own ``ask`` before it plans: nothing is cut unasked.
     asked = []
 

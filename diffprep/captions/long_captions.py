@@ -22,6 +22,7 @@ def long_caption_answer(settings: Any, ask: Any = None) -> tuple[str, str | None
     truncate or reject; ``reject_over``: ``family:limit`` with reject); None without a set, a text encoder, token
     counts or long captions. Abort raises."""
     from diffprep.captions.tokens import family_limits  # the tokenizers' libraries: only for a caption set
+    from diffprep.families.hub import resolve_token
     from diffprep.families import family_of_model
     from diffprep.sources.caption_set import CaptionIndex, read_written_set, set_dir
 
@@ -34,13 +35,17 @@ def long_caption_answer(settings: Any, ask: Any = None) -> tuple[str, str | None
     if not model.model_path:
         return None  # a raw run: no text encoder
     family = family_of_model(model.model_path, model.family, revision=model.revision).name
-    if family not in (record.get("tokens") or {}):
-        log.warning("caption set %s has no %s token counts: captions over the text encoder's limit cannot be told "
-                    "apart (re-run `diffprep caption --name %s --count-tokens %s=%s` to count them)",
-                    source.caption_set, family, source.caption_set, family, model.model_path)
-        return None
+    count = None
+    if family not in (record.get("tokens") or {}):  # not counted by `diffprep caption`: counted now
+        count = encode_tokenizer(family, model, resolve_token(settings.auth.hf_token_file))
+        if count is None:
+            log.warning("caption set %s has no %s token counts and the encode's tokenizer was not found: captions "
+                        "over the text encoder's limit cannot be told apart (re-run `diffprep caption --name %s "
+                        "--count-tokens %s=MODEL_FOLDER` to count them)", source.caption_set, family,
+                        source.caption_set, family)
+            return None
     limit = model.t5_max_length if family == "flux" else family_limits()[family]
-    over, longest, first = CaptionIndex(path).over(family, limit, source.caption_index)
+    over, longest, first = CaptionIndex(path).over(family, limit, source.caption_index, count=count)
     if not over:
         return None
     named = "\n".join(f"- `{source_id}`: {tokens} tokens" for source_id, tokens in first)
@@ -71,3 +76,20 @@ def settle_long_captions(settings: Any, ask: Any) -> Any:
         return settings
     update = {"on_long_caption": answer[0]} | ({"caption_reject_over": answer[1]} if answer[1] else {})
     return settings.model_copy(update={"source": settings.source.model_copy(update=update)})
+
+
+def encode_tokenizer(family: str, model: Any, token: str | None = None) -> Any:
+    """A caption's token count with the tokenizer the encode will use (its model folder, or the hub's copy the
+    encode downloads too), or None where it cannot be found."""
+    from diffprep.captions.tokens import TOKENIZER_FOLDERS, load_tokenizer
+    from diffprep.families.hub import resolve_component
+
+    try:
+        root, _ = resolve_component(model.model_path, TOKENIZER_FOLDERS[family][0] or None,
+                                    revision=model.revision, token=token, encoder="tokenizer")
+        tokenizer = load_tokenizer(family, str(root))
+    except (DiffprepError, OSError, ValueError) as exc:
+        log.info("no %s tokenizer for the caption set's counts (%s)", family, exc)
+        return None
+    return lambda caption: len(tokenizer(caption).input_ids)
+

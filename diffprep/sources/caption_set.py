@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -92,20 +92,24 @@ class CaptionIndex:
                                       (source_id,)).fetchone()
         return None if row is None else (json.loads(row[0]), json.loads(row[1]))
 
-    def over(self, family: str, limit: int, index: int = 0, named: int = 20) -> tuple[int, int, list[tuple[str, int]]]:
+    def over(self, family: str, limit: int, index: int = 0, named: int = 20,
+             count: Callable[[str], int] | None = None) -> tuple[int, int, list[tuple[str, int]]]:
         """Captions (the ``index``-th of each sample) over ``limit`` of ``family``'s tokens: how many, the longest,
-        the first ``named`` (source id, tokens); one pass over the index."""
-        count, longest, first = 0, 0, []
-        for source_id, tokens in self._connect().execute("SELECT source_id, tokens FROM captions"):
+        the first ``named`` (source id, tokens); one pass over the index. ``count``: a caption's tokens where the
+        set has no counts of ``family`` (counted now, with the encode's own tokenizer)."""
+        total, longest, first = 0, 0, []
+        for source_id, captions, tokens in self._connect().execute("SELECT source_id, captions, tokens FROM captions"):
             counts = json.loads(tokens).get(family)
+            if not counts and count is not None:
+                counts = [count(caption) for caption in json.loads(captions)]
             if not counts:
                 continue
             longest = max(longest, counts[index])
             if counts[index] > limit:
-                count += 1
+                total += 1
                 if len(first) < named:
                     first.append((source_id, counts[index]))
-        return count, longest, first
+        return total, longest, first
 
     def __getstate__(self) -> dict:  # a worker process opens its own connection
         return {"path": self.path, "_db": None}
