@@ -226,8 +226,9 @@ def test_describe_says_what_exists(tmp_path: Path, make_plan, write_unit) -> Non
     assert f"**Output:** `{out}`" in text
     assert "was written with other settings" in text and "  - `v: 1 -> 2`" in text  # which setting, old and new
     assert "1 file(s) diffprep did not write, which stay whatever is chosen: `README.md`" in text
-    # What overwrite deletes, counted (plan and its two units' lists, two manifests, two shards), and what it keeps.
-    assert "`overwrite`: delete the 7 file(s) diffprep wrote there" in text
+    # What overwrite deletes, counted (plan and its two units' lists, two manifests, two shards and their member
+    # records), and what it keeps.
+    assert "`overwrite`: delete the 9 file(s) diffprep wrote there" in text
     assert "the 1 file(s) above that it did not write stay" in text
     assert "KiB in all" in text
 
@@ -291,6 +292,7 @@ def test_clear_output_removes_only_diffprep_files(tmp_path: Path, plan, write_un
 
     assert set(owned.ours) == {".diffprep/plan.json", ".diffprep/units/000000.json", ".diffprep/units/000001.json",
                                *(f".diffprep/{contract.plan_unit_path(unit.unit)}" for unit in plan.units),
+                               ".diffprep/members/000000.json", ".diffprep/members/000001.json",  # the writer's
                                ".diffprep/audit.json", ".nv-meta/dataset.yaml", "000000.tar", "000000.tar.idx",
                                "000001.tar"}
     for name, data in foreign.items():
