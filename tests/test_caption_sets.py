@@ -122,10 +122,27 @@ def test_a_set_with_other_settings_is_replaced_only_when_answered(tmp_path: Path
     assert kept["action"] == "fresh" and set_bytes(data / ".captions" / "v1") == before
     rows = [json.loads(line) for line in (data / ".captions" / "v2" / CAPTIONS_JSONL).read_text().splitlines()]
     assert all(len(r["captions"]) == 2 and r["captions"][0] != r["captions"][1] for r in rows)
+    # Files the set's folders hold that a caption run does not write, and links in every folder: the question
+    # names them, and an overwrite keeps them (and never writes or removes through a link).
+    v1 = data / ".captions" / "v1"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("theirs")
+    (v1 / "notes.md").write_text("mine")
+    (v1 / "units" / "review.txt").write_text("mine too")
+    (v1 / "link-dir").symlink_to(outside)
+    (v1 / "units" / "000099.jsonl").symlink_to(outside / "keep.txt")  # a link at a name the set would own
+    cset = CaptionSet(str(v1))
+    assert cset.listing()[1] == ["link-dir", "notes.md", "units/000099.jsonl", "units/review.txt"]
+    with pytest.raises(ApprovalRefused, match="4 other file"):
+        run_caption(other, ask=ask_here)
     # Answered ahead of time: replaced.
     replaced = run_caption(job_for(data, standin_url, on_existing="overwrite",
                                    instructions=["List the colours."]))
     assert replaced["action"] == "overwrite" and set_bytes(data / ".captions" / "v1") != before
+    assert (v1 / "notes.md").read_text() == "mine" and (v1 / "units" / "review.txt").read_text() == "mine too"
+    assert (v1 / "link-dir").is_symlink() and (v1 / "units" / "000099.jsonl").is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and (outside / "keep.txt").read_text() == "theirs"
 
 
 def test_the_ltx_metadata_file_reads_as_the_ltx_trainer_reads_it(tmp_path: Path, standin_url: str) -> None:

@@ -142,8 +142,9 @@ class SetInspection:
             description=(f"`{cset.path}` holds caption set **{cset.name}** (fingerprint `{before.get('fingerprint')}`, "
                          f"{before.get('samples')} samples, instructions {before.get('instructions')}), made with "
                          f"other settings or another source than this run (fingerprint `{plan.fingerprint}`).\n\n"
-                         "- **overwrite**: remove that set and caption again under the same name\n"
-                         f"- **abort**: change nothing (to keep both, re-run with another `--name`)"),
+                         "- **overwrite**: remove that set's files and caption again under the same name"
+                         + _kept(cset) + "\n"
+                         "- **abort**: change nothing (to keep both, re-run with another `--name`)"),
             choices=("overwrite", ABORT),
             preset_hint="--on-existing overwrite (or another --name to keep the old set)",
         )
@@ -158,6 +159,16 @@ def verify_set(cset: CaptionSet, plan: SetPlan) -> SetInspection:
     return SetInspection("written" if cset.is_written() else "resume", record)
 
 
+def _kept(cset: CaptionSet) -> str:
+    """What an overwrite of the set leaves: the files in its folder a caption run does not write."""
+    _, foreign = cset.listing()
+    if not foreign:
+        return ""
+    shown = ", ".join(f"`{name}`" for name in foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10
+                                                               else "")
+    return f" ({len(foreign)} other file(s) stay: {shown})"
+
+
 def prepare_set(cset: CaptionSet, plan: SetPlan, inspection: SetInspection, answer: str | None) -> list[int]:
     """An approved overwrite carried out, the plan written (or kept); the units left to caption."""
     scratch = _scratch_plan(cset)
@@ -165,7 +176,10 @@ def prepare_set(cset: CaptionSet, plan: SetPlan, inspection: SetInspection, answ
         if answer != "overwrite":
             raise DiffprepError(f"caption set {cset.name!r} exists with other settings and was not replaced")
         log.warning("overwrite (approved): removing caption set %s", cset.path)
-        cset.remove()
+        kept = cset.remove()
+        if kept:
+            log.warning("kept the %d file(s) in %s that a caption run does not write: %s", len(kept), cset.path,
+                        ", ".join(kept[:10]))
     if inspection.state in ("fresh", "other"):
         with open(scratch, encoding="utf-8") as f:
             cset.write_plan(plan, (json.loads(line) for line in f))

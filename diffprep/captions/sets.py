@@ -24,14 +24,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import contextlib
 import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from diffprep.errors import DiffprepError
 from diffprep.sources.caption_set import INDEX, SET_JSON, SETS_FOLDER, set_dir
+from diffprep.writer.links import no_link_below
 from diffprep.writer.shards import atomic_write_bytes
 
 SET_VERSION = 1
@@ -159,9 +161,27 @@ class CaptionSet:
             for line in f:
                 yield json.loads(line)
 
-    def remove(self) -> None:
-        """The whole set (an approved overwrite): every file in it is this set's."""
-        shutil.rmtree(self.path)
+    def listing(self) -> tuple[list[str], list[str]]:
+        """The set folder's files, relative: those a caption run writes, and the others (never removed)."""
+        ours, foreign = [], []
+        for folder, dirs, files in os.walk(self.path):
+            rel = os.path.relpath(folder, self.path)
+            for name in sorted(files) + sorted(d for d in dirs if os.path.islink(os.path.join(folder, d))):
+                relative = name if rel == "." else f"{rel}/{name}"
+                (ours if _own_file(relative) and not os.path.islink(os.path.join(folder, name))
+                 else foreign).append(relative)
+        return sorted(ours), sorted(foreign)
+
+    def remove(self) -> list[str]:
+        """An approved overwrite: the files a caption run writes, never through a link; the others stay (returned)."""
+        no_link_below(Path(self.path).parent, Path(self.path))
+        ours, foreign = self.listing()
+        for relative in ours:
+            os.remove(no_link_below(Path(self.path), Path(self.path) / relative))
+        for folder in (SANITY_DIR, UNITS_DIR):
+            with contextlib.suppress(OSError):  # kept when something else is in it
+                os.rmdir(os.path.join(self.path, folder))
+        return foreign
 
     # --- written -------------------------------------------------------------------------------------------------
 
@@ -228,6 +248,17 @@ def fingerprint_of(settings: dict[str, Any], ids_digest: str) -> str:
     """The set's fingerprint: its captioning settings and the planned ids (a changed source: a new plan)."""
     text = json.dumps({"settings": settings, "ids": ids_digest}, sort_keys=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _own_file(relative: str) -> bool:
+    """A file a caption run writes in its set folder (by name: ``set.json``, the plan, units, index, sanity...)."""
+    top, _, rest = relative.partition("/")
+    if not rest:
+        return top in (SET_JSON, PLAN, PLAN_OFFSETS, PLAN_OFFSETS + ".tmp", INDEX, CAPTIONS_JSONL,
+                       CAPTIONS_JSONL + ".tmp", AUDIT_JSON, TOKENS_JSON) or top.startswith(f"{SET_JSON}.")
+    if top == UNITS_DIR:
+        return "/" not in rest and rest.split(".")[0].isdigit() and ".jsonl" in rest
+    return top == SANITY_DIR and "/" not in rest
 
 
 __all__ = ["AUDIT_JSON", "CAPTIONS_JSONL", "PLAN", "SANITY_DIR", "SETS_FOLDER", "TOKENS_JSON", "CaptionSet",
