@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,25 +238,57 @@ def unit_stats_path(unit: int) -> str:
 def merged_unit_stats(output: Any, plan: Any) -> dict[str, Any] | None:
     """The dataset's statistics (``dataset_stats``'s dict) from its committed units' saved moments, merged in unit
     order; with the full covariance when any unit saved co-moments (``--full-cov``). A unit without them is read
-    from its shard. None when no unit saved any (a dataset of an earlier diffprep, or without latents)."""
-    manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
-    saved = {}
-    for manifest in manifests:
-        data = output.state.read_bytes(unit_stats_path(manifest.unit))
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) if data else None
-        if isinstance(state, dict) and state.get("fingerprint") == plan.fingerprint:
-            saved[manifest.unit] = state["fields"]
+    from its shard. None when no unit saved any (a dataset of an earlier diffprep, or without latents).
+
+    Two passes over the units, each holding one manifest and one unit's moments at a time (at 100k units neither
+    every manifest nor every unit's co-moments fit in memory): the first learns which units saved moments and
+    whether any saved co-moments, the second merges them in unit order."""
+    units = _committed_units(output, plan)
+    saved: set[int] = set()
+    full_cov = False
+    for unit in units:
+        fields = _saved_moments(output, plan, unit)
+        if fields is not None:
+            saved.add(unit)
+            full_cov = full_cov or any("comoment" in state for state in fields.values())
     if not saved:
         return None
-    full_cov = any("comoment" in state for fields in saved.values() for state in fields.values())
-    parts = []
-    for manifest in manifests:
-        fields = saved.get(manifest.unit)
-        if fields is not None and (not full_cov or all("comoment" in state for state in fields.values())):
-            parts.append((manifest, {name: LatentStats.from_state(state, full_cov) for name, state in fields.items()}))
-        else:  # saved by an earlier diffprep, or without the co-moments: its shard read now
-            parts.append((manifest, unit_moments(output, plan, manifest, full_cov)))
-    return merge_units(plan, parts)
+
+    def parts() -> Iterator[tuple[Any, dict[str, LatentStats]]]:
+        for unit in units:
+            manifest = output.state.manifest(unit)
+            fields = _saved_moments(output, plan, unit) if unit in saved else None
+            if fields is not None and (not full_cov or all("comoment" in state for state in fields.values())):
+                yield manifest, {name: LatentStats.from_state(state, full_cov) for name, state in fields.items()}
+            else:  # saved by an earlier diffprep, or without the co-moments: its shard read now
+                yield manifest, unit_moments(output, plan, manifest, full_cov)
+
+    return merge_units(plan, parts())
+
+
+def _committed_units(output: Any, plan: Any) -> list[int]:
+    """The units with a manifest of ``plan``'s fingerprint, in unit order (their numbers only: each manifest is read,
+    looked at and dropped)."""
+    committed = []
+    for unit in sorted(output.state.manifest_units()):
+        manifest = output.state.manifest(unit)
+        if manifest is not None and manifest.fingerprint == plan.fingerprint:
+            committed.append(unit)
+    return committed
+
+
+def _committed_manifests(output: Any, plan: Any) -> Iterator[Any]:
+    """The manifests of ``plan``'s committed units in unit order, one read at a time."""
+    return (output.state.manifest(unit) for unit in _committed_units(output, plan))
+
+
+def _saved_moments(output: Any, plan: Any, unit: int) -> dict[str, Any] | None:
+    """The moments a unit saved while it encoded (field -> state), None where it saved none for this plan."""
+    data = output.state.read_bytes(unit_stats_path(unit))
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) if data else None
+    if isinstance(state, dict) and state.get("fingerprint") == plan.fingerprint:
+        return state["fields"]
+    return None
 
 
 def unit_moments(output: Any, plan: Any, manifest: Any, full_cov: bool) -> dict[str, LatentStats]:
@@ -269,7 +301,7 @@ def unit_moments(output: Any, plan: Any, manifest: Any, full_cov: bool) -> dict[
     return fields
 
 
-def merge_units(plan: Any, parts: list[tuple[Any, dict[str, LatentStats]]]) -> dict[str, Any] | None:
+def merge_units(plan: Any, parts: Iterable[tuple[Any, dict[str, LatentStats]]]) -> dict[str, Any] | None:
     """Units' moments (manifest, field -> moments) merged in the given order (unit order: the same bytes however
     the units were shared out), per bucket too where the dataset has several."""
     totals: dict[str, LatentStats] = {}
@@ -313,7 +345,7 @@ def finalized_stats(output: Any, plan: Any, validated: bytes | None = None
     return checks, {}, {contract.LATENT_STATS: torch_bytes(merged)}
 
 
-def stored_latents(output: Any, plan: Any, manifests: list[Any] | None = None
+def stored_latents(output: Any, plan: Any, manifests: Iterable[Any] | None = None
                    ) -> Iterator[tuple[str, str | None, dict[str, torch.Tensor]]]:
     """Every committed sample's latent tensors (of ``manifests``, default every committed unit's), as (key,
     bucket, field -> tensor), in unit and key order: read from its shard under the plan's layout (loaded weights
@@ -321,7 +353,7 @@ def stored_latents(output: Any, plan: Any, manifests: list[Any] | None = None
     from diffprep.families.ltx2_precomputed import is_ltx, load_record, sample_names
 
     if manifests is None:
-        manifests = [m for _, m in sorted(output.state.manifests().items()) if m.fingerprint == plan.fingerprint]
+        manifests = _committed_manifests(output, plan)
     if is_ltx(plan):
         names = sample_names(plan)
         for manifest in manifests:
