@@ -93,7 +93,7 @@ class ListingIndex:
     """
 
     PARTS = 256
-    SPILL = 200_000  # ids held before they are written to their parts' files
+    SPILL = 20_000  # ids held before they are written to their parts' files
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
