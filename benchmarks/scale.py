@@ -3,7 +3,7 @@
 The cheap path: ``diffprep raw --prompts-only`` (captions stored, no model, no pixels), so that no sample costs
 anything and what is left is the cost of the phases themselves: listing the source and planning, the units,
 verifying an existing output, the audit, Energon's finalize and the validation. Two sources: a metadata JSONL
-(one row per sample, every row naming the same tiny image, so each row is its own sample) and a webdataset of
+(one row per sample, each naming the same tiny image by a path of its own: ``./`` and ``.//`` segments) and a webdataset of
 four input tars (a caption and a tiny image per sample).
 
 Every phase runs alone in a fresh process (``--phase``), over the output the phases before it wrote, as the
@@ -37,7 +37,8 @@ import _env  # first: offline environment
 PHASES = ("plan", "units", "audit", "finalize", "validate", "verify")
 SHARD_SIZE = 1000
 TARGET = 100_000_000
-PNG = bytes.fromhex(  # a 1x1 grey PNG: every row names it, so every row is a sample of its own
+METADATA = "rows.jsonl"  # (metadata.jsonl in the cache was written by a version whose rows all named one path)
+PNG = bytes.fromhex(  # a 1x1 grey PNG: every row names it, by a path of its own
     "89504e470d0a1a0a0000000d4948445200000001000000010800000000"
     "3a7e9b550000000a49444154789c636800000082008177cd72b60000000049454e44ae426082")
 
@@ -45,13 +46,19 @@ PNG = bytes.fromhex(  # a 1x1 grey PNG: every row names it, so every row is a sa
 # --- inputs -----------------------------------------------------------------------------------------------------
 
 
+def row_path(i: int) -> str:
+    """The one image under a path of row ``i``'s own: ``./`` or ``.//`` spell its bits, so that every row is a sample
+    with an id of its own (as in a real file, where each row names another clip) without a million files."""
+    return "".join(".//" if i >> bit & 1 else "./" for bit in range(max(1, i.bit_length()))) + "pixel.png"
+
+
 def write_metadata(folder: Path, n: int) -> Path:
-    path = folder / "metadata.jsonl"
+    path = folder / METADATA
     if not path.exists():
         (folder / "pixel.png").write_bytes(PNG)
         with open(path.with_suffix(".tmp"), "w", encoding="utf-8") as f:
             for i in range(n):
-                f.write(f'{{"image": "pixel.png", "caption": "caption {i}"}}\n')
+                f.write(f'{{"image": "{row_path(i)}", "caption": "caption {i}"}}\n')
         path.with_suffix(".tmp").rename(path)
     return path
 
@@ -73,7 +80,7 @@ def write_webdataset(folder: Path, n: int, tars: int = 4) -> Path:
 
 
 def overrides(source: str, inputs: Path, out: Path) -> dict:
-    src = ({"type": "metadata", "metadata_file": str(inputs / "metadata.jsonl")} if source == "metadata"
+    src = ({"type": "metadata", "metadata_file": str(inputs / METADATA)} if source == "metadata"
            else {"type": "webdataset", "input_path": str(inputs / "wds" / "input-{000..003}.tar")})
     return {"source": src, "raw": {"prompts_only": True},
             "output": {"output_dir": str(out), "shard_size": SHARD_SIZE, "on_existing": "resume"}}

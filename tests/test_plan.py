@@ -74,6 +74,42 @@ def test_duplicate_id_is_an_error_naming_it() -> None:
         plan_units(["s000", "s001", "s002", "s001"], shard_size=4)
 
 
+@pytest.mark.parametrize("spilled", [False, True])
+def test_repeated_ids_are_named_by_the_source_and_an_append_knows_them(tmp_path: Path, monkeypatch,
+                                                                        spilled: bool) -> None:
+    """A metadata file's rows naming one file twice: the listing gives the file's id again, the plan names the repeat
+    (``Source.repeats``: ``id#row``) without a set of every id; an append (more rows, the same file named again)
+    plans only the new rows, whichever part of the index their names fall in. Against the source itself: its
+    ``list_ids`` (a set of the paths seen) gives the same ids. ``spilled``: the index in 4 parts on disk."""
+    from diffprep.sources.metadata import MetadataSource
+    from diffprep.writer.unit_lists import ListingIndex
+
+    if spilled:
+        monkeypatch.setattr(ListingIndex, "PARTS", 4)
+        monkeypatch.setattr(ListingIndex, "SPILL", 3)
+
+    (tmp_path / "a.png").write_bytes(b"")
+    rows = ["a.png", "b.png", "a.png", "", "c.png", "a.png"]
+    metadata = tmp_path / "rows.jsonl"
+
+    def write(count: int) -> MetadataSource:
+        metadata.write_text("".join(json.dumps({"image": rows[i % len(rows)], "caption": str(i)}) + "\n"
+                                    for i in range(count)))
+        return MetadataSource(str(metadata))
+
+    source = write(6)
+    first, _, _ = plan_units(source.list_entries(), shard_size=4, repeats=source.repeats)
+    assert [sid for u in first for sid in u.source_ids] == list(source.list_ids()) == [
+        "a.png", "b.png", "a.png#3", "#4", "c.png", "a.png#6"]
+    grown = write(9)
+    units, missing, _ = plan_units(grown.list_entries(), shard_size=4, previous=make_plan(first),
+                                   repeats=grown.repeats)
+    assert as_pairs(units)[:2] == as_pairs(first) and missing == []
+    assert as_pairs(units)[2:] == [(2, ["a.png#7", "b.png#8", "a.png#9"])] == [(2, list(grown.list_ids())[6:])]
+    with pytest.raises(ValueError, match="twice"):  # without the source's naming, a repeat is an error
+        plan_units(grown.list_entries(), shard_size=4)
+
+
 # Appends
 
 

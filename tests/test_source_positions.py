@@ -60,10 +60,18 @@ def plain(samples) -> list[tuple]:
     return [(replace(s, reject=None), s.reject and (s.reject.reason, s.reject.detail)) for s in samples]
 
 
-def check_positions_read_as_ids(source) -> list[str]:
+def planned(source) -> list[tuple[str, object]]:
+    """``list_entries`` under the ids a plan gives them: a metadata row naming a file an earlier row names is listed
+    under the file's id, and named ``<id>#<row>`` by the plan (``Source.repeats``), as ``list_ids`` names it."""
     entries = list(source.list_entries())
+    ids = list(source.list_ids())
+    assert [sid for sid, _ in entries] == [sid.partition("#")[0] or sid for sid in ids]
+    return [(sid, at) for sid, (_, at) in zip(ids, entries)]
+
+
+def check_positions_read_as_ids(source) -> list[str]:
+    entries = planned(source)
     ids = [source_id for source_id, _ in entries]
-    assert ids == list(source.list_ids())
     for lo, hi in SLICES:
         by_id = list(source.read(ids[lo:hi]))
         by_position = list(source.read(ids[lo:hi], at=[at for _, at in entries[lo:hi]]))
@@ -77,7 +85,7 @@ def test_metadata_rows_read_at_their_offsets_are_the_rows_read_by_id(tmp_path: P
     (write_jsonl if name.endswith(".jsonl") else write_csv)(tmp_path / name, rows)
     source = MetadataSource(str(tmp_path / name))
     indexed = MetadataSource.indexed
-    entries = list(source.list_entries())
+    entries = planned(source)
     # Read at the positions alone: no row is looked up by id (the file is not read whole).
     samples = list(source.read([i for i, _ in entries], at=[at for _, at in entries]))
     assert MetadataSource.indexed == indexed
@@ -103,7 +111,7 @@ def test_metadata_rows_read_at_their_offsets_are_the_rows_read_by_id(tmp_path: P
 def test_a_metadata_file_changed_after_planning_gives_the_rejects_it_gave_before(tmp_path: Path):
     rows = media_rows(tmp_path, 30)
     write_jsonl(tmp_path / "d.jsonl", rows)
-    entries = list(MetadataSource(str(tmp_path / "d.jsonl")).list_entries())
+    entries = planned(MetadataSource(str(tmp_path / "d.jsonl")))
     ids, at = [i for i, _ in entries], [a for _, a in entries]
     # After planning: a row removed (every offset after it moves), a caption made invalid, a path changed.
     del rows[1]
@@ -198,7 +206,7 @@ def test_a_unit_reads_its_rows_of_a_metadata_file_in_a_bucket_by_ranged_gets(adm
             admin.put_object(Bucket=BUCKET, Key=f"m/{path.relative_to(tmp_path)}", Body=path.read_bytes())
     url = f"s3://{BUCKET}/m/d.jsonl"
     listed = MetadataSource(url, s3_endpoint_url=proxy.url)
-    entries = list(listed.list_entries())
+    entries = planned(listed)
     ids, at = [i for i, _ in entries][10:20], [a for _, a in entries][10:20]
     proxy.reset()
     unit_side = MetadataSource(url, s3_endpoint_url=proxy.url, planned=listed.describe())

@@ -73,6 +73,7 @@ def fetch(
         bucket_of=bucket_of,
         retry=retry,
         buckets_of=buckets_of,
+        repeats=getattr(source, "repeats", None),
     )
     retried = dict(previous.retried) if previous is not None else {}
     first_new = len(previous.units) if previous is not None else 0

@@ -17,7 +17,7 @@ import json
 import os
 import posixpath
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -153,6 +153,20 @@ class Source(Protocol):
     # Optional: ``list_entries() -> Iterator[(id, at)]``, the ids with a small JSON-able locator each (where the
     # sample lies: a row's byte offset, a tar member's); a source offering it reads ``read(ids, at=locators)``
     # straight from there, and ``read(ids)`` (a plan without locators) by its ids as before. ``read_planned``.
+    # Optional, with ``list_entries``: ``repeats``, a ``Repeats`` when its listing may give an id twice.
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """How a source names an entry of its listing whose id an earlier entry has (a metadata file's second row naming
+    the same file): ``name(id, at)``, the repeated id, ``mark``, then what tells the entry apart.
+
+    A source with a ``repeats`` attribute lists each entry under the id it would have alone (``list_entries``) and
+    the plan, which keeps its ids on disk (``diffprep.writer.unit_lists.ListingIndex``), names the repeats: the
+    source then holds no set of every id it listed."""
+
+    mark: str
+    name: Callable[[str, Any], str]
 
 
 def read_planned(source: Source, ids: Sequence[str], positions: Sequence[Any] | None = None) -> Iterator[SourceSample]:

@@ -94,6 +94,7 @@ from typing import Any, BinaryIO, TypeVar
 from diffprep.errors import RejectError, SourceError
 from diffprep.sources.base import (
     UNREADABLE_IMAGE_EXTENSIONS,
+    Repeats,
     SourceSample,
     escape_id,
     file_stamp,
@@ -334,13 +335,23 @@ class MetadataSource:
         }
 
     def list_entries(self) -> Iterator[tuple[str, Any]]:
-        """Each id with where its row is, ``[byte offset, row number, line, CRC-32 of its bytes]`` (a JSON list:
-        None), streamed."""
-        for source_id, _, record in self._rows():
-            yield source_id, record.position()
+        """Each row's id with where it is, ``[byte offset, row number, line, CRC-32 of its bytes]``, streamed. A row
+        naming a file an earlier row names is listed under that file's id too: the plan names it
+        (``repeats``: ``<id>#<row>``, as ``list_ids`` does), so listing holds no set of every path. (A JSON list,
+        parsed whole on opening, has no positions: its rows are listed under their own ids, with None.)"""
+        if self._json is not None:
+            return ((source_id, None) for source_id, _, _ in self._rows())
+        return ((_base_id(row) or _own_id(row, None), record.position())
+                for record in self._records() for row in (self._row_of(record),))
+
+    @property
+    def repeats(self) -> Repeats | None:
+        """How the plan names a row whose file an earlier row names (``list_entries``)."""
+        return None if self._json is not None else Repeats(DUPLICATE_MARK, _repeated_row)
 
     def list_ids(self) -> Iterator[str]:
-        return (source_id for source_id, _ in self.list_entries())
+        """Every row's own id, in file order (the paths seen so far held, to tell a repeated one)."""
+        return (source_id for source_id, _, _ in self._rows())
 
     def read(self, ids: Sequence[str], at: Sequence[Any] | None = None) -> Iterator[SourceSample]:
         """One sample per id; ``at`` (``list_entries``' positions, parallel to ``ids``) reads each row where it
@@ -506,6 +517,11 @@ def _base_id(row: _Row) -> str | None:
 def _own_id(row: _Row, base: str | None) -> str:
     """The id of a row whose path an earlier row has (``base#<row>``), or that has none (``#<row>``)."""
     return (base or "") + f"{DUPLICATE_MARK}{row.number}"
+
+
+def _repeated_row(source_id: str, at: list[int]) -> str:
+    """The id of a listed row whose path an earlier row has: ``_own_id``'s, from its position (``at[1]``: the row)."""
+    return f"{source_id}{DUPLICATE_MARK}{at[1]}"
 
 
 def _plain(value: Any) -> Any:

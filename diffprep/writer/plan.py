@@ -28,6 +28,7 @@ from typing import Any
 
 from diffprep import contract
 from diffprep.errors import DiffprepError
+from diffprep.sources.base import Repeats
 from diffprep.writer.links import no_link_below
 from diffprep.writer.shards import atomic_write_bytes, atomic_write_json
 from diffprep.writer.unit_lists import Entry, ListingIndex, Staging, list_bytes, read_entries
@@ -286,6 +287,7 @@ def plan_units(
     bucket_of: Callable[[str], str | None] | None = None,
     retry: Iterable[str] = (),
     buckets_of: Callable[[list[str]], Mapping[str, str | None]] | None = None,
+    repeats: Repeats | None = None,
 ) -> tuple[list[UnitPlan], list[str], int]:
     """Cut the source listing into units, with bounded memory.
 
@@ -302,12 +304,13 @@ def plan_units(
     records why) goes to units of their own. ``retry``: planned ids (rejected,
     their inputs changed since) planned again, in new units before the new ids.
     ``buckets_of``: ``bucket_of`` for a batch of new ids at once (a probe of
-    their files on many threads), asked ``LISTING_CHUNK`` ids at a time.
+    their files on many threads), asked ``LISTING_CHUNK`` ids at a time. ``repeats``: the source's naming of an
+    id its listing gives again (``Source.repeats``).
     Returns the units, a preview of
     planned ids that disappeared from the source, and their count.
     """
     staging = Staging()
-    index = ListingIndex(staging.root / "index")
+    index = ListingIndex(staging.root / "index", repeats)
     try:
         units = list(previous.units) if previous else []
         for unit in units:  # the planned ids, one unit's list at a time

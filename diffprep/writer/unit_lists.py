@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from diffprep import contract
+from diffprep.sources.base import Repeats
 
 Entry = tuple[str, Any]  # a sample id and its locator (None: the source has nothing better than the id)
 
@@ -90,13 +91,19 @@ class ListingIndex:
 
     The listing itself (ids and locators) is kept in listing order in a file of its own, read again once the new
     ids are known (``new_entries``).
+
+    ``repeats`` (a source whose listing may give an id twice: ``Source.repeats``): an entry whose id an earlier one
+    has is named by ``repeats.name(id, at)`` instead of failing the plan. The parts are then cut by the id up to
+    ``repeats.mark``, so that an id, its repeats and their names are checked in the same part, and a part's item
+    carries the name its entry would have as a repeat.
     """
 
     PARTS = 256
     SPILL = 20_000  # ids held before they are written to their parts' files
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, repeats: Repeats | None = None) -> None:
         self.folder = folder
+        self.repeats = repeats
         folder.mkdir(parents=True, exist_ok=True)
         self.count = 0  # samples listed
         self._parts: list[list[tuple[str, int]]] = [[] for _ in range(self.PARTS)]
@@ -105,6 +112,7 @@ class ListingIndex:
         self._listing_path = folder / "listing.marshal"
         self._listing = open(self._listing_path, "wb")
         self._new = bytearray()
+        self._repeated = bytearray()  # one bit per listed sample: named by ``repeats``
 
     def planned(self, ids: Iterable[str]) -> None:
         """Ids of an earlier plan (a retried id is in two units: counted once)."""
@@ -116,12 +124,21 @@ class ListingIndex:
             return
         _dump(entries, self._listing)
         start, self.count = self.count, self.count + len(entries)
-        self._put([(sid, position) for position, (sid, _) in enumerate(entries, start)])
+        if self.repeats is None:
+            self._put([(sid, position) for position, (sid, _) in enumerate(entries, start)])
+        else:
+            name = self.repeats.name
+            self._put([(sid, position, name(sid, at)) for position, (sid, at) in enumerate(entries, start)])
 
-    def _put(self, items: list[tuple[str, int]]) -> None:
+    def _put(self, items: list[tuple]) -> None:
         parts, count = self._parts, self.PARTS
-        for item in items:
-            parts[hash(item[0]) % count].append(item)
+        if self.repeats is None:
+            for item in items:
+                parts[hash(item[0]) % count].append(item)
+        else:
+            mark = self.repeats.mark
+            for item in items:
+                parts[hash(item[0].partition(mark)[0]) % count].append(item)
         self._held += len(items)
         if self._held >= self.SPILL:
             self._spill()
@@ -145,15 +162,21 @@ class ListingIndex:
         first ``preview`` in sorted order, and their count."""
         self._listing.close()
         self._new = bytearray((self.count + 7) // 8)
+        self._repeated = bytearray((self.count + 7) // 8)
         first: list[str] = []
         count = 0
         for number in range(self.PARTS):
             planned: dict[str, bool] = {}  # planned id -> listed still
             listed: set[str] = set()
-            for sid, position in self._part(number):
+            for item in self._part(number):  # a part's items are in listing order, the planned ones first
+                sid, position = item[0], item[1]
                 if position < 0:
                     planned[sid] = False
-                elif sid in planned:
+                    continue
+                if self.repeats is not None and (sid in listed or planned.get(sid)):  # a repeat: its own name
+                    sid = item[2]
+                    self._repeated[position >> 3] |= 1 << (position & 7)
+                if sid in planned:
                     planned[sid] = True
                 elif sid in listed:
                     raise ValueError(f"the source listed the sample id {sid!r} twice; source ids must be unique")
@@ -169,9 +192,10 @@ class ListingIndex:
     def new_entries(self) -> Iterator[Entry]:
         """The new samples (``classify``), in listing order, with their locators."""
         position = 0
-        for entry in _marshalled(self._listing_path):
-            if self._new[position >> 3] & (1 << (position & 7)):
-                yield entry
+        for sid, at in _marshalled(self._listing_path):
+            bit = 1 << (position & 7)
+            if self._new[position >> 3] & bit:
+                yield (self.repeats.name(sid, at) if self._repeated[position >> 3] & bit else sid), at
             position += 1
 
     def close(self) -> None:
