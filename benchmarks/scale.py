@@ -3,8 +3,8 @@
 The cheap path: ``diffprep raw --prompts-only`` (captions stored, no model, no pixels), so that no sample costs
 anything and what is left is the cost of the phases themselves: listing the source and planning, the units,
 verifying an existing output, the audit, Energon's finalize and the validation. Two sources: a metadata JSONL
-(one row per sample, each naming the same tiny image by a path of its own: ``./`` and ``.//`` segments) and a webdataset of
-four input tars (a caption and a tiny image per sample).
+(one row per sample, each naming the same tiny image by a path of its own: ``./`` and ``.//`` segments) and a
+webdataset of input tars of 10k samples each, a caption and a tiny image per sample (1 tar at 10k, 100 at 1M).
 
 Every phase runs alone in a fresh process (``--phase``), over the output the phases before it wrote, as the
 run would order them; the process reports the phase's seconds and its peak RSS above what the process held
@@ -38,6 +38,8 @@ PHASES = ("plan", "units", "audit", "finalize", "validate", "verify")
 SHARD_SIZE = 1000
 TARGET = 100_000_000
 METADATA = "rows.jsonl"  # (metadata.jsonl in the cache was written by a version whose rows all named one path)
+WEBDATASET = "wds-10k"  # (wds/ in the cache: four tars, whatever the size)
+SAMPLES_PER_TAR = 10_000
 PNG = bytes.fromhex(  # a 1x1 grey PNG: every row names it, by a path of its own
     "89504e470d0a1a0a0000000d4948445200000001000000010800000000"
     "3a7e9b550000000a49444154789c636800000082008177cd72b60000000049454e44ae426082")
@@ -63,14 +65,14 @@ def write_metadata(folder: Path, n: int) -> Path:
     return path
 
 
-def write_webdataset(folder: Path, n: int, tars: int = 4) -> Path:
-    root = folder / "wds"
+def write_webdataset(folder: Path, n: int) -> Path:
+    """Input tars of ``SAMPLES_PER_TAR`` samples each (img2dataset's default cut), as many as ``n`` needs."""
+    root = folder / WEBDATASET
     if not (root / "done").exists():
         root.mkdir(parents=True, exist_ok=True)
-        per = math.ceil(n / tars)
-        for t in range(tars):
-            with tarfile.open(root / f"input-{t:03d}.tar", "w") as tar:
-                for i in range(t * per, min(n, (t + 1) * per)):
+        for t in range(math.ceil(n / SAMPLES_PER_TAR)):
+            with tarfile.open(root / f"input-{t:05d}.tar", "w") as tar:
+                for i in range(t * SAMPLES_PER_TAR, min(n, (t + 1) * SAMPLES_PER_TAR)):
                     for ext, data in (("png", PNG), ("txt", f"caption {i}".encode())):
                         info = tarfile.TarInfo(f"s{i:09d}.{ext}")
                         info.size = len(data)
@@ -81,7 +83,7 @@ def write_webdataset(folder: Path, n: int, tars: int = 4) -> Path:
 
 def overrides(source: str, inputs: Path, out: Path) -> dict:
     src = ({"type": "metadata", "metadata_file": str(inputs / METADATA)} if source == "metadata"
-           else {"type": "webdataset", "input_path": str(inputs / "wds" / "input-{000..003}.tar")})
+           else {"type": "webdataset", "input_path": str(inputs / WEBDATASET / "input-*.tar")})
     return {"source": src, "raw": {"prompts_only": True},
             "output": {"output_dir": str(out), "shard_size": SHARD_SIZE, "on_existing": "resume"}}
 
