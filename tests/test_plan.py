@@ -561,3 +561,13 @@ def test_a_bucket_output_downloads_only_the_lists_of_the_units_read(admin, proxy
     fetched = sorted(r.path.removeprefix("/" + key) for r in proxy.log if r.method == "GET" and r.path.startswith(
         "/" + key))
     assert fetched == [contract.PLAN_JSON, contract.plan_unit_path(1)]
+
+
+def test_a_unit_list_line_is_json_dumps_of_its_entry() -> None:
+    """The lines written without json.dumps (a plain id, a list of ints) are its bytes, and the others go through it."""
+    from diffprep.writer.unit_lists import entry_line
+
+    for sid, at in [("a/b.png#3", [12, 3, 3, 4022208669]), ("k", []), ("s", [-5, 2**70]), ('q"', [1]),
+                    ("é", [1]), ("t", [True, 1]), ("f", [1.5]), ("n", [1, [2]]), ("d", {"a": 1}), ("x\n", None)]:
+        want = json.dumps(sid) if at is None else json.dumps([sid, at], separators=(",", ":"))
+        assert entry_line(sid, at) == want and json.loads(want) == (sid if at is None else [sid, at])

@@ -39,8 +39,11 @@ _PLAIN = re.compile(r'[ !#-\[\]-~]*')
 
 def entry_line(sid: str, at: Any) -> str:
     """One sample's line of a unit list."""
+    plain = _PLAIN.fullmatch(sid)
     if at is None:
-        return f'"{sid}"' if _PLAIN.fullmatch(sid) else json.dumps(sid)
+        return f'"{sid}"' if plain else json.dumps(sid)
+    if plain and type(at) is list and all(type(n) is int for n in at):  # a row's offsets, a member's span
+        return f'["{sid}",[{",".join(map(str, at))}]]'  # json.dumps's bytes, at a third of its cost
     return json.dumps([sid, at], separators=(",", ":"))
 
 
