@@ -322,7 +322,8 @@ def plan_units(
             # one after it) instead of to the end of a large source.
             listing = itertools.islice(listing, max(0, max_samples) + 1)
         while chunk := list(itertools.islice(listing, LISTING_CHUNK)):
-            index.listed([(item, None) if isinstance(item, str) else (item[0], item[1]) for item in chunk])
+            # A listing gives ids (``list_ids``) or (id, at) pairs (``list_entries``), one or the other throughout.
+            index.listed([(sid, None) for sid in chunk] if isinstance(chunk[0], str) else chunk)
         missing, missing_count = index.classify(MISSING_PREVIEW)
 
         next_unit = (max(u.unit for u in units) + 1) if units else 0

@@ -116,6 +116,7 @@ class ListingIndex:
         self._listing = open(self._listing_path, "wb")
         self._new = bytearray()
         self._repeated = bytearray()  # one bit per listed sample: named by ``repeats``
+        self._files: dict[int, BinaryIO] = {}  # the parts' files, once spilled to
 
     def planned(self, ids: Iterable[str]) -> None:
         """Ids of an earlier plan (a retried id is in two units: counted once)."""
@@ -149,10 +150,16 @@ class ListingIndex:
     def _spill(self) -> None:
         for number, part in enumerate(self._parts):
             if part:
-                with open(self.folder / f"part-{number:03d}.marshal", "ab") as handle:
-                    _dump(part, handle)
+                if number not in self._files:  # kept open until classify: a spill opens no file again
+                    self._files[number] = open(self.folder / f"part-{number:03d}.marshal", "wb")  # noqa: SIM115
+                _dump(part, self._files[number])
                 part.clear()
         self._held, self._spilled = 0, True
+
+    def _close_files(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
 
     def _part(self, number: int) -> Iterator[tuple[str, int]]:
         path = self.folder / f"part-{number:03d}.marshal"
@@ -164,6 +171,7 @@ class ListingIndex:
         """Mark the new ids (``ValueError`` for an id listed twice); returns the planned ids no longer listed: the
         first ``preview`` in sorted order, and their count."""
         self._listing.close()
+        self._close_files()
         self._new = bytearray((self.count + 7) // 8)
         self._repeated = bytearray((self.count + 7) // 8)
         first: list[str] = []
@@ -203,6 +211,7 @@ class ListingIndex:
 
     def close(self) -> None:
         self._listing.close()
+        self._close_files()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
