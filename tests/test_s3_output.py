@@ -296,6 +296,36 @@ def test_raw_pipeline_to_bucket(prefect_server, admin, proxy, tmp_path, capsys) 
     assert yaml.safe_load(stored[".nv-meta/dataset.yaml"])["subflavors"] == {"encoding": "raw"}
     assert main(["validate", url, "--s3-endpoint-url", proxy.url, "--encoding", "raw"]) == 0
 
+    # Finalize indexed the bucket from the writer's records uploaded with each shard: finalized again on another
+    # machine, it reads of each shard only its last member's header (512 bytes), and writes what Energon's prepare
+    # writes from the whole shards (run where a record is missing, as for a bucket of an earlier diffprep).
+    from diffprep.run.energon import finalize
+    from test_energon_index import rows
+
+    assert {".diffprep/members/000000.json", ".diffprep/members/000001.json"} <= set(stored)
+    staging = tmp_path / "another-machine"
+    recorded = {name: data for name, data in stored.items() if name.endswith(".idx") or name.startswith(".nv-meta/")}
+    proxy.log.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIFFPREP_STAGING_DIR", str(staging))
+        out = open_output(url, endpoint_url=proxy.url)
+        finalize(out, encoding="raw", train_split=1.0)
+        ranges = [r.headers.get("Range") or r.headers.get("range") for r in proxy.log
+                  if r.method == "GET" and r.path.endswith(".tar")]
+        assert len(ranges) == 2 and all(r is not None and r.startswith("bytes=") for r in ranges)
+        assert all(int(end) - int(start) < 512 for start, end in (r[6:].split("-") for r in ranges))
+        from_records = objects(admin, url)
+        records_rows = rows(out.local / ".nv-meta/index.sqlite")
+        admin.delete_object(Bucket=BUCKET, Key=key_of(url, ".diffprep/members/000001.json"))
+        proxy.log.clear()
+        finalize(open_output(url, endpoint_url=proxy.url), encoding="raw", train_split=1.0)
+        assert all(not (r.headers.get("Range") or r.headers.get("range")) for r in proxy.log
+                   if r.method == "GET" and r.path.endswith(".tar")), "prepare reads every shard whole"
+        prepared = objects(admin, url)
+        assert rows(out.local / ".nv-meta/index.sqlite") == records_rows
+    for name in ("000000.tar.idx", "000001.tar.idx", ".nv-meta/.info.json", ".nv-meta/split.yaml"):
+        assert from_records[name] == prepared[name] == recorded[name], name
+
 
 # --- the parts, without Prefect --------------------------------------------------------------------
 

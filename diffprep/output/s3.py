@@ -39,7 +39,7 @@ from diffprep.output.locks import S3Lock
 from diffprep.output.msc import energon_path
 from diffprep.output.upload import MULTIPART_CHUNK, ObjectUpload, etag_of, request
 from diffprep.writer.links import no_link_below
-from diffprep.writer.shards import ShardSink, UnitManifest, json_file_bytes, tar_keys
+from diffprep.writer.shards import ShardSink, UnitManifest, json_file_bytes, members_path, tar_keys
 from diffprep.sources.storage import (
     S3_SCHEME,
     ObjectInfo,
@@ -203,6 +203,11 @@ class S3Output(Output):
         if stored != (manifest.bytes, etag):
             raise OSError(f"{self.url_of(manifest.shard)} reads back as {stored[0]} bytes, ETag {stored[1]}; the "
                           f"upload sent {manifest.bytes} bytes, ETag {etag}: it did not land whole")
+        # The writer's record of the shard's members, before the manifest that commits it: finalize builds Energon's
+        # index from it instead of reading every shard back from the bucket (diffprep.run.energon_index).
+        record = members_path(self.local, manifest.shard)
+        if record.is_file():
+            self._put_file(record, str(record.relative_to(self.local)))
         self._put_bytes(json_file_bytes(manifest.to_json()), manifest_rel, {SHARD_ETAG_METADATA: etag})
         # The staged copy (this machine's record of the unit) only once the bucket holds the object: another
         # process sharing this staging folder that syncs meanwhile would remove a copy the bucket lacks.
@@ -260,6 +265,11 @@ class S3Output(Output):
 
     def publish_file(self, relative: str) -> None:
         self._put_file(self.local / relative, relative)
+        self._objects = None
+
+    def put_bytes(self, relative: str, data: bytes) -> None:
+        """An object of the prefix from memory, nothing staged (a shard's ``.tar.idx``)."""
+        self._put_bytes(data, relative)
         self._objects = None
 
     def _put_bytes(self, data: bytes, relative: str, metadata: dict[str, str] | None = None) -> str:

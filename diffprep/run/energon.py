@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 from dataclasses import dataclass, field, replace
@@ -43,13 +44,16 @@ import yaml
 
 from diffprep import contract
 from diffprep.run.approvals import ABORT, Question
-from diffprep.run.energon_index import build_index, write_split_yaml
+from diffprep.run.energon_bucket import BucketShards, publish_metadata, records_complete
+from diffprep.run.energon_index import NoRecord, build_index, write_split_yaml
 from diffprep.run.failpoints import failpoint
 from diffprep.writer.layouts import Layout
 from diffprep.errors import ConfigError, DatasetValidationError, ExistingOutputError
 from diffprep.output import Output, as_output
 from diffprep.run.manifests import Manifests
 from diffprep.writer.shards import UnitManifest
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 
@@ -345,6 +349,27 @@ def _run_prepare(out: Any, splits: dict[str, list[str]], workers: int, progress:
     return set(parts)
 
 
+def _index(output: Output, splits: dict[str, list[str]], manifests: dict[str, UnitManifest], workers: int,
+           progress: Progress | None) -> set[str]:
+    """Energon's metadata, from the shard writer's records in shard order (``diffprep.run.energon_index``): a
+    folder's, or a bucket's whose commits uploaded them (``diffprep.run.energon_bucket``); else (a bucket written by
+    an earlier diffprep) Energon's prepare, reading every shard through its Multi-Storage Client."""
+    if not output.remote:
+        with output.energon_access() as path:
+            return build_index(path, splits, manifests, progress)
+    if records_complete(output, sorted(manifests)):
+        try:
+            with BucketShards(output) as shards:
+                parts = build_index(output.local, splits, manifests, progress, shards)
+            publish_metadata(output)
+            return parts
+        except NoRecord as missing:
+            log.info("shard %s has no record of its writer matching its manifest: Energon's prepare indexes the "
+                     "bucket", missing)
+    with output.energon_access() as path:  # Energon writes .nv-meta there; the working copy follows
+        return _run_prepare(path, splits, workers, progress)
+
+
 def finalize(
     output: Output | str | os.PathLike,
     *,
@@ -396,11 +421,7 @@ def finalize(
     layout = Layout.of_plan(plan.settings) if (plan := output.state.plan()) is not None else Layout()
     write_dataset_yaml(output, encoding, layout)
     failpoint("finalize")
-    with output.energon_access() as path:  # Energon writes .nv-meta there; the working copy follows
-        if isinstance(path, Path):  # local: from the writer's records, in shard order (diffprep.run.energon_index)
-            parts = build_index(path, splits, manifests, progress)
-        else:  # a bucket: Energon reads it through its Multi-Storage Client
-            parts = _run_prepare(path, splits, workers, progress)
+    parts = _index(output, splits, manifests, workers, progress)
 
     info = json.loads((out / contract.NV_META / contract.INFO_JSON).read_text(encoding="utf-8"))
     counted = info.get("shard_counts", {})

@@ -31,6 +31,7 @@ import os
 import tarfile
 import uuid
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import yaml
@@ -88,16 +89,18 @@ def record_rows(record: ShardMembers, tar_file_id: int) -> tuple[list[Any], list
     return samples, parts, offsets, names
 
 
-def _check_recorded_tar(path: Path, record: ShardMembers, manifest: UnitManifest) -> None:
+def _check_recorded_tar(where: str, header_bytes: bytes | None, record: ShardMembers,
+                        manifest: UnitManifest) -> None:
     """The tar still is what its writer recorded: its size (``committed_shards`` checked it against the manifest)
-    and the header of its last member, read at the recorded offset. One 512-byte read per shard."""
+    and the header of its last member (``header_bytes``, read at the recorded offset: one 512-byte read per
+    shard)."""
     if not record.members:
         return
     name, at, _, size = record.members[-1]
     try:
-        with open(path, "rb") as handle:
-            handle.seek(at)
-            header = tarfile.TarInfo.frombuf(handle.read(tarfile.BLOCKSIZE), "utf-8", "surrogateescape")
+        if header_bytes is None:
+            raise OSError("it could not be read")
+        header = tarfile.TarInfo.frombuf(header_bytes, "utf-8", "surrogateescape")
     except (OSError, tarfile.TarError) as error:
         header = None
         reason = str(error) or type(error).__name__
@@ -106,9 +109,48 @@ def _check_recorded_tar(path: Path, record: ShardMembers, manifest: UnitManifest
     expected = name if len(name.encode("utf-8")) <= tarfile.LENGTH_NAME else "././@LongLink"  # GNU long name
     if header is None or header.name != expected or (expected == name and header.size != size):
         raise DatasetValidationError(
-            f"shard {path} does not hold what its writer recorded at byte {at} ({reason}, recorded {name!r} of "
+            f"shard {where} does not hold what its writer recorded at byte {at} ({reason}, recorded {name!r} of "
             f"{size} bytes): the tar changed after it was committed; re-encode unit {manifest.unit}"
         )
+
+
+class FolderShards:
+    """The shards of a local dataset as ``build_index`` reads and indexes them: the writer's records and the tars
+    in the folder, each ``.tar.idx`` written beside its tar. (A bucket's: ``diffprep.run.energon_bucket``.)"""
+
+    reads_tars = True  # a shard without a record is read by Energon's own per-tar reader
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def where(self, name: str) -> str:
+        return str(self.root / name)
+
+    def fetched(self, names: list[str]) -> Iterator[tuple[ShardMembers | None, bytes | None]]:
+        """Each shard's record and the 512 bytes at its last member's header (None: no record, or unreadable)."""
+        for name in names:
+            record = read_members(self.root, name)
+            yield record, (_read_at(self.root / name, record.members[-1][1]) if record and record.members
+                           else None)
+
+    def write_index(self, name: str, offsets: list[int]) -> None:
+        write_tar_index(self.root / name, offsets)
+
+    def close(self) -> None:
+        """Every index written (nothing is pending for a folder)."""
+
+
+def _read_at(path: Path, at: int) -> bytes | None:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(at)
+            return handle.read(tarfile.BLOCKSIZE)
+    except OSError:
+        return None
+
+
+class NoRecord(Exception):
+    """A bucket's shard has no writer's record matching its manifest: its index needs Energon's prepare."""
 
 
 def write_tar_index(tar: Path, offsets: list[int]) -> None:
@@ -124,9 +166,10 @@ def write_tar_index(tar: Path, offsets: list[int]) -> None:
     os.replace(temporary, final)
 
 
-def _shard_items(root: Path, name: str, index: int, shard_to_idx: dict[str, int],
-                 manifest: UnitManifest) -> tuple[list[Any], list[Any], int, set[str]]:
-    """(sample rows, part rows, sample count, part names) of one shard; writes its ``.tar.idx``."""
+def _shard_items(shards: Any, name: str, index: int, shard_to_idx: dict[str, int], manifest: UnitManifest,
+                 record: ShardMembers | None, header: bytes | None) -> tuple[list[Any], list[Any], int, set[str]]:
+    """(sample rows, part rows, sample count, part names) of one shard (``record``/``header``: ``shards.fetched``'s);
+    writes its ``.tar.idx``."""
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.prepare import (
         IndexSample,
@@ -135,15 +178,16 @@ def _shard_items(root: Path, name: str, index: int, shard_to_idx: dict[str, int]
         WebdatasetPreparator,
     )
 
-    record = read_members(root, name)
     if record is not None and record.sha256 == manifest.sha256 and record.bytes == manifest.bytes:
-        _check_recorded_tar(root / name, record, manifest)
+        _check_recorded_tar(shards.where(name), header, record, manifest)
         samples, parts, offsets, names = record_rows(record, index)
-        write_tar_index(root / name, offsets)
+        shards.write_index(name, offsets)
         return samples, parts, len(samples), names
+    if not shards.reads_tars:
+        raise NoRecord(name)
     # No record of this write (an earlier diffprep's shard): Energon's own reader, as prepare runs it per tar.
     samples, parts, count, names = [], [], 0, set()
-    for item in WebdatasetPreparator._preprocess_tar(name, shard_to_idx, EPath(root), max_parts=MAX_PARTS):
+    for item in WebdatasetPreparator._preprocess_tar(name, shard_to_idx, EPath(shards.root), max_parts=MAX_PARTS):
         if isinstance(item, IndexSample):
             samples.append(item)
         elif isinstance(item, IndexSamplePart):
@@ -152,22 +196,24 @@ def _shard_items(root: Path, name: str, index: int, shard_to_idx: dict[str, int]
             count, names = item.shard_info.count, item.parts
     if count == 0:  # prepare's aggregator asserts the same; Energon logged why the tar did not read
         raise DatasetValidationError(
-            f"Energon could not index shard {root / name} (0 samples in its tar headers); the shard is unreadable or "
+            f"Energon could not index shard {shards.where(name)} (0 samples in its tar headers); the shard is unreadable or "
             f"truncated: re-encode unit {manifest.unit}"
         )
     return samples, parts, count, names
 
 
 def build_index(root: Path, splits: dict[str, list[str]], manifests: dict[str, UnitManifest],
-                progress: Progress | None = None) -> set[str]:
-    """Write Energon's metadata for a local dataset: every shard's ``.tar.idx``, ``.nv-meta/index.sqlite``,
-    ``index.uuid``, ``.info.json`` and ``split.yaml`` (``splits``: split -> shard names). Returns the part names
-    found (at most 50, as prepare). Shards are indexed in name order, their ``tar_file_id`` their position in it,
-    as prepare numbers the paths it is given."""
+                progress: Progress | None = None, shards: Any = None) -> set[str]:
+    """Write Energon's metadata for a dataset: every shard's ``.tar.idx``, ``.nv-meta/index.sqlite``,
+    ``index.uuid``, ``.info.json`` and ``split.yaml`` (``splits``: split -> shard names) under ``root``. Returns the
+    part names found (at most 50, as prepare). Shards are indexed in name order, their ``tar_file_id`` their
+    position in it, as prepare numbers the paths it is given. ``shards``: where the shards and their records are
+    (default: ``FolderShards(root)``; a bucket's raises ``NoRecord`` for a shard without one)."""
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.indexing import DuplicateSampleKeyError, SqliteIndexWriter
 
-    names = sorted(name for shards in splits.values() for name in shards)
+    shards = FolderShards(root) if shards is None else shards
+    names = sorted(name for part in splits.values() for name in part)
     shard_to_idx = {name: index for index, name in enumerate(names)}
     meta = root / contract.NV_META
     meta.mkdir(exist_ok=True)
@@ -179,8 +225,9 @@ def build_index(root: Path, splits: dict[str, list[str]], manifests: dict[str, U
     # them found nothing and were a third of the time (1.2 of 3.2 s at 100 shards of 1000).
     gc.disable()
     try:
-        for index, name in enumerate(names):
-            samples, parts, counts[name], names_here = _shard_items(root, name, index, shard_to_idx, manifests[name])
+        for index, (name, (record, header)) in enumerate(zip(names, shards.fetched(names))):
+            samples, parts, counts[name], names_here = _shard_items(shards, name, index, shard_to_idx,
+                                                                    manifests[name], record, header)
             if len(found) < MAX_PARTS:
                 found.update(names_here)
             try:
@@ -193,6 +240,7 @@ def build_index(root: Path, splits: dict[str, list[str]], manifests: dict[str, U
             writer.append_parts(parts)
             if progress is not None:
                 progress("prepare", index + 1, len(names))
+        shards.close()
     except BaseException:
         writer.close()
         (meta / contract.INDEX_SQLITE).unlink(missing_ok=True)  # as prepare does: no index of part of the shards
