@@ -192,3 +192,25 @@ def test_verify_reads_the_manifests_one_at_a_time(tmp_path: Path):
     path.write_text(json.dumps(data))
     assert committed.done[1].notes == {"read": 1} and isinstance(committed.done[0], UnitManifest)
     assert sorted(committed.done.only([1, 5])) == [1]
+
+
+BUCKET = "stamps"
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_objects_are_stamped_by_their_size_and_etag(admin, proxy, tmp_path: Path):
+    admin.put_object(Bucket=BUCKET, Key="m/d.jsonl", Body=b'{"image": "a.png", "caption": "a"}\n')
+    for name in ("a-000.tar", "a-001.tar"):
+        admin.put_object(Bucket=BUCKET, Key=f"w/{name}", Body=name.encode())
+    settings = load_settings(overrides={"source": {"type": "metadata", "metadata_file": f"s3://{BUCKET}/m/d.jsonl",
+                                                   "s3_endpoint_url": proxy.url}})
+    tars = settings.source.model_copy(update={"type": "webdataset", "input_path": f"s3://{BUCKET}/w/a-*.tar"})
+    metadata, shards = source_stamp(settings.source), source_stamp(tars)
+    assert metadata["files"] == 1 and shards["files"] == 2 and shards["bytes"] == 18
+    assert (source_stamp(settings.source), source_stamp(tars)) == (metadata, shards)
+
+    # Rewritten to the same size: another ETag. A new tar: another set.
+    admin.put_object(Bucket=BUCKET, Key="m/d.jsonl", Body=b'{"image": "b.png", "caption": "b"}\n')
+    admin.put_object(Bucket=BUCKET, Key="w/a-002.tar", Body=b"a-002.tar")
+    assert source_stamp(settings.source) != metadata
+    assert source_stamp(tars)["files"] == 3
