@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from diffprep.output.locks import OutputLock, pid_alive
-from diffprep.output.state import StateStore
+from diffprep.output.state import Manifests, StateStore
 from diffprep.writer.links import no_link_below
 from diffprep.writer.shards import (
     ShardDigest,
@@ -32,9 +33,18 @@ from diffprep.writer.shards import (
 )
 
 
+CHECKED_AT_ONCE = 1024  # manifests whose shards are checked together (a bucket's in parallel), reduced to their facts
+
+
 class CommittedUnits(NamedTuple):
-    done: dict[int, UnitManifest]  # unit -> manifest: committed, shard as written
+    done: Manifests  # unit -> manifest (read when asked, one at a time): committed, shard as written
     damaged: list[int]  # committed once, but the shard is missing or another size now: to be redone
+
+
+def shard_facts_of(manifest: UnitManifest) -> UnitManifest:
+    """The manifest without its per-sample lists (keys, source ids, rejects, stamps): what checking its shard
+    needs (unit, shard, size, digest, fingerprint, files), a few hundred bytes however many samples it holds."""
+    return replace(manifest, keys=[], source_ids=[], rejects=[], notes={}, stamps=None)
 
 
 class Output:
@@ -141,14 +151,29 @@ class Output:
             return manifest.count == 0
         return self.size(manifest.shard) == manifest.bytes
 
-    def committed_units(self, fingerprint: str, manifests: dict[int, UnitManifest] | None = None) -> CommittedUnits:
+    def committed_units(self, fingerprint: str, manifests: Mapping[int, UnitManifest] | None = None
+                        ) -> CommittedUnits:
         """The one answer to "what is done": the units committed for ``fingerprint`` whose shard is intact, and
-        those whose manifest's shard is missing or changed. ``manifests``: the state's, when just read."""
+        those whose manifest's shard is missing or changed. ``manifests``: the state's (``state.manifests()``),
+        when just listed. The manifests are read one at a time and only their shard's facts kept, checked
+        ``CHECKED_AT_ONCE`` at a time: memory does not grow with the samples."""
         manifests = self.state.manifests() if manifests is None else manifests
-        candidates = [m for m in manifests.values() if m.fingerprint == fingerprint]
-        intact = self._check_shards(candidates)
-        return CommittedUnits({m.unit: m for m, ok in zip(candidates, intact) if ok},
-                              [m.unit for m, ok in zip(candidates, intact) if not ok])
+        done: list[int] = []
+        damaged: list[int] = []
+
+        def check(batch: list[UnitManifest]) -> None:
+            for manifest, ok in zip(batch, self._check_shards(batch)):
+                (done if ok else damaged).append(manifest.unit)
+
+        batch: list[UnitManifest] = []
+        for manifest in manifests.values():
+            if manifest.fingerprint == fingerprint:
+                batch.append(shard_facts_of(manifest))
+            if len(batch) >= CHECKED_AT_ONCE:
+                check(batch)
+                batch = []
+        check(batch)
+        return CommittedUnits(Manifests(self, done), damaged)
 
     def _check_shards(self, manifests: list[UnitManifest]) -> list[bool]:
         return [self.shard_intact(m) for m in manifests]

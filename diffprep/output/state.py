@@ -16,13 +16,50 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from diffprep import contract
 from diffprep.writer.plan import Plan, read_plan, write_unit_lists
-from diffprep.writer.shards import UnitManifest, json_file_bytes, read_manifest, read_manifests
+from diffprep.writer.shards import UnitManifest, json_file_bytes, read_manifest
+
+
+class Manifests(Mapping[int, UnitManifest]):
+    """Unit -> manifest, read from the state folder on demand (iteration in unit order, one manifest at a time).
+
+    At 100M samples the manifests hold every sample's key and source id (~100k files of ~1000 of each): a pass
+    over this mapping holds one of them at a time, where a dict of them all held every id. The units are listed
+    once when it is made (a bucket's manifests synced then); a manifest that cannot be read raises as
+    ``read_manifest`` does (ValueError, OSError) when it is reached. ``output``: an ``Output`` (its working folder
+    and state store); ``units``: those of its units the mapping holds (``Output.committed_units``'s), by default
+    every unit with a manifest.
+    """
+
+    def __init__(self, output: Any, units: Iterable[int] | None = None) -> None:
+        self._output = output
+        self._local = output.local
+        self._units = sorted(output.state.manifest_units() if units is None else units)
+        self._known = set(self._units)
+
+    def only(self, units: Iterable[int]) -> Manifests:
+        """The same mapping over those of ``units`` it holds."""
+        return Manifests(self._output, [u for u in units if u in self._known])
+
+    def __getitem__(self, unit: int) -> UnitManifest:
+        manifest = read_manifest(self._local, unit) if unit in self._known else None
+        if manifest is None:
+            raise KeyError(unit)
+        return manifest
+
+    def __contains__(self, unit: object) -> bool:
+        return unit in self._known
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._units)
+
+    def __len__(self) -> int:
+        return len(self._units)
 
 
 class StateOwner(Protocol):
@@ -102,10 +139,10 @@ class StateStore:
     def _pull_state_file(self, relative: str) -> None:
         self.output.pull_file(self._rel(relative))
 
-    def manifests(self) -> dict[int, UnitManifest]:
-        """Every unit manifest in the state, by unit (committed or not: see ``Output.committed_units``)."""
-        self.output.sync_manifests()
-        return read_manifests(self.output.local)
+    def manifests(self) -> Manifests:
+        """Every unit manifest in the state, by unit (committed or not: see ``Output.committed_units``), read one
+        at a time as the mapping is used (``Manifests``): a pass over them holds one manifest, never all."""
+        return Manifests(self.output)
 
     def manifest_units(self) -> set[int]:
         """The units that have a manifest, from the file names alone (cheap enough to poll)."""
@@ -159,4 +196,4 @@ class StateStore:
                 break
 
 
-__all__ = ["StateStore"]
+__all__ = ["Manifests", "StateStore"]

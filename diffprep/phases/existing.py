@@ -185,17 +185,17 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
         return Inspection(output.uri, exists=output.exists(), empty=True, plan_fingerprint=None, same_settings=True,
                           units_left=[u.unit for u in plan.units])
     old = output.state.plan()
-    manifests = output.state.manifests()
+    manifests = output.state.manifests()  # read one at a time by each pass: never all of them at once
     owned = classify(files, manifests, old, links)
     same = old is not None and old.fingerprint == plan.fingerprint
     planned = {u.unit for u in plan.units}
     committed, damaged = output.committed_units(plan.fingerprint, manifests)
     changed = set(plan.changed_units) & set(committed)  # a written sample's mask or sound file changed: redone
-    committed = {u: m for u, m in committed.items() if u not in changed}
+    kept = {u for u in committed if u not in changed}  # unit numbers only: the manifests stay on disk
     damaged = [*damaged, *changed]
-    done = sorted(u for u in committed if u in planned)
+    done = sorted(u for u in kept if u in planned)
     damaged = sorted(u for u in damaged if u in planned)
-    left = [u.unit for u in plan.units if u.unit not in committed and u.unit not in damaged]
+    left = [u.unit for u in plan.units if u.unit not in kept and u.unit not in damaged]
     inspection = Inspection(
         output.uri,
         exists=True,
@@ -217,7 +217,7 @@ def inspect_output(output: Output | str | os.PathLike, plan: Plan) -> Inspection
 
         files_layout = unit_files_layout(plan)
         check = files_layout.check_shapes if files_layout is not None else _check_shapes
-        inspection.shape_problem = check(output, plan, {u: committed[u] for u in done})
+        inspection.shape_problem = check(output, plan, committed.only(done))  # reads the first one or few
     return inspection
 
 

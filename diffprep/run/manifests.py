@@ -1,9 +1,10 @@
 """The committed units' manifests, read one at a time, and what a committed shard's bytes say about it.
 
 At 100M samples the manifests hold every sample's key and source id (~100k files of ~1000 of each): audit,
-finalize and validation used to load all of them into one dict before looking at the first. ``Manifests``
-is a read-only mapping unit -> manifest over the state folder that holds only the unit numbers (from the
-file names) and reads a manifest when it is asked for, so a pass over it holds one manifest at a time.
+finalize and validation used to load all of them into one dict before looking at the first. ``Manifests`` (kept
+in ``diffprep.output.state``, which ``output.state.manifests()`` returns, and named here for its readers) is a
+read-only mapping unit -> manifest over the state folder that holds only the unit numbers (from the file names)
+and reads a manifest when it is asked for, so a pass over it holds one manifest at a time.
 
 ``output_shard_facts`` is what audit needs of a committed shard: its size (a stat), and where the size is right
 its sha256 (one read, hashed outside the GIL, no Python per member). A shard whose size and digest are its
@@ -14,41 +15,13 @@ headers are parsed only where they are not (to say what changed).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from diffprep.output import Output
-from diffprep.writer.shards import UnitManifest, read_manifest, tar_keys
-
-
-class Manifests(Mapping[int, UnitManifest]):
-    """Unit -> manifest, read from the state folder on demand (iteration in unit order, one manifest at a time).
-
-    The units are listed once when it is made (a bucket's manifests synced then); a manifest that cannot be
-    read raises as ``read_manifest`` does (ValueError, OSError) when it is reached.
-    """
-
-    def __init__(self, output: Output) -> None:
-        self._output = output
-        self._units = sorted(output.state.manifest_units())
-        self._known = set(self._units)
-
-    def __getitem__(self, unit: int) -> UnitManifest:
-        manifest = read_manifest(self._output.local, unit) if unit in self._known else None
-        if manifest is None:
-            raise KeyError(unit)
-        return manifest
-
-    def __contains__(self, unit: object) -> bool:
-        return unit in self._known
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._units)
-
-    def __len__(self) -> int:
-        return len(self._units)
+from diffprep.output.state import Manifests
+from diffprep.writer.shards import UnitManifest, tar_keys
 
 
 @dataclass(frozen=True)

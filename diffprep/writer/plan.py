@@ -196,6 +196,10 @@ class Plan:
     # The CPU kernels and the encoders' intra-op thread count the latents' last bits depend on (diffprep/run/threads.py),
     # kept by resumes and appends; not fingerprinted. None in plans written before it was recorded.
     cpu: dict[str, Any] | None = None
+    # The source's stamp when it was listed (diffprep/sources/stamps.py): a re-run whose source has the same stamp
+    # takes this plan's units instead of listing it again. Not fingerprinted; None where the source has no cheap
+    # stamp, and in plans written before it was recorded (those list again, and record it).
+    source_stamp: dict[str, Any] | None = None
 
     def superseded(self, unit: int, source_id: str) -> bool:
         """Whether ``source_id``'s outcome in ``unit`` gave way to a retry in a later unit."""
@@ -217,7 +221,7 @@ class Plan:
         """plan.json: everything but the units' sample lists (``write_plan`` writes those beside it)."""
         data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "units"}
         data["units"] = [unit.to_json() for unit in self.units]
-        for name in ("retried", "retrying", "scenes", "changed_units", "cpu"):  # the same for plans that never retried
+        for name in ("retried", "retrying", "scenes", "changed_units", "cpu", "source_stamp"):  # the same for plans that never retried
             if not data[name]:
                 del data[name]
         return data
