@@ -7,6 +7,7 @@ the exception it ends with, against ``tarfile``'s walk of the same bytes, from a
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import random
 import tarfile
@@ -16,6 +17,7 @@ from typing import Callable, Iterator
 import pytest
 
 from diffprep.sources.tar_headers import TarMember, file_members, stream_members
+from diffprep.writer.shard_reading import shard_digest, tar_keys
 
 Outcome = tuple[list[tuple], tuple[type, str] | None]
 
@@ -257,3 +259,21 @@ def test_damaged_tars_equal_tarfile(tmp_path: Path) -> None:
             data = data[:rng.randrange(len(data))]
         path.write_bytes(data)
         assert_same(path)
+
+
+def test_shard_digest_hashes_every_byte_and_reads_keys(tmp_path: Path) -> None:
+    """The stream form leaves the stream where the hash reads on: the same size and sha256 as the file's, and the
+    keys tarfile reads, through a pax header met half way (tarfile then reads on from there)."""
+    path = tmp_path / "shard.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        _add(tar, "000000_000000.latents.pth", b"1" * 3000)
+        _add(tar, "000000_000001.latents.pth", b"2" * 30, pax_headers={"comment": "x"})
+        _add(tar, "000000_000001.json", b"{}")
+    data = path.read_bytes()
+    digest = shard_digest(_Trickle(data))
+    assert (digest.size, digest.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert digest.keys == {"000000_000000": ["latents.pth"], "000000_000001": ["latents.pth", "json"]}
+    assert digest.error is None and tar_keys(path) == tar_keys(io.BytesIO(data)) == digest.keys
+    broken = shard_digest(io.BytesIO(data[:2000]))
+    assert (broken.size, type(broken.error)) == (2000, tarfile.ReadError)
+    assert broken.keys == {"000000_000000": ["latents.pth"]}  # read before the cut, as tarfile reads it
