@@ -191,7 +191,7 @@ class _FileWindow:
 
 
 class _StreamWindow:
-    """A forward-only stream read once in 4 MiB blocks; what lies before the header asked for is dropped."""
+    """A forward-only stream read once in 4 MiB blocks; a block is dropped once the headers are past it."""
 
     def __init__(self, read: Callable[[int], bytes]) -> None:
         self._read = read
@@ -199,23 +199,15 @@ class _StreamWindow:
         self._start = 0  # offset of _buf[0] in the stream
 
     def at(self, offset: int) -> tuple[bytes, int]:
-        i = offset - self._start
-        if i + BLOCK <= len(self._buf):
-            return self._buf, i
-        pieces = [self._buf[i:]] if i < len(self._buf) else []
-        held = len(pieces[0]) if pieces else 0
-        position = self._start + len(self._buf)  # where the next read starts
-        while held < BLOCK:
+        while offset + BLOCK > self._start + len(self._buf):
             chunk = self._read(_MAX_READ)
             if not chunk:
-                break
-            if position + len(chunk) > offset:
-                piece = chunk[max(0, offset - position):]
-                pieces.append(piece)
-                held += len(piece)
-            position += len(chunk)
-        self._buf = b"".join(pieces)
-        self._start = min(offset, position)
+                break  # the end: the header is short (or ``offset`` lies past the end)
+            end = self._start + len(self._buf)
+            if offset < end:  # the header began in the block held: keep it from there on
+                self._buf, self._start = self._buf[offset - self._start:] + chunk, offset
+            else:  # the block held is all before the header: dropped (the new one is kept whole, not copied)
+                self._buf, self._start = chunk, end
         return self._buf, offset - self._start
 
     def past_end(self, offset: int) -> None:
