@@ -1,7 +1,7 @@
 """A tar's regular members (name, header offset, data offset, size), read fast and exactly as ``tarfile`` reads them.
 
 Why it exists: checking a written dataset and listing a WebDataset source both walk every member header of every
-tar, and Python's ``tarfile`` spends ~25 µs per header building a full ``TarInfo`` (``frombuf``, ``nti``, ``nts``,
+tar, and Python's ``tarfile`` spends 18-25 µs per header building a full ``TarInfo`` (``frombuf``, ``nti``, ``nts``,
 ``calc_chksums``). Measured on main at 1M samples: ``validate`` 50 s, 11.9 of 12.6 s of it (at 100k) in that
 parsing; the webdataset plan's listing 54 s, its threads GIL-bound: 1.3-1.5 h each at 100M samples.
 ``benchmarks/tar_headers.py`` gives the ratio.
