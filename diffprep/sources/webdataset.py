@@ -92,6 +92,7 @@ from diffprep.sources.storage import (
     parse_s3_url,
     s3_client,
 )
+from diffprep.sources.tar_headers import TarMember, file_members, stream_members
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "avif")
 VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "mkv")
@@ -163,6 +164,10 @@ class _LocalShards:
     def is_shard(self, name: str) -> bool:
         return os.path.isfile(self.where(name))
 
+    def members(self, shard: str) -> Iterator[TarMember]:
+        """The shard's regular members, headers only (``tarfile.open(..., "r:*")``'s, read fast)."""
+        return file_members(self.where(shard), "r:*")
+
     @contextmanager
     def open_tar(self, shard: str) -> Iterator[tarfile.TarFile]:
         with tarfile.open(self.where(shard), "r:*") as tar:
@@ -208,6 +213,11 @@ class _S3Shards:
 
     def is_shard(self, name: str) -> bool:
         return name in self._names  # a shard deleted since listing fails at GET (FileNotFoundError)
+
+    def members(self, shard: str) -> Iterator[TarMember]:
+        """The shard's regular members from one GET stream (``tarfile.open(..., "r|*")``'s, read fast)."""
+        with open_object(self._client, self._folder.join(unescape_id(shard))) as stream:
+            yield from stream_members(stream, "r|*")
 
     @contextmanager
     def open_tar(self, shard: str) -> Iterator[tarfile.TarFile]:
@@ -294,12 +304,11 @@ class WebDatasetSource:
     def _list_shard(self, shard: str) -> list[tuple[str, list[int]]]:
         spans: dict[str, list[int]] = {}  # key -> [first header, end of its last member], in first-seen order
         try:
-            with self._store.open_tar(shard) as tar:
-                for member in _regular_members(tar):
-                    split = split_member_name(member.name)
-                    if split is not None:
-                        end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                        spans.setdefault(split[0], [member.offset, end])[1] = end
+            for member in self._store.members(shard):  # headers only, without tarfile's per-header cost
+                split = split_member_name(member.name)
+                if split is not None:
+                    end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                    spans.setdefault(split[0], [member.offset, end])[1] = end
         except StorageUnavailableError:
             raise  # the store, not the shard: running again can help
         except (OSError, tarfile.TarError) as exc:

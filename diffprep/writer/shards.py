@@ -24,13 +24,15 @@ import tarfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import torch
 
 from diffprep import contract
 from diffprep.writer.links import no_link_below
+# Re-exported: a shard read back (its keys, size and sha256) lives in shard_reading.py.
+from diffprep.writer.shard_reading import ShardDigest, file_sha256, shard_digest, tar_keys  # noqa: F401
 
 MEMBER_MODE = 0o444
 
@@ -463,77 +465,6 @@ def read_manifests(out_dir: str | os.PathLike) -> dict[int, UnitManifest]:
             manifest = UnitManifest.from_json(json.loads(path.read_text(encoding="utf-8")))
             manifests[manifest.unit] = manifest
     return manifests
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
-
-
-def tar_keys(source: str | os.PathLike | IO[bytes]) -> dict[str, list[str]]:
-    """Sample keys of a tar and the fields of each: headers only from a path, in one pass from a stream."""
-    samples: dict[str, list[str]] = {}
-    opened = (tarfile.open(source, mode="r:") if isinstance(source, (str, os.PathLike))
-              else tarfile.open(fileobj=source, mode="r|"))
-    with opened as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            key, _, ext = member.name.partition(".")
-            samples.setdefault(key, []).append(ext)
-    return samples
-
-
-class _HashingReader(io.RawIOBase):
-    """Passes a stream's bytes through, counting and hashing them."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        super().__init__()
-        self._stream = stream
-        self.digest = hashlib.sha256()
-        self.size = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._stream.read(len(buffer))
-        count = len(data)
-        buffer[:count] = data
-        self.digest.update(data)
-        self.size += count
-        return count
-
-
-@dataclass
-class ShardDigest:
-    size: int
-    sha256: str
-    keys: dict[str, list[str]]  # sample key -> fields, from the tar headers
-    error: Exception | None = None  # why the tar headers could not be read (keys then holds those before it)
-
-
-def shard_digest(stream: IO[bytes]) -> ShardDigest:
-    """One pass over a shard's bytes: its size and sha256 (always), and its sample keys (when the tar reads)."""
-    reader = _HashingReader(stream)
-    keys: dict[str, list[str]] = {}
-    error: Exception | None = None
-    try:
-        with tarfile.open(fileobj=io.BufferedReader(reader, 1 << 20), mode="r|") as tar:
-            for member in tar:
-                if member.isfile():
-                    key, _, ext = member.name.partition(".")
-                    keys.setdefault(key, []).append(ext)
-    except (tarfile.TarError, EOFError) as exc:
-        error = exc
-    while reader.read(1 << 20):  # the end-of-archive blocks and padding count in the size and hash too
-        pass
-    return ShardDigest(reader.size, reader.digest.hexdigest(), keys, error)
 
 
 # --- reading tensors back ------------------------------------------------------------------------
