@@ -481,6 +481,16 @@ def best(values: list[float]) -> float:
     return min(values)
 
 
+def fastest_of(rounds: int, run: Callable[[], Any]) -> float:
+    """Seconds of the fastest of ``rounds`` calls of ``run`` (``best``'s reason)."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return best(times)
+
+
 def verdict(value: float, target: float, *, at_most: bool = False) -> str:
     ok = value <= target if at_most else value >= target
     return "PASS" if ok else "FAIL"

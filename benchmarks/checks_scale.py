@@ -24,10 +24,10 @@ import argparse
 import math
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import _env  # noqa: F401  first: offline environment
+from _common import fastest_of
 
 # isort: split
 
@@ -69,15 +69,6 @@ def write_dataset(out: Path, samples: int) -> Plan:
     return plan
 
 
-def best(rounds: int, run) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def checked(report, what: str):
     if not report.ok:
         raise RuntimeError(f"{what} failed:\n{report.to_markdown()}")
@@ -94,12 +85,12 @@ def measure(out: Path, plan: Plan, rounds: int) -> dict[str, float]:
             raise RuntimeError("audit workers=2 failed")
 
     return {
-        "audit": best(rounds, audit_one),
-        "audit x2": best(rounds, audit_two),
-        "validate": best(rounds, lambda: checked(validate_dataset(out, previews=0), "validate")),
-        "validate --full": best(rounds, lambda: checked(validate_dataset(out, previews=0, full=True), "--full")),
-        "validate --full x2": best(rounds, lambda: checked(validate_dataset(out, previews=0, full=True, workers=2),
-                                                          "--full x2")),
+        "audit": fastest_of(rounds, audit_one),
+        "audit x2": fastest_of(rounds, audit_two),
+        "validate": fastest_of(rounds, lambda: checked(validate_dataset(out, previews=0), "validate")),
+        "validate --full": fastest_of(rounds, lambda: checked(validate_dataset(out, previews=0, full=True), "--full")),
+        "validate --full x2": fastest_of(rounds, lambda: checked(
+            validate_dataset(out, previews=0, full=True, workers=2), "--full x2")),
     }
 
 

@@ -15,10 +15,10 @@ import argparse
 import io
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import _env  # noqa: F401  first: offline environment
+from _common import fastest_of
 
 from diffprep import contract
 from diffprep.sources.tar_headers import file_members, stream_members
@@ -60,15 +60,6 @@ def fast_walk(path: Path, stream: bool) -> list[tuple]:
     return [tuple(m) for m in file_members(path, "r:")]
 
 
-def best(rounds: int, run) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -87,8 +78,8 @@ def main() -> None:
             for stream in (False, True):
                 expected = tarfile_walk(path, stream)
                 assert fast_walk(path, stream) == expected, f"{label}: members differ from tarfile's"
-                old = best(args.rounds, lambda: tarfile_walk(path, stream))
-                new = best(args.rounds, lambda: fast_walk(path, stream))
+                old = fastest_of(args.rounds, lambda: tarfile_walk(path, stream))
+                new = fastest_of(args.rounds, lambda: fast_walk(path, stream))
                 ratios.append(old / new)
                 count = len(expected)
                 print(f"| {label} | {'stream' if stream else 'file'} | {count:,} | {count / old:,.0f} | "
