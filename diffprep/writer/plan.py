@@ -279,7 +279,7 @@ def _shown(value: Any) -> str:
     return "(none)" if value is _MISSING else json.dumps(value, sort_keys=True)
 
 
-LISTING_CHUNK = 10_000  # listing entries taken at once
+LISTING_CHUNK = 2_500  # listing entries taken at once
 
 
 def plan_units(

@@ -102,7 +102,7 @@ class ListingIndex:
     """
 
     PARTS = 256
-    SPILL = 20_000  # ids held before they are written to their parts' files
+    SPILL = 5_000  # ids held before they are written to their parts' files
 
     def __init__(self, folder: Path, repeats: Repeats | None = None) -> None:
         self.folder = folder
