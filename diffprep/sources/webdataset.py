@@ -58,6 +58,7 @@ import logging
 import os
 import re
 import tarfile
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -285,15 +286,18 @@ class WebDatasetSource:
     def list_entries(self) -> Iterator[tuple[str, list[int]]]:
         """Each id with ``[start, end]``: the byte offsets of its first member's header and past its last member
         in its shard. Shards are listed ``LIST_WORKERS`` at a time in threads (their headers, or in a bucket their
-        streams), each held whole only while it is yielded; the order is the shards' own."""
+        streams), each held (its keys and an array of offsets) only until it is yielded; the order is the shards'
+        own."""
         with ThreadPoolExecutor(max_workers=LIST_WORKERS, thread_name_prefix="diffprep-list") as pool:
             shards = iter(self.shards)
-            window = deque(pool.submit(self._list_shard, shard) for shard in islice(shards, 2 * LIST_WORKERS))
+            window = deque(pool.submit(self._list_shard, shard) for shard in islice(shards, LIST_WORKERS))
             try:
                 while window:
-                    entries = window.popleft().result()
+                    keys, spans = window.popleft().result()
                     window.extend(pool.submit(self._list_shard, shard) for shard in islice(shards, 1))
-                    yield from entries
+                    prefix = keys.pop()  # the shard's own name and its slash
+                    for index, key in enumerate(keys):
+                        yield prefix + escape_id(key), [spans[2 * index], spans[2 * index + 1]]
             finally:
                 for future in window:
                     future.cancel()
@@ -301,7 +305,9 @@ class WebDatasetSource:
     def list_ids(self) -> Iterator[str]:
         return (source_id for source_id, _ in self.list_entries())
 
-    def _list_shard(self, shard: str) -> list[tuple[str, list[int]]]:
+    def _list_shard(self, shard: str) -> tuple[list[str], array]:
+        """The shard's sample keys in first-seen order (then ``<shard>/``), and their spans flat in an array:
+        ``start, end`` per key (a third of the memory of an id and a list per sample, while it waits its turn)."""
         spans: dict[str, list[int]] = {}  # key -> [first header, end of its last member], in first-seen order
         try:
             for member in self._store.members(shard):  # headers only, without tarfile's per-header cost
@@ -313,7 +319,7 @@ class WebDatasetSource:
             raise  # the store, not the shard: running again can help
         except (OSError, tarfile.TarError) as exc:
             raise SourceError(f"cannot list shard {self._store.where(shard)}: {exc}") from exc
-        return [(f"{shard}/{escape_id(key)}", span) for key, span in spans.items()]
+        return [*spans, f"{shard}/"], array("q", (offset for span in spans.values() for offset in span))
 
     def _split_id(self, source_id: str, cache: dict[str, bool]) -> tuple[str | None, str]:
         """``(shard, key)`` of an id; shard is None when no prefix of the id is a shard any more.
