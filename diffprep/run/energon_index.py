@@ -196,8 +196,8 @@ def _shard_items(shards: Any, name: str, index: int, shard_to_idx: dict[str, int
             count, names = item.shard_info.count, item.parts
     if count == 0:  # prepare's aggregator asserts the same; Energon logged why the tar did not read
         raise DatasetValidationError(
-            f"Energon could not index shard {shards.where(name)} (0 samples in its tar headers); the shard is unreadable or "
-            f"truncated: re-encode unit {manifest.unit}"
+            f"Energon could not index shard {shards.where(name)} (0 samples in its tar headers); the shard is "
+            f"unreadable or truncated: re-encode unit {manifest.unit}"
         )
     return samples, parts, count, names
 
