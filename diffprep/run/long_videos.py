@@ -212,14 +212,16 @@ def resplit_sources(previous: Any, manifests: dict[int, Any], stamps: Callable[[
     clips; a source with a clip written, or one still to encode, keeps its plan (reported as changed)."""
     if stamps is None:
         return []
-    planned: dict[str, list[tuple[int, str]]] = {}
-    for unit in previous.units:
-        for planned_id in unit.source_ids:
-            planned.setdefault(source_of(planned_id), []).append((unit.unit, planned_id))
     rejected = {(unit, r.source_id) for unit, m in manifests.items() if m.fingerprint == previous.fingerprint
                 for r in m.rejects if not previous.superseded(unit, r.source_id)}
+    # Per source, its planned clips that are not such a reject (counted, not listed: a unit's list at a time).
+    planned: dict[str, int] = {}
+    for unit in previous.units:
+        for planned_id in unit.source_ids:
+            source = source_of(planned_id)
+            planned[source] = planned.get(source, 0) + ((unit.unit, planned_id) not in rejected)
     candidates = {sid: record for sid, record in previous.scenes.items()
-                  if "stamp" in record and planned.get(sid) and all(p in rejected for p in planned[sid])}
+                  if "stamp" in record and planned.get(sid) == 0}
     if not candidates:
         return []
     return changed_sources(candidates, stamps(list(candidates)))
