@@ -132,9 +132,14 @@ def test_a_set_with_other_settings_is_replaced_only_when_answered(tmp_path: Path
     (v1 / "units" / "review.txt").write_text("mine too")
     (v1 / "link-dir").symlink_to(outside)
     (v1 / "units" / "000099.jsonl").symlink_to(outside / "keep.txt")  # a link at a name the set would own
+    (v1 / "units" / "000000.jsonl.bak").write_text("a copy of a unit, named like one")
+    (v1 / "sanity").mkdir(exist_ok=True)
+    (v1 / "sanity" / "mine.png").write_bytes(b"not the run's")
+    (v1 / "sanity" / "link").symlink_to(outside)
     cset = CaptionSet(str(v1))
-    assert cset.listing()[1] == ["link-dir", "notes.md", "units/000099.jsonl", "units/review.txt"]
-    with pytest.raises(ApprovalRefused, match="4 other file"):
+    assert cset.listing()[1] == ["link-dir", "notes.md", "sanity/link", "sanity/mine.png", "units/000000.jsonl.bak",
+                                 "units/000099.jsonl", "units/review.txt"]
+    with pytest.raises(ApprovalRefused, match="7 other file"):
         run_caption(other, ask=ask_here)
     # Answered ahead of time: replaced.
     replaced = run_caption(job_for(data, standin_url, on_existing="overwrite",
@@ -142,6 +147,8 @@ def test_a_set_with_other_settings_is_replaced_only_when_answered(tmp_path: Path
     assert replaced["action"] == "overwrite" and set_bytes(data / ".captions" / "v1") != before
     assert (v1 / "notes.md").read_text() == "mine" and (v1 / "units" / "review.txt").read_text() == "mine too"
     assert (v1 / "link-dir").is_symlink() and (v1 / "units" / "000099.jsonl").is_symlink()
+    assert (v1 / "sanity" / "mine.png").read_bytes() == b"not the run's" and (v1 / "sanity" / "link").is_symlink()
+    assert (v1 / "units" / "000000.jsonl.bak").read_text() == "a copy of a unit, named like one"
     assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and (outside / "keep.txt").read_text() == "theirs"
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import contextlib
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -34,7 +35,7 @@ from typing import Any
 from diffprep.errors import DiffprepError
 from diffprep.sources.caption_set import INDEX, SET_JSON, SETS_FOLDER, set_dir
 from diffprep.writer.links import no_link_below
-from diffprep.writer.shards import atomic_write_bytes
+from diffprep.writer.shards import TEMP_SUFFIX, atomic_write_bytes
 
 SET_VERSION = 1
 PLAN = "plan.jsonl"
@@ -250,15 +251,29 @@ def fingerprint_of(settings: dict[str, Any], ids_digest: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+# The files a caption run writes in its set folder, by folder; each may also be left as its temporary (``<name>.tmp``
+# by the plan, index and listing writers, ``.<name>.<host>.<pid>.tmp`` by ``atomic_write_bytes``).
+_WRITTEN = {"": (SET_JSON, PLAN, PLAN_OFFSETS, INDEX, CAPTIONS_JSONL, AUDIT_JSON, TOKENS_JSON),
+            SANITY_DIR: ("frames.png", "sanity.json")}
+_UNIT_FILE = re.compile(r"\d{6}\.jsonl")
+
+
 def _own_file(relative: str) -> bool:
-    """A file a caption run writes in its set folder (by name: ``set.json``, the plan, units, index, sanity...)."""
-    top, _, rest = relative.partition("/")
-    if not rest:
-        return top in (SET_JSON, PLAN, PLAN_OFFSETS, PLAN_OFFSETS + ".tmp", INDEX, CAPTIONS_JSONL,
-                       CAPTIONS_JSONL + ".tmp", AUDIT_JSON, TOKENS_JSON) or top.startswith(f"{SET_JSON}.")
-    if top == UNITS_DIR:
-        return "/" not in rest and rest.split(".")[0].isdigit() and ".jsonl" in rest
-    return top == SANITY_DIR and "/" not in rest
+    """A file a caption run writes in its set folder (``_WRITTEN``, a unit's ``units/NNNNNN.jsonl``), or the
+    temporary of one: nothing else is removed by an overwrite."""
+    folder, _, name = relative.rpartition("/")
+    if "/" in folder or (folder and folder not in (UNITS_DIR, SANITY_DIR)):
+        return False
+    if name.endswith(TEMP_SUFFIX):
+        name = name.removesuffix(TEMP_SUFFIX)
+        if name.startswith("."):  # atomic_write_bytes's: the name, then the host (which may hold dots) and the pid
+            name = name[1:].split(".")
+            return any(_written(folder, ".".join(name[:cut])) for cut in range(1, len(name)))
+    return _written(folder, name)
+
+
+def _written(folder: str, name: str) -> bool:
+    return _UNIT_FILE.fullmatch(name) is not None if folder == UNITS_DIR else name in _WRITTEN[folder]
 
 
 __all__ = ["AUDIT_JSON", "CAPTIONS_JSONL", "PLAN", "SANITY_DIR", "SETS_FOLDER", "TOKENS_JSON", "CaptionSet",
