@@ -266,20 +266,17 @@ def merged_unit_stats(output: Any, plan: Any) -> dict[str, Any] | None:
     return merge_units(plan, parts())
 
 
-def _committed_units(output: Any, plan: Any) -> list[int]:
-    """The units with a manifest of ``plan``'s fingerprint, in unit order (their numbers only: each manifest is read,
-    looked at and dropped)."""
-    committed = []
+def _committed_manifests(output: Any, plan: Any) -> Iterator[Any]:
+    """The manifests of ``plan``'s fingerprint in unit order, each read once, one at a time."""
     for unit in sorted(output.state.manifest_units()):
         manifest = output.state.manifest(unit)
         if manifest is not None and manifest.fingerprint == plan.fingerprint:
-            committed.append(unit)
-    return committed
+            yield manifest
 
 
-def _committed_manifests(output: Any, plan: Any) -> Iterator[Any]:
-    """The manifests of ``plan``'s committed units in unit order, one read at a time."""
-    return (output.state.manifest(unit) for unit in _committed_units(output, plan))
+def _committed_units(output: Any, plan: Any) -> list[int]:
+    """``_committed_manifests``' unit numbers (each manifest looked at and dropped)."""
+    return [manifest.unit for manifest in _committed_manifests(output, plan)]
 
 
 def _saved_moments(output: Any, plan: Any, unit: int) -> dict[str, Any] | None:

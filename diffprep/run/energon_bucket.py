@@ -15,14 +15,14 @@ Energon's prepare, as before (``NoRecord``).
 
 from __future__ import annotations
 
-import array
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 from diffprep import contract
-from diffprep.run.energon_index import NoRecord
+from diffprep.run.energon_index import NoRecord, tar_index_bytes
 from diffprep.sources.storage import open_ranged
 from diffprep.writer.shards import ShardMembers, members_path, read_members
 
@@ -66,12 +66,8 @@ class BucketShards:
 
     def fetched(self, names: list[str]) -> Iterator[tuple[ShardMembers | None, bytes | None]]:
         """Each shard's record and its last member's header, fetched ``THREADS`` ahead, in the order of ``names``."""
-        pending: deque[Future] = deque()
         upcoming = iter(names)
-        for name in upcoming:
-            pending.append(self._pool.submit(self._fetch, name))
-            if len(pending) >= 2 * THREADS:
-                break
+        pending = deque(self._pool.submit(self._fetch, name) for name in islice(upcoming, 2 * THREADS))
         while pending:
             yield pending.popleft().result()
             if (name := next(upcoming, None)) is not None:
@@ -79,8 +75,8 @@ class BucketShards:
 
     def write_index(self, name: str, offsets: list[int]) -> None:
         """The shard's ``.tar.idx`` (Energon's bytes: native uint64 offsets) uploaded beside it, in the background."""
-        data = array.array("Q", offsets).tobytes()
-        self._uploads.append(self._pool.submit(self.output.put_bytes, contract.index_name(name), data))
+        self._uploads.append(self._pool.submit(self.output.put_bytes, contract.index_name(name),
+                                               tar_index_bytes(offsets)))
         if len(self._uploads) >= 4 * THREADS:
             self._drain(THREADS)
 

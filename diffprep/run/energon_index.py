@@ -153,6 +153,12 @@ class NoRecord(Exception):
     """A bucket's shard has no writer's record matching its manifest: its index needs Energon's prepare."""
 
 
+def tar_index_bytes(offsets: list[int]) -> bytes:
+    """A ``.tar.idx``'s bytes: every sample's offset and the end offset, each a native uint64 (Energon's
+    ``TarIndexWriter``: ``struct.pack("Q", ...)``)."""
+    return array.array("Q", offsets).tobytes()
+
+
 def write_tar_index(tar: Path, offsets: list[int]) -> None:
     """A shard's ``.tar.idx`` as Energon's ``TarIndexWriter`` writes it: every sample's offset and the end offset,
     each a native uint64 (its ``struct.pack("Q", ...)``), written to a temporary name and renamed, the file's mode
@@ -161,7 +167,7 @@ def write_tar_index(tar: Path, offsets: list[int]) -> None:
     finalize's time at 10k shards of 10 samples. The bytes are compared with prepare's in the tests."""
     final = tar.with_name(contract.index_name(tar.name))
     temporary = final.with_name(final.name + ".tmp")
-    temporary.write_bytes(array.array("Q", offsets).tobytes())
+    temporary.write_bytes(tar_index_bytes(offsets))
     temporary.chmod(tar.stat().st_mode | 0o600)
     os.replace(temporary, final)
 
